@@ -81,7 +81,7 @@ def _deb_root(package: str, probe: str) -> tuple[str, str, str]:
     dl = os.path.join(_TMP, "debs")
     os.makedirs(dl, exist_ok=True)
     try:
-        subprocess.run(["apt-get", "download", package], cwd=dl, check=True,
+        subprocess.run(["apt-get", "-o", "APT::Sandbox::User=root", "download", package], cwd=dl, check=True,
                        stdout=subprocess.DEVNULL)
     except (OSError, subprocess.CalledProcessError) as e:
         sys.exit(f"cannot get Debian package {package} ({e}); "
@@ -272,8 +272,11 @@ def austen_docs() -> list[dict]:
         for k in range(n):
             label, paras = chapters[(k * len(chapters)) // n + rng.randrange(2)]
             # log-uniform target length, so short and long passages both occur
-            target = int(math.exp(rng.uniform(math.log(MIN_WORDS), math.log(1300))))
-            start = rng.randrange(len(paras))
+            target = int(math.exp(rng.uniform(math.log(MIN_WORDS), math.log(MAX_WORDS))))
+            # start where the rest of the chapter is long enough, if anywhere
+            tail = [sum(map(words, paras[i:])) for i in range(len(paras))]
+            fits = [i for i in range(len(paras)) if tail[i] >= target] or [0]
+            start = fits[rng.randrange(len(fits))]
             chosen = []
             i = start
             while i < len(paras) and sum(map(words, chosen)) < target:
@@ -330,22 +333,31 @@ def constitution_docs() -> list[dict]:
     if title and body:
         units.append((title, body))
 
-    docs, pending = [], None
+    # A unit under MIN_WORDS joins the one before it if that is of the same kind
+    # (Article, Amendment), else the one after it; joined units keep headings.
+    groups, carry = [], []
     for title, body in units:
         text = "\n\n".join(p for p in paragraphs(body)
                            if not re.match(r"(Passed by Congress|Ratified|Note:)", p))
-        if pending:  # merge a too-short unit into the next one
-            title = pending[0] + "; " + title
-            text = pending[1] + "\n\n" + text
-            pending = None
-        if words(text) < MIN_WORDS:
-            pending = (title, text)
+        kind = title.split()[0]
+        if (words(text) < MIN_WORDS and not carry and groups
+                and groups[-1][-1][0].split()[0] == kind):
+            groups[-1].append((title, text))
             continue
-        docs.append(dict(title=f"Constitution of the United States, {title}",
+        carry.append((title, text))
+        if sum(words(x) for _, x in carry) >= MIN_WORDS:
+            groups.append(carry)
+            carry = []
+    if carry:
+        groups[-1].extend(carry)
+    docs = []
+    for group in groups:
+        if len(group) == 1:
+            text = group[0][1]
+        else:
+            text = "\n\n".join(f"{t}\n\n{x}" for t, x in group)
+        docs.append(dict(title="Constitution of the United States, " + "; ".join(t for t, _ in group),
                          source="us-founding-documents", text=text))
-    if pending:
-        docs[-1]["title"] += "; " + pending[0]
-        docs[-1]["text"] += "\n\n" + pending[1]
 
     with gzip.open(os.path.join(root, STATE_DIR, "us-declaration.gz"), "rt",
                    encoding="utf-8") as f:
@@ -377,13 +389,19 @@ DROP_DIRECTIVES = {
 
 
 def rst_inline(s: str) -> str:
-    s = re.sub(r":[\w:.+-]+:`([^`<]*?)\s*<[^`>]*>`", r"\1", s)        # :ref:`text <t>`
-    s = re.sub(r":[\w:.+-]+:`[!~]?(?:[\w.]*\.)?([^`]*)`", r"\1", s)  # :func:`~a.b`
-    s = re.sub(r"`([^`<]*?)\s*<[^`>]*>`__?", r"\1", s)              # `text <url>`_
-    s = re.sub(r"``(.+?)``", r"\1", s)
+    """Strip inline reST markup (roles, links, literals, emphasis) from prose."""
+    s = re.sub(r":pep:`(\d+)`", r"PEP \1", s)
+    s = re.sub(r":rfc:`(\d+)`", r"RFC \1", s)
+    s = re.sub(r":[\w:.+-]+:`([^`<]*?)\s*<[^`>]*>`", r"\1", s)         # :ref:`text <t>`
+    s = re.sub(r":ref:`([^`]*)`", lambda m: m.group(1).replace("-", " "), s)
+    s = re.sub(r":[\w:.+-]+:`~(?:[\w.]*\.)?([^`]*)`", r"\1", s)      # :func:`~a.b`
+    s = re.sub(r":[\w:.+-]+:`!?([^`]*)`", r"\1", s)                  # :func:`a.b`
+    s = re.sub(r"`([^`<]*?)\s*<[^`>]*>`__?", r"\1", s)               # `text <url>`_
+    s = re.sub(r"``(.+?)``", r"\1", s, flags=re.S)
     s = re.sub(r"`([^`]+)`_{0,2}", r"\1", s)
-    s = re.sub(r"\*\*(\S(?:.*?\S)?)\*\*", r"\1", s)
+    s = re.sub(r"\*\*(\S(?:.*?\S)?)\*\*", r"\1", s, flags=re.S)
     s = re.sub(r"(?<![\w*])\*(\S(?:[^*]*?\S)?)\*(?![\w*])", r"\1", s)
+    s = re.sub(r"\s*\[(#\w*|\d+|\*)\]_", "", s)                      # footnote refs
     s = s.replace("|version|", "3.11").replace("|release|", "3.11")
     s = s.replace("\\ ", "").replace("\\*", "*")
     return s
@@ -409,7 +427,7 @@ def rst_sections(text: str) -> tuple[str, list[tuple[str, list[str]]]]:
         if line.strip() and HEADING_UNDERLINE.match(nxt) and indent == 0:
             if heading is not None or cur:
                 out.append((heading, cur))
-            heading = rst_inline(line.strip())
+            heading = rst_inline(line.strip())  # headings are one line
             doc_title = doc_title or heading
             cur = []
             i += 2
@@ -422,24 +440,23 @@ def rst_sections(text: str) -> tuple[str, list[tuple[str, list[str]]]]:
             elif name in ("note", "warning", "seealso", "tip", "important"):
                 label = {"seealso": "See also"}.get(name, name.capitalize())
                 arg = m.group(3).strip()
-                cur.append(m.group(1) + f"{label}: {rst_inline(arg)}".rstrip())
+                cur.append(m.group(1) + f"{label}: {arg}".rstrip())
             elif name in ("versionadded", "versionchanged", "deprecated"):
                 label = {"versionadded": "New in version",
                          "versionchanged": "Changed in version",
                          "deprecated": "Deprecated since version"}[name]
                 cur.append(m.group(1) + f"{label} {m.group(3).strip()}.")
-            # other directives (code-block, doctest, ...): keep the body only
+            else:  # code-block, doctest, ...: keep the body as a literal block
+                cur += ["", m.group(1) + "::", ""]
             i += 1
+            while i < len(lines) and re.match(r"^\s+:[\w-]+:", lines[i]):
+                i += 1  # directive options
             continue
         if re.match(r"^\s*\.\.(\s|$)", line):  # comment or link target
             skip_indent = indent
             i += 1
             continue
-        if line.strip() == "::":
-            i += 1
-            continue
-        line = re.sub(r"(\S)\s*::\s*$", r"\1:", line)
-        cur.append(rst_inline(line.rstrip()))
+        cur.append(line.rstrip())
         i += 1
     if heading is not None or cur:
         out.append((heading, cur))
@@ -447,22 +464,35 @@ def rst_sections(text: str) -> tuple[str, list[tuple[str, list[str]]]]:
 
 
 def rst_to_text(lines: list[str]) -> str:
-    """Join prose paragraphs; keep indented blocks (code, quotes) as they are."""
-    blocks, cur = [], []
+    """Join prose paragraphs and strip inline markup; literal blocks (after
+    '::' or a code directive) and doctest blocks are kept as they are."""
+    blocks, cur, literal = [], [], False
     for line in lines + [""]:
         if line.strip():
             cur.append(line)
             continue
-        if cur:
-            base = min(len(l) - len(l.lstrip()) for l in cur)
-            dedented = [l[base:] for l in cur]
-            if base == 0 and not any(l.startswith(">>>") for l in dedented) and \
-                    not any(re.match(r"\s*([-*+]|\d+\.)\s", l) for l in dedented):
-                blocks.append(squash(dedented))
-            else:
-                blocks.append("\n".join(dedented))
-            cur = []
-    return "\n\n".join(b for b in blocks if b.strip())
+        if not cur:
+            continue
+        base = min(len(l) - len(l.lstrip()) for l in cur)
+        block = [l[base:] for l in cur]
+        cur = []
+        if block == ["::"]:
+            literal = True
+            continue
+        if (literal and base > 0) or block[0].startswith(">>>"):
+            blocks.append("\n".join(block))
+            continue
+        literal = block[-1].endswith("::")
+        if literal:
+            block[-1] = re.sub(r"\s*::$", "", block[-1]) if re.search(r"\s::$", block[-1]) \
+                else block[-1][:-1]
+        if any(re.match(r"([-*+]|\d+\.|#\.)\s", l) for l in block):
+            text = rst_inline("\n".join(block))  # a list: keep its lines
+        else:
+            text = rst_inline(squash(block))
+        if text.strip():
+            blocks.append(text)
+    return "\n\n".join(blocks)
 
 
 def pydoc_docs() -> list[dict]:
@@ -518,6 +548,8 @@ def stdlib_docs() -> list[dict]:
                     doc = ast.get_docstring(ast.parse(f.read()))
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
+            if doc:  # drop version-control keywords such as "$Id$"
+                doc = re.sub(r"(?m)^\s*\$\w+(:[^$]*)?\$\s*$", "", doc).strip()
             if not doc or not MIN_WORDS <= words(doc) <= MAX_WORDS:
                 continue
             if prose_ratio(doc) < 0.8:
@@ -578,7 +610,8 @@ def write_bad_rows(docs: list[dict]) -> list[tuple[str, str]]:
          b'"text": "Invalid bytes here: \xff\xfe and after."}'),
         ("bad-empty-text", "text is the empty string",
          row("bad-empty-text", title="row with empty text", source="test", text="")),
-        ("bad-too-long", f"text of {words(huge):,} words ({reps} copies of the longest document)",
+        ("bad-too-long", f"text of {words(huge):,} words, roughly 15,000-18,000 tokens "
+                         f"({reps} copies of the longest document)",
          row("bad-too-long", title=f"{longest['title']} (repeated {reps} times)",
              source=longest["source"], text=huge)),
         ("bad-ok-3", "good row", good(3, longest)),
@@ -662,6 +695,15 @@ def write_licences() -> None:
         f.write("\n".join(parts))
 
 
+def debian_release() -> str:
+    try:
+        with open("/etc/os-release", encoding="utf-8") as f:
+            info = dict(l.strip().split("=", 1) for l in f if "=" in l)
+        return f" ({info['VERSION_CODENAME'].strip(chr(34))})"
+    except (OSError, KeyError, ValueError):
+        return ""
+
+
 def write_readme(docs, bad_cases, parquet_full_size) -> None:
     lens = [words(d["text"]) for d in docs]
     q = statistics.quantiles(lens, n=10)
@@ -680,6 +722,10 @@ def write_readme(docs, bad_cases, parquet_full_size) -> None:
         "domain or under the PSF License. Rebuild everything with:",
         "",
         "    python sample_data/build.py      # needs pyarrow; uses apt-get download for Debian packages not installed",
+        "",
+        "build.py also writes this README (the numbers below come from the data), so edit "
+        "build.py rather than this file. The selection is seeded: the same package versions "
+        "give byte-identical files.",
         "",
         "## Files",
         "",
@@ -720,7 +766,7 @@ def write_readme(docs, bad_cases, parquet_full_size) -> None:
             "",
             what,
             "",
-            f"- from: {src['package'] if key == 'python-stdlib' else 'Debian package ' + src['package'] + ' ' + src['version'] + ' (bookworm)'}, "
+            f"- from: {src['package'] if key == 'python-stdlib' else 'Debian package ' + src['package'] + ' ' + src['version'] + debian_release()}, "
             f"file(s) `{src['path']}`",
             f"- licence: {licence}",
             "",

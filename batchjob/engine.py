@@ -1,0 +1,188 @@
+"""The public API: Engine(model, **config).generate(...) and .stream(...), as a vLLM user expects."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from batchjob.block_manager import BlockManager
+from batchjob.config import EngineConfig
+from batchjob.model_loader import DEFAULT_MODEL, load_model
+from batchjob.model_runner import ModelRunner
+from batchjob.outputs import RequestOutput, StepMetrics
+from batchjob.sampler import Sampler
+from batchjob.sampling_params import SamplingParams
+from batchjob.scheduler import Scheduler
+from batchjob.sequence import Request, Sequence
+
+__all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput"]
+
+
+class Engine:
+    def __init__(self, model: str = DEFAULT_MODEL, **config):
+        self.config = EngineConfig(**config)
+        loaded = load_model(model)
+        self.model_config, self.tokenizer, self.model_digest = loaded.config, loaded.tokenizer, loaded.digest
+        self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.runner = ModelRunner(self.config, loaded)
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.num_kv_blocks = self.runner.num_blocks
+        self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.sampler = Sampler(self.config.seed)
+        self.eos_token_ids = set(loaded.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._step_callbacks: list[Callable[[StepMetrics], None]] = []
+        self._arrivals = itertools.count()
+        self._aborting = False
+        self.step_count = 0
+        self.last_step: StepMetrics | None = None
+
+    # -- public API ---------------------------------------------------------------------------------------------
+    def add_step_callback(self, fn: Callable[[StepMetrics], None]) -> None:
+        self._step_callbacks.append(fn)
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Outputs in input order. Text prompts are tokenized as they are (no chat template)."""
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [Request(str(i), self.tokenizer.encode(p) if isinstance(p, str) else list(p), sp)
+                    for i, (p, sp) in enumerate(zip(prompts, plist))]
+        done = {o.request_id: o for o in self.stream(requests)}
+        return [done[r.request_id] for r in requests]
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """Pulls requests lazily while there is room for them and yields each output as soon as it finishes."""
+        source = iter(requests)
+        exhausted = False
+        self._aborting = False
+        while True:
+            while not exhausted and not self._aborting and self._wants_more():
+                req = next(source, None)
+                if req is None:
+                    exhausted = True
+                else:
+                    rejected = self._add(req)
+                    if rejected is not None:
+                        yield rejected
+            if self._aborting:
+                yield from self._abort_in_flight()
+                return
+            if not self.scheduler.has_work():
+                if exhausted:
+                    return
+                continue
+            yield from self.step()
+
+    def abort_all(self) -> None:
+        """Ends the current stream: in-flight requests come out with finish_reason "abort"."""
+        self._aborting = True
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _wants_more(self) -> bool:
+        # Enough queued to fill the next steps; the rest stays in the caller's iterator (bounded memory).
+        return len(self.scheduler.waiting) < max(2 * self.config.max_num_seqs, 64)
+
+    def _add(self, req: Request) -> RequestOutput | None:
+        seq = Sequence(req, next(self._arrivals))
+        n = seq.num_prompt_tokens
+        error = None
+        if n == 0:
+            error = "empty prompt"
+        elif n >= self.max_model_len:
+            error = f"prompt has {n} tokens; the model's context is {self.max_model_len}"
+        elif -(-min(n + seq.max_tokens, self.max_model_len) // self.config.block_size) > self.num_kv_blocks:
+            error = (f"prompt of {n} tokens plus max_tokens {seq.max_tokens} needs more KV blocks than the pool's "
+                     f"{self.num_kv_blocks}")
+        elif max(req.prompt_token_ids) >= self.model_config.vocab_size or min(req.prompt_token_ids) < 0:
+            error = "prompt holds token ids outside the vocabulary"
+        if error:
+            seq.finish_reason = "error"
+            seq.metrics.finished_time = time.time()
+            return self._output(seq, error)
+        self.scheduler.add(seq)
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        finished = []
+        if sched.scheduled:
+            logits = self.runner.execute(sched)
+            to_sample = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+            tokens, logprobs = self.sampler(logits, to_sample) if to_sample else ([], None)
+            for seq, n in sched.scheduled:
+                seq.num_computed_tokens += n
+                self.block_manager.commit_full_blocks(seq)
+            now = time.time()
+            for i, (seq, token) in enumerate(zip(to_sample, tokens)):
+                seq.token_ids.append(token)
+                if logprobs is not None and seq.logprobs is not None:
+                    seq.logprobs.append(logprobs[i])
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                reason = self._check_stop(seq, token)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    finished.append(self._output(seq))
+        self.step_count += 1
+        self._report(sched, time.perf_counter() - t0)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        self._detokenize(seq)
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            return "stop"
+        for s in p.stop:
+            # Only the tail can hold a new match: the last token's text plus a stop string's length.
+            idx = seq.text.find(s, max(0, len(seq.text) - len(s) - 32))
+            if idx >= 0:
+                seq.text = seq.text[:idx]
+                return "stop"
+        if seq.num_output_tokens >= seq.max_tokens:
+            return "length_capped" if seq.length_capped else "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Incremental, safe across multi-byte characters split over tokens: text is only emitted once the
+        bytes decode without a replacement character."""
+        ids = seq.token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
+        full = self.tokenizer.decode(ids[seq.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix):]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    def _abort_in_flight(self) -> Iterator[RequestOutput]:
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq, "abort")
+            yield self._output(seq)
+        while self.scheduler.waiting:
+            seq = self.scheduler.waiting.popleft()
+            seq.finish_reason = "abort"
+            yield self._output(seq)
+
+    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
+        return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+                             token_ids=seq.output_token_ids, text=seq.text, finish_reason=seq.finish_reason,
+                             num_cached_tokens=seq.num_cached_tokens, logprobs=seq.logprobs, error=error,
+                             metrics=seq.metrics)
+
+    def _report(self, sched, step_time: float) -> None:
+        s = self.scheduler
+        m = StepMetrics(step=self.step_count, time=time.time(), step_time=step_time, num_seqs=len(sched.scheduled),
+                        num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
+                        kv_cache_usage_perc=self.block_manager.usage, num_preemptions=sched.num_preempted,
+                        prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
+                        num_waiting=len(s.waiting), num_running=len(s.running),
+                        extra={"preemption_rate": s.preemption_rate, "watermark": s.effective_watermark})
+        self.last_step = m
+        for fn in self._step_callbacks:
+            fn(m)

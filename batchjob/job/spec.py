@@ -1,0 +1,171 @@
+"""The job file: a pydantic model of the YAML, validated whole before any work starts.
+
+Every section forbids unknown keys, and an error names the file, the field path and what is allowed there, because a
+typo in a job that runs overnight should fail in the first second, not in the morning."""
+from __future__ import annotations
+
+import string
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from batchjob.config import EngineConfig
+from batchjob.sampling_params import SamplingParams
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+
+
+class JobFileError(Exception):
+    """A job file (or a --set override) that cannot be used."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Section):
+    path: str = Field(description="a file or a glob; relative paths are taken from the current directory")
+    format: Literal["parquet", "jsonl", "openai-batch"] | None = Field(
+        None, description="default: from the extension (.parquet/.pq, .jsonl/.ndjson)")
+    id_column: str = "id"
+    text_column: str = "text"
+    messages_column: str | None = Field(None, description="a column of chat messages, instead of a text column")
+    passthrough: list[str] = Field(default_factory=list, description="input columns copied to the output")
+    batch_rows: int = Field(1024, ge=1, description="rows per Parquet read batch")
+
+    @model_validator(mode="after")
+    def _check(self) -> "InputSpec":
+        if self.format is None:
+            suffix = Path(self.path).suffix.lower()
+            if suffix not in FORMAT_BY_SUFFIX:
+                raise ValueError(f"cannot tell the format of {self.path!r} from its extension; "
+                                 "set input.format to one of 'parquet', 'jsonl', 'openai-batch'")
+            object.__setattr__(self, "format", FORMAT_BY_SUFFIX[suffix])
+        if self.format == "openai-batch":
+            named = {"id_column", "text_column", "messages_column"} & self.model_fields_set
+            if named:
+                raise ValueError(f"{', '.join(sorted(named))}: not used with format 'openai-batch' "
+                                 "(ids come from custom_id, prompts from body.messages or body.prompt)")
+        return self
+
+
+class PromptSpec(_Section):
+    system: str | None = None
+    template: str | None = Field(None, description="str.format template over input columns; default: the text")
+    chat_template: bool = True
+    on_too_long: Literal["error", "truncate_left", "truncate_right"] = "error"
+
+    @property
+    def fields(self) -> list[str]:
+        return [name for _, name, _, _ in string.Formatter().parse(self.template or "") if name is not None]
+
+
+class ScheduleSpec(_Section):
+    sort_window: int = Field(4096, ge=1, description="rows reordered together; bounds the memory of ordering")
+    dedupe: bool = Field(True, description="compute identical deterministic requests once")
+
+
+class OutputSpec(_Section):
+    path: str
+    format: Literal["parquet", "openai-batch"] = "parquet"
+    order: Literal["completion", "input"] = "completion"
+    checkpoint_rows: int = Field(1000, ge=1)
+    checkpoint_seconds: float = Field(60.0, gt=0)
+    rows_per_file: int = Field(100_000, ge=1, description="rows per final file when order is 'input'")
+
+
+class JobSpec(_Section):
+    model: str = DEFAULT_MODEL
+    input: InputSpec
+    prompt: PromptSpec = Field(default_factory=PromptSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    output: OutputSpec
+    fail_on_row_errors: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobSpec":
+        inp, prompt = self.input, self.prompt
+        if inp.messages_column is not None:
+            if prompt.template is not None:
+                raise ValueError("prompt.template: not used with input.messages_column (the messages are the prompt)")
+            if not prompt.chat_template:
+                raise ValueError("prompt.chat_template: must be true with input.messages_column")
+        elif inp.format != "openai-batch" and prompt.template is not None:
+            for name in prompt.fields:
+                if not name.isidentifier():
+                    raise ValueError(f"prompt.template: placeholder {{{name}}} is not a column name")
+            if inp.text_column not in prompt.fields:
+                raise ValueError(f"prompt.template: must contain {{{inp.text_column}}} (input.text_column), "
+                                 f"the text that is checked and truncated; it has {prompt.fields}")
+        if self.output.format == "openai-batch" and inp.format != "openai-batch":
+            raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
+        return self
+
+
+def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobSpec:
+    """Read, override and validate a job file; JobFileError says what is wrong and where."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise JobFileError(f"{path}: cannot read the job file: {e.strerror or e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise JobFileError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise JobFileError(f"{path}: the job file must be a mapping of sections (model, input, prompt, ...)")
+    set_paths = [_apply_override(raw, item, path) for item in overrides]
+    try:
+        return JobSpec.model_validate(raw)
+    except pydantic.ValidationError as e:
+        lines = [_describe(err, set_paths) for err in e.errors()]
+        raise JobFileError(f"{path}: invalid job file\n" + "\n".join(f"  {line}" for line in lines)) from None
+
+
+def _apply_override(raw: dict, item: str, path: Path) -> tuple[str, ...]:
+    key, sep, text = item.partition("=")
+    keys = tuple(key.strip().split("."))
+    if not sep or not all(keys):
+        raise JobFileError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. engine.max_num_seqs=32")
+    node = raw
+    for depth, part in enumerate(keys[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise JobFileError(f"{path}: --set {item!r}: {'.'.join(keys[:depth + 1])} is not a section")
+    # YAML parsing of the value gives 32 an int, true a bool and [a, b] a list, as in the file itself.
+    node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
+    return keys
+
+
+def _describe(err: dict, set_paths: list[tuple[str, ...]]) -> str:
+    loc = tuple(str(part) for part in err["loc"])
+    where = ".".join(loc) or "job"
+    if err["type"] == "extra_forbidden":
+        allowed = sorted(_model_at(loc[:-1]).model_fields) if _model_at(loc[:-1]) else []
+        message = f"unknown key; allowed: {', '.join(allowed)}"
+    elif err["type"] == "missing":
+        message = "required"
+    else:
+        message = err["msg"].removeprefix("Value error, ")
+        if "input" in err and not isinstance(err["input"], (dict, list)):
+            message += f" (got {err['input']!r})"
+    if any(loc[:len(p)] == p for p in set_paths):
+        message += " [set on the command line]"
+    return f"{where}: {message}"
+
+
+def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    """The model class whose fields are allowed at a location, for listing them in an unknown-key error."""
+    model: Any = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        model = field.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None

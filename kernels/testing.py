@@ -1,0 +1,97 @@
+"""Builders of paged-attention steps, shared by the tests and the self-test."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchjob import ops as ref
+from batchjob.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class AttentionCase:
+    q: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    meta: AttentionMetadata
+    scale: float
+    step_k: torch.Tensor  # [T, KVH, D]: this step's K/V rows (already stored in the caches)
+    step_v: torch.Tensor
+
+    @property
+    def scales(self) -> tuple:
+        return () if self.k_scale is None else (self.k_scale, self.v_scale)
+
+
+def make_attention_case(specs: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int, page: int,
+                        dtype=torch.float32, cache_dtype=None, device="cpu", seed: int = 0,
+                        spare_blocks: int = 3) -> AttentionCase:
+    """A step of sequences given as (cached prefix length, query rows): each sequence's context is its prefix plus
+    its query rows. Blocks are handed out in a shuffled order, so that tables are not contiguous; the whole context
+    (prefix and this step's rows) is written with the torch store_kv, as the model does before attention."""
+    cache_dtype = cache_dtype or dtype
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [p + n for p, n in specs]
+    q_lens = [n for _, n in specs]
+    n_blocks = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(n_blocks) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(n_blocks + [1])
+    tables = torch.full((len(specs), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(n_blocks):
+        tables[i, :nb] = torch.tensor(perm[used:used + nb], dtype=torch.int32)
+        used += nb
+
+    def slots_of(i: int, positions: range) -> list[int]:
+        return [int(tables[i, p // page]) * page + p % page for p in positions]
+
+    all_slots, step_slots = [], []
+    for i, (p, n) in enumerate(specs):
+        all_slots += slots_of(i, range(p + n))
+        step_slots += slots_of(i, range(p, p + n))
+    total = len(all_slots)
+    k_all = torch.randn(total, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    v_all = torch.randn(total, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    shape = (num_blocks, page, kv_heads, head_dim)
+    # NaN fill: any read of a slot this step does not own would show up in the output
+    if cache_dtype == ref.FP8_DTYPE:
+        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(ref.FP8_DTYPE)
+        v_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(ref.FP8_DTYPE)
+        k_scale = torch.full(shape[:3], float("nan"), dtype=torch.float32, device=device)
+        v_scale = torch.full(shape[:3], float("nan"), dtype=torch.float32, device=device)
+    else:
+        k_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
+        v_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
+        k_scale = v_scale = None
+    all_slots_t = torch.tensor(all_slots, dtype=torch.int64, device=device)
+    extra = () if k_scale is None else (k_scale, v_scale)
+    ref.store_kv(k_all, v_all, k_cache, v_cache, all_slots_t, *extra)
+    # the step's own K/V rows, in step order
+    step_idx, at = [], 0
+    for p, n in specs:
+        step_idx += list(range(at + p, at + p + n))
+        at += p + n
+    step_idx_t = torch.tensor(step_idx, dtype=torch.long, device=device)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(step_slots, dtype=torch.int64, device=device),
+        max_query_len=max(q_lens + [0]), max_seq_len=max(seq_lens + [0]),
+        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    return AttentionCase(q, k_cache, v_cache, k_scale, v_scale, meta, head_dim ** -0.5,
+                         k_all[step_idx_t], v_all[step_idx_t])
+
+
+def valid_rows(meta: AttentionMetadata) -> torch.Tensor:
+    """Row indices of the step that belong to some sequence (attention leaves others undefined)."""
+    return torch.arange(sum(meta.query_lens_host), dtype=torch.long)
