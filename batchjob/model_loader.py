@@ -3,6 +3,7 @@
 GGUF files are dequantized once and cached as safetensors keyed by the file's digest, so a repeat load is an mmap."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import importlib.util
@@ -179,7 +180,34 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
     )
 
 
+def _digest_memo(path: Path) -> str:
+    """The file's sha256, remembered by (path, size, mtime) so that a repeat load does not read it again."""
+    st = path.stat()
+    memo = cache_dir() / "digests" / hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    if memo.exists():
+        return memo.read_text()
+    digest = file_digest([path])
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    """Dequantizing and parsing the GGUF (its 49k-token vocabulary) takes seconds, so both are cached by digest
+    as safetensors + tokenizer.json + config.json."""
+    digest = _digest_memo(path)
+    cached = cache_dir() / "gguf" / digest
+    if not (cached / "config.json").exists():
+        _convert_gguf(path, cached)
+    config = json.loads((cached / "config.json").read_text())
+    config = ModelConfig(**{**config, "eos_token_ids": tuple(config["eos_token_ids"])})
+    weights = load_file(str(cached / "model.safetensors"))
+    rope_freqs = weights.pop("rope_freqs.weight", None)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    return LoadedModel(config, weights, Tokenizer.from_folder(cached), path, digest, rope_freqs)
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -189,26 +217,20 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     config = _gguf_config(meta, has_output="output.weight" in names)
     if not config.vocab_size:
         config = ModelConfig(**{**config.__dict__, "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data)})
-    digest = file_digest([path])
-    cached = cache_dir() / "weights" / f"{digest}.safetensors"
-    if cached.exists():
-        weights = load_file(str(cached))
-    else:
-        weights = {}
-        permute = meta["general.architecture"] == "llama"
-        for t in reader.tensors:
-            name = _hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
-            arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            arr = arr.reshape([int(d) for d in reversed(t.shape)])
-            if permute and name.endswith("q_proj.weight"):
-                arr = unpermute_qk(arr, config.num_attention_heads)
-            elif permute and name.endswith("k_proj.weight"):
-                arr = unpermute_qk(arr, config.num_key_value_heads)
-            weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: GGUF data is a read-only mmap
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.part")
-        save_file(weights, str(tmp))
-        os.replace(tmp, cached)
-    rope_freqs = weights.pop("rope_freqs.weight", None)
-    weights = {k: v.to(dtype) for k, v in weights.items()}
-    return LoadedModel(config, weights, Tokenizer.from_gguf(reader, meta), path, digest, rope_freqs)
+    weights = {}
+    permute = meta["general.architecture"] == "llama"
+    for t in reader.tensors:
+        name = _hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        if permute and name.endswith("q_proj.weight"):
+            arr = unpermute_qk(arr, config.num_attention_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            arr = unpermute_qk(arr, config.num_key_value_heads)
+        weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: GGUF data is a read-only mmap
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(tmp / "model.safetensors"))
+    Tokenizer.from_gguf(reader, meta).save(tmp)
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    os.replace(tmp, out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
+import numpy as np
 import torch
 
 from batchjob.attention_metadata import AttentionMetadata
@@ -62,11 +63,18 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         caches = []
         for _ in range(c.num_hidden_layers):
-            layer = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(2)]
+            layer = [self._zeros(shape, self.kv_dtype) for _ in range(2)]
             if self.kv_dtype == FP8_DTYPE:
-                layer += [torch.zeros(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
+                layer += [self._zeros(shape[:3], torch.float32) for _ in range(2)]
             caches.append(tuple(layer))
         return caches
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        # numpy's calloc maps zero pages lazily; torch.zeros writes all of a GiB-sized pool up front.
+        raw = np.zeros((*shape[:-1], shape[-1] * dtype.itemsize), dtype=np.uint8)
+        return torch.from_numpy(raw).view(dtype)
 
     def _blocks_from_memory(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size

@@ -58,6 +58,12 @@ class Tokenizer:
         # The template writes any BOS itself, as transformers' apply_chat_template(tokenize=True) assumes.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def save(self, folder: Path) -> None:
+        """As tokenizer.json + tokenizer_config.json, which from_folder reads back."""
+        self.backend.save(str(folder / "tokenizer.json"))
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
     @classmethod
     def from_gguf(cls, reader, meta: dict) -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")

@@ -16,15 +16,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
+    # All arithmetic in fp32, rounded to the activation dtype where the torch form rounds (fp16/bf16 products and
+    # sums of two values are exact in fp32, so one rounding gives torch's result).
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        # the sum is rounded to the activation dtype first, as the torch form does, and returned as the new residual
-        x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)  # the new residual
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    y = (xf * inv).to(x.dtype) * w
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = (xf * inv).to(x.dtype).to(tl.float32) * w
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -129,8 +131,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.conste
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
     # silu is rounded to the activation dtype before the product, as F.silu(gate) * up does
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,20 @@ class AttentionCase:
     def scales(self) -> tuple:
         return () if self.k_scale is None else (self.k_scale, self.v_scale)
 
+    def reference(self) -> torch.Tensor:
+        """batchjob.ops.paged_attention on copies of the caches with the NaN fill of unwritten slots zeroed: the
+        torch form reads whole padded blocks (and masks them), so NaNs there would reach its output as 0 * NaN."""
+        def clean(c):
+            if c is None:
+                return None
+            if c.dtype == ref.FP8_DTYPE:
+                b = c.view(torch.uint8).clone()
+                b[(b & 0x7F) == 0x7F] = 0
+                return b.view(ref.FP8_DTYPE)
+            return torch.nan_to_num(c, nan=0.0)
+        scales = () if self.k_scale is None else (clean(self.k_scale), clean(self.v_scale))
+        return ref.paged_attention(self.q, clean(self.k_cache), clean(self.v_cache), self.meta, self.scale, *scales)
+
 
 def make_attention_case(specs: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int, page: int,
                         dtype=torch.float32, cache_dtype=None, device="cpu", seed: int = 0,
@@ -33,7 +47,8 @@ def make_attention_case(specs: list[tuple[int, int]], *, heads: int, kv_heads: i
     its query rows. Blocks are handed out in a shuffled order, so that tables are not contiguous; the whole context
     (prefix and this step's rows) is written with the torch store_kv, as the model does before attention."""
     cache_dtype = cache_dtype or dtype
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # block order, on the host
+    gd = torch.Generator(device=device).manual_seed(seed)  # values, drawn where they are used (big on a GPU)
     seq_lens = [p + n for p, n in specs]
     q_lens = [n for _, n in specs]
     n_blocks = [-(-s // page) for s in seq_lens]
@@ -46,18 +61,17 @@ def make_attention_case(specs: list[tuple[int, int]], *, heads: int, kv_heads: i
         tables[i, :nb] = torch.tensor(perm[used:used + nb], dtype=torch.int32)
         used += nb
 
-    def slots_of(i: int, positions: range) -> list[int]:
-        return [int(tables[i, p // page]) * page + p % page for p in positions]
+    def slots_of(i: int, lo: int, hi: int) -> torch.Tensor:
+        pos = torch.arange(lo, hi)
+        return tables[i, pos // page].long() * page + pos % page
 
-    all_slots, step_slots = [], []
-    for i, (p, n) in enumerate(specs):
-        all_slots += slots_of(i, range(p + n))
-        step_slots += slots_of(i, range(p, p + n))
+    all_slots = torch.cat([slots_of(i, 0, p + n) for i, (p, n) in enumerate(specs)])
+    step_slots = torch.cat([slots_of(i, p, p + n) for i, (p, n) in enumerate(specs)])
     total = len(all_slots)
-    k_all = torch.randn(total, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
-    v_all = torch.randn(total, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    k_all = torch.randn(total, kv_heads, head_dim, generator=gd, device=device).to(dtype)
+    v_all = torch.randn(total, kv_heads, head_dim, generator=gd, device=device).to(dtype)
     T = sum(q_lens)
-    q = torch.randn(T, heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(T, heads, head_dim, generator=gd, device=device).to(dtype)
     shape = (num_blocks, page, kv_heads, head_dim)
     # NaN fill: any read of a slot this step does not own would show up in the output
     if cache_dtype == ref.FP8_DTYPE:
@@ -69,15 +83,15 @@ def make_attention_case(specs: list[tuple[int, int]], *, heads: int, kv_heads: i
         k_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
         v_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
         k_scale = v_scale = None
-    all_slots_t = torch.tensor(all_slots, dtype=torch.int64, device=device)
+    all_slots_t = all_slots.to(device)
     extra = () if k_scale is None else (k_scale, v_scale)
     ref.store_kv(k_all, v_all, k_cache, v_cache, all_slots_t, *extra)
     # the step's own K/V rows, in step order
     step_idx, at = [], 0
     for p, n in specs:
-        step_idx += list(range(at + p, at + p + n))
+        step_idx.append(torch.arange(at + p, at + p + n))
         at += p + n
-    step_idx_t = torch.tensor(step_idx, dtype=torch.long, device=device)
+    step_idx_t = torch.cat(step_idx).to(device)
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
@@ -85,13 +99,9 @@ def make_attention_case(specs: list[tuple[int, int]], *, heads: int, kv_heads: i
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=tables.to(device),
-        slot_mapping=torch.tensor(step_slots, dtype=torch.int64, device=device),
+        slot_mapping=step_slots.to(device),
         max_query_len=max(q_lens + [0]), max_seq_len=max(seq_lens + [0]),
         query_lens_host=q_lens, seq_lens_host=seq_lens)
     return AttentionCase(q, k_cache, v_cache, k_scale, v_scale, meta, head_dim ** -0.5,
                          k_all[step_idx_t], v_all[step_idx_t])
 
-
-def valid_rows(meta: AttentionMetadata) -> torch.Tensor:
-    """Row indices of the step that belong to some sequence (attention leaves others undefined)."""
-    return torch.arange(sum(meta.query_lens_host), dtype=torch.long)

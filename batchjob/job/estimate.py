@@ -1,0 +1,122 @@
+"""`batchjob plan`: what a job will cost, from its tokenized prompts and a short measured calibration."""
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict
+from typing import Callable
+
+from batchjob.job.planner import Planner, Work
+from batchjob.job.prompt import PromptBuilder
+from batchjob.job.reader import InputSource
+from batchjob.job.runner import load_engine
+from batchjob.job.spec import JobSpec
+from batchjob.outputs import StepMetrics
+
+CALIBRATION_REQUESTS = 8
+CALIBRATION_MAX_TOKENS = 64
+
+
+def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable = load_engine) -> dict:
+    source = InputSource(job)
+    scan = source.scan()
+    engine = engine_factory(job)
+    block_size = engine.config.block_size
+    failed = 0
+
+    def count_failure(row, error) -> None:
+        nonlocal failed
+        failed += 1
+    planner = Planner(PromptBuilder(job, engine.tokenizer, engine.max_model_len), job.sampling,
+                      sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe, block_size=block_size,
+                      on_error=count_failure)
+    cache = PrefixCacheModel(engine.num_kv_blocks, block_size)
+    lengths, max_tokens, sample, duplicates, shared = [], [], [], 0, 0
+    for work in planner.works(source.rows()):
+        lengths.append(len(work.token_ids))
+        max_tokens.append(work.params.max_tokens)
+        duplicates += len(work.rows) - 1
+        shared += cache.hit_tokens(work.token_ids)
+        if len(sample) < CALIBRATION_REQUESTS:
+            sample.append(work)
+    if not lengths:
+        return {"rows": scan.total, "rows_failing_before_the_model": failed, "requests": 0}
+
+    prompt_tokens, ordered = sum(lengths), sorted(lengths)
+    report = {
+        "rows": scan.total, "rows_failing_before_the_model": failed, "requests": len(lengths),
+        "duplicate_rows_computed_once": duplicates,
+        "prompt_tokens_total": prompt_tokens, "prompt_tokens_p50": ordered[len(ordered) // 2],
+        "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
+        "output_tokens_max": sum(max_tokens),
+        "prefix_sharing_ratio": round(shared / prompt_tokens, 3),
+    }
+    expected_output = statistics.fmean(max_tokens)
+    if calibrate:
+        calibration = measure(engine, sample)
+        expected_output = calibration.pop("mean_output_tokens")
+        report["calibration"] = calibration
+    report["output_tokens_expected"] = round(expected_output * len(lengths))
+    tokens_per_seq = statistics.fmean(lengths) + expected_output
+    kv_tokens = engine.num_kv_blocks * block_size
+    fit = int(kv_tokens // tokens_per_seq)
+    concurrency = max(1, min(fit, engine.config.max_num_seqs, len(lengths)))
+    report.update({
+        "kv_bytes_per_sequence_mean": round(engine.kv_bytes_per_token * tokens_per_seq),
+        "kv_bytes_per_sequence_max": engine.kv_bytes_per_token * (report["prompt_tokens_p99"] + max(max_tokens)),
+        "kv_cache_tokens": kv_tokens, "sequences_that_fit": fit, "max_num_seqs": engine.config.max_num_seqs,
+    })
+    if calibrate:
+        c = report["calibration"]
+        # Prefill is compute-bound: time is tokens over measured throughput. Decode is memory-bound, so a step
+        # costs about the same at the calibration's batch size as at the run's; steps = outputs / concurrency.
+        prefill_s = (prompt_tokens - shared) / c["prefill_tokens_per_s"] if c["prefill_tokens_per_s"] else 0.0
+        decode_s = report["output_tokens_expected"] / concurrency * c["decode_step_s"]
+        report["estimated_time_s"] = round(prefill_s + decode_s, 1)
+    return report
+
+
+def measure(engine, sample: list[Work]) -> dict:
+    from batchjob.engine import Request
+    steps: list[StepMetrics] = []
+    engine.generate([sample[0].token_ids[:8]], sample[0].params.model_copy(update={"max_tokens": 2}))  # warm-up
+    engine.add_step_callback(steps.append)
+    requests = [Request(w.request_id, w.token_ids,
+                        w.params.model_copy(update={"max_tokens": min(w.params.max_tokens, CALIBRATION_MAX_TOKENS)}))
+                for w in sample]
+    by_id = {w.request_id: w for w in sample}
+    outputs = list(engine.stream(requests))
+    prefill = [s for s in steps if s.num_prefill_tokens]
+    decode = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
+    # A request cut by the calibration's cap is assumed to run to its own max_tokens.
+    lengths = [len(o.token_ids) if o.finish_reason == "stop" else by_id[o.request_id].params.max_tokens
+               for o in outputs]
+    prefill_time = sum(s.step_time for s in prefill)
+    return {"requests": len(sample),
+            "prefill_tokens_per_s": round(sum(s.num_prefill_tokens for s in prefill) / prefill_time, 1)
+            if prefill_time else 0.0,
+            "decode_step_s": round(statistics.fmean(s.step_time for s in decode), 5) if decode else 0.0,
+            "decode_batch_size": round(statistics.fmean(s.num_seqs for s in decode), 1) if decode else 0,
+            "mean_output_tokens": statistics.fmean(lengths)}
+
+
+class PrefixCacheModel:
+    """Which full prompt blocks an LRU prefix cache of the engine's size would already hold, in planned order."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.capacity, self.block_size = num_blocks, block_size
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def hit_tokens(self, token_ids: list[int]) -> int:
+        hits, parent, hitting = 0, None, True
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            key = hash((parent, tuple(token_ids[start:start + self.block_size])))
+            parent = key
+            if hitting and key in self.blocks:
+                hits += self.block_size
+                self.blocks.move_to_end(key)
+                continue
+            hitting = False
+            self.blocks[key] = None
+            if len(self.blocks) > self.capacity:
+                self.blocks.popitem(last=False)
+        return hits

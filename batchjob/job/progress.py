@@ -1,0 +1,149 @@
+"""Progress of a run: a rich display on a terminal, periodic plain or JSON log lines elsewhere (cron, Airflow)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichBar, TextColumn, TimeElapsedColumn
+
+from batchjob.outputs import StepMetrics
+
+
+@dataclass
+class Stats:
+    total: int = 0
+    done_before: int = 0  # rows committed by earlier runs
+    rows: int = 0  # rows finished in this run
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    preemptions: int = 0
+    step: StepMetrics | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> int:
+        return self.done_before + self.rows
+
+    def snapshot(self) -> dict:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = self.rows / elapsed
+        remaining = self.total - self.done
+        step = self.step
+        return {"rows_done": self.done, "rows_total": self.total,
+                "output_tokens_per_s": round(self.output_tokens / elapsed, 1),
+                "total_tokens_per_s": round((self.output_tokens + self.prompt_tokens) / elapsed, 1),
+                "batch_size": step.num_seqs if step else 0,
+                "kv_usage_pct": round(100 * step.kv_cache_usage_perc, 1) if step else 0.0,
+                "preemptions": self.preemptions,
+                "prefix_hit_pct": round(100 * step.prefix_cache_hit_rate, 1) if step else 0.0,
+                "eta_s": round(remaining / rate) if rate > 0 else None}
+
+
+def _line(s: dict) -> str:
+    eta = "?" if s["eta_s"] is None else _duration(s["eta_s"])
+    pct = 100 * s["rows_done"] / s["rows_total"] if s["rows_total"] else 100.0
+    return (f"rows {s['rows_done']}/{s['rows_total']} ({pct:.1f}%) | out {s['output_tokens_per_s']:.1f} tok/s | "
+            f"total {s['total_tokens_per_s']:.1f} tok/s | batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | "
+            f"preemptions {s['preemptions']} | prefix hits {s['prefix_hit_pct']:.0f}% | eta {eta}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class Progress(ABC):
+    """What a run reports; subclasses show it."""
+
+    def __init__(self):
+        self.stats = Stats()
+
+    def start(self, total: int, done_before: int) -> None:
+        self.stats = Stats(total=total, done_before=done_before)
+
+    def rows(self, n: int, *, output_tokens: int = 0, prompt_tokens: int = 0) -> None:
+        self.stats.rows += n
+        self.stats.output_tokens += output_tokens
+        self.stats.prompt_tokens += prompt_tokens
+        self.refresh()
+
+    def step(self, metrics: StepMetrics) -> None:
+        self.stats.step = metrics
+        self.stats.preemptions += metrics.num_preemptions
+        self.refresh()
+
+    def refresh(self) -> None:
+        pass
+
+    @abstractmethod
+    def message(self, text: str) -> None:
+        """Say something now (resuming, stopping, done)."""
+
+    def close(self) -> None:
+        pass
+
+
+class LogProgress(Progress):
+    """A line every `interval` seconds: plain text, or one JSON object a line for log collectors."""
+
+    def __init__(self, stream: TextIO = sys.stdout, *, interval: float = 10.0, json_lines: bool = False):
+        super().__init__()
+        self.stream, self.interval, self.json_lines = stream, interval, json_lines
+        self.last = 0.0
+
+    def refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= self.interval:
+            self.last = now
+            snapshot = self.stats.snapshot()
+            self._emit({"event": "progress", **snapshot} if self.json_lines else _line(snapshot))
+
+    def message(self, text: str) -> None:
+        self._emit({"event": "message", "message": text} if self.json_lines else text)
+
+    def close(self) -> None:
+        if self.stats.total:
+            self.refresh(force=True)
+
+    def _emit(self, item: str | dict) -> None:
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        line = json.dumps({"time": stamp, **item}) if isinstance(item, dict) else f"{stamp} {item}"
+        print(line, file=self.stream, flush=True)
+
+
+class RichProgress(Progress):
+    def __init__(self, console: Console | None = None):
+        super().__init__()
+        self.console = console or Console()
+        self.bar = RichBar(TextColumn("[bold]rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[stats]}"), console=self.console, refresh_per_second=4)
+        self.task = None
+
+    def start(self, total: int, done_before: int) -> None:
+        super().start(total, done_before)
+        self.task = self.bar.add_task("rows", total=total, completed=done_before, stats="")
+        self.bar.start()
+
+    def refresh(self) -> None:
+        if self.task is not None:
+            s = self.stats.snapshot()
+            eta = "?" if s["eta_s"] is None else _duration(s["eta_s"])
+            stats = (f"eta {eta} | out {s['output_tokens_per_s']:.0f} tok/s, total {s['total_tokens_per_s']:.0f} "
+                     f"tok/s | batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | preempt {s['preemptions']} | "
+                     f"prefix hits {s['prefix_hit_pct']:.0f}%")
+            self.bar.update(self.task, completed=s["rows_done"], stats=stats)
+
+    def message(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.refresh()
+            self.bar.stop()

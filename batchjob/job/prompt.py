@@ -1,0 +1,119 @@
+"""A row's prompt as token ids: template, system text, chat template, and the too-long policy."""
+from __future__ import annotations
+
+from typing import Callable
+
+from batchjob.job.reader import Row
+from batchjob.job.spec import JobSpec
+
+# Re-encoding a cut text can merge or split tokens at the cut; a few spare tokens make the next try fit.
+TRUNCATION_MARGIN = 4
+TRUNCATION_TRIES = 4
+
+
+class RowError(ValueError):
+    """This row cannot become a request; the message goes into the output row's `error`."""
+
+
+class PromptBuilder:
+    def __init__(self, job: JobSpec, tokenizer, context_len: int):
+        self.prompt, self.format = job.prompt, job.input.format
+        self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
+        self.tokenizer, self.context_len = tokenizer, context_len
+
+    def build(self, row: Row, max_tokens: int) -> tuple[list[int], bool]:
+        """Token ids and whether they were truncated; RowError when the row has no usable prompt."""
+        render, main, chat = self._parts(row)
+
+        def encode(text: str) -> list[int]:
+            # A rendered chat template writes its own BOS, so the tokenizer must not add another.
+            return self.tokenizer.encode(render(text), add_special_tokens=not chat)
+        ids = encode(main)
+        if len(ids) < self.context_len:
+            return ids, False
+        policy = self.prompt.on_too_long
+        if policy == "error":
+            raise RowError(f"prompt is {len(ids)} tokens, longer than the model's context of {self.context_len} "
+                           "(prompt.on_too_long: error)")
+        # Leave room for the answer too, but never give it more than half of the context.
+        limit = self.context_len - min(max_tokens, self.context_len // 2)
+        main_ids = self.tokenizer.encode(main, add_special_tokens=False)
+        # Cut the row's own text rather than the whole prompt, so the system text and template survive.
+        for _ in range(TRUNCATION_TRIES):
+            over = len(ids) - limit
+            if over <= 0:
+                return ids, True
+            keep = max(0, len(main_ids) - over - TRUNCATION_MARGIN)
+            main_ids = main_ids[len(main_ids) - keep:] if policy == "truncate_left" else main_ids[:keep]
+            ids = encode(self.tokenizer.decode(main_ids))
+        # Even without its text the prompt is too long (a huge system text or message history): cut tokens.
+        return (ids[-limit:] if policy == "truncate_left" else ids[:limit]), True
+
+    def _parts(self, row: Row) -> tuple[Callable[[str], str], str, bool]:
+        """How to render the prompt around its main text, that text (the part truncation cuts), and whether the
+        result is chat-templated."""
+        if self.format == "openai-batch":
+            if "prompt" in row.values:  # a /v1/completions line: the prompt as given, no template
+                return (lambda text: text), _text(row.values["prompt"], "body.prompt"), False
+            return (*self._messages_parts(row.values["messages"]), True)
+        if self.messages_column:
+            return (*self._messages_parts(row.values[self.messages_column]), True)
+        main = _text(row.values.get(self.text_column), self.text_column)
+        fields = {name: _scalar(row.values.get(name), name) for name in self.prompt.fields if name != self.text_column}
+        template, system, chat = self.prompt.template, self.prompt.system, self.prompt.chat_template
+
+        def render(text: str) -> str:
+            try:
+                body = template.format_map({**fields, self.text_column: text}) if template else text
+            except (ValueError, IndexError) as e:
+                raise RowError(f"prompt.template cannot format this row: {e}") from None
+            if chat:
+                head = [{"role": "system", "content": system}] if system else []
+                return self.tokenizer.apply_chat_template(head + [{"role": "user", "content": body}])
+            return f"{system}\n\n{body}" if system else body
+        return render, main, chat
+
+    def _messages_parts(self, messages) -> tuple[Callable[[str], str], str]:
+        messages = _messages(messages)
+        if self.prompt.system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.prompt.system})
+        longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
+
+        def render(text: str) -> str:
+            return self.tokenizer.apply_chat_template(
+                [*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1:]])
+        return render, messages[longest]["content"]
+
+
+def _text(value, name: str) -> str:
+    if value is None:
+        raise RowError(f"missing prompt: {name} is missing or null")
+    if not isinstance(value, str):
+        raise RowError(f"{name} must be text, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError(f"missing prompt: {name} is empty")
+    return value
+
+
+def _scalar(value, name: str) -> str:
+    if value is None:
+        raise RowError(f"template column {name!r} is missing or null")
+    if isinstance(value, (dict, list)):
+        raise RowError(f"template column {name!r} must be a scalar, got {type(value).__name__}")
+    return str(value)
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RowError("messages must be a non-empty list")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RowError(f"messages[{i}] must be an object with a role")
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(content, str):
+            raise RowError(f"messages[{i}].content must be text")
+        out.append({"role": message["role"], "content": content})
+    return out

@@ -1,0 +1,201 @@
+"""One run of a job: check, resume, stream rows through the engine into parts, finish the folder.
+
+Exit codes (README): 0 all rows done; 2 usage, job-file or input error; 3 finished but some rows failed (with
+fail_on_row_errors); 75 another run holds the output folder; 130 / 143 interrupted by SIGINT / SIGTERM, resumable."""
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import time
+from typing import Callable, Iterable, Iterator
+
+from batchjob.job.lock import describe
+from batchjob.job.planner import Planner, Work
+from batchjob.job.progress import Progress
+from batchjob.job.prompt import PromptBuilder
+from batchjob.job.reader import InputSource, Row
+from batchjob.job.spec import JobSpec
+from batchjob.job.state import OPENAI_OUTPUT, STAGED, OutputDir, now_iso
+from batchjob.job.writer import PartWriter, sort_parts, write_atomic, write_openai_output
+from batchjob.outputs import RequestOutput, StepMetrics
+
+EXIT_OK, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_LOCKED = 0, 2, 3, 75
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def load_engine(job: JobSpec):
+    from batchjob.engine import Engine  # here, not at import: torch and the weights are slow to load
+    return Engine(job.model, **job.engine.model_dump(exclude_unset=True))
+
+
+def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> dict:
+    """What makes two runs' results belong to one dataset; engine tuning may change between runs, this may not."""
+    fp = {"model": job.model, "model_digest": model_digest,
+          "prompt": job.prompt.model_dump(), "sampling": job.sampling.model_dump(),
+          "kv_cache_dtype": job.engine.kv_cache_dtype,
+          "input": {**job.input.model_dump(include={"format", "id_column", "text_column", "messages_column",
+                                                    "passthrough"}), "files": source.identity()}}
+    return json.loads(json.dumps(fp))  # as it reads back from _job.json, for comparing
+
+
+class Stopper:
+    """SIGINT/SIGTERM: the first stops admitting and lets in-flight requests finish, a second drops them."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.count = 0
+
+    def __enter__(self) -> "Stopper":
+        self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+
+
+def run_job(job: JobSpec, progress: Progress, *, restart: bool = False,
+            engine_factory: Callable[[JobSpec], object] = load_engine) -> int:
+    """The exit code of a run that got going; LockHeld, InputError and StateError when it cannot start."""
+    out = OutputDir(job.output.path)
+    with out.lock() as lock, Stopper() as stopper:
+        if lock.stale and lock.stale.get("pid"):
+            progress.message(f"took over the lock of a run that is gone ({describe(lock.stale)})")
+        return JobRun(job, out, progress, stopper, engine_factory).run(restart)
+
+
+class JobRun:
+    def __init__(self, job: JobSpec, out: OutputDir, progress: Progress, stopper: Stopper, engine_factory):
+        self.job, self.out, self.progress, self.stopper = job, out, progress, stopper
+        self.engine_factory = engine_factory
+        self.in_flight: dict[str, Work] = {}
+        self.stop_committed = False
+        self.aborted = False
+
+    def run(self, restart: bool) -> int:
+        job, out = self.job, self.out
+        out.recover()
+        source = InputSource(job)
+        fp = fingerprint(job, source, None)
+        cheap_keys = [k for k in fp if k != "model_digest"]
+        if restart:
+            self.progress.message(f"--restart: discarding earlier results in {out.path}")
+            out.reset()
+        out.check_fingerprint(fp, keys=cheap_keys)
+        if out.succeeded:
+            return self._already_done()
+        scan = source.scan()
+        committed = out.committed()
+        if committed.rows:
+            self.progress.message(f"resuming: {committed.rows} of {scan.total} rows already done")
+        self.engine = self.engine_factory(job)
+        fp["model_digest"] = self.engine.model_digest
+        out.check_fingerprint(fp, keys=["model_digest"])
+        meta = out.read_job() or {"created": now_iso()}
+        out.write_job({**meta, "fingerprint": fp, "rows_total": scan.total, "job": job.model_dump(mode="json"),
+                       "fingerprint_sha256": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()})
+
+        self.writer = PartWriter(out.data, scan.passthrough_schema, checkpoint_rows=job.output.checkpoint_rows,
+                                 checkpoint_seconds=job.output.checkpoint_seconds, next_part=out.next_part_number())
+        builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
+        planner = Planner(builder, job.sampling, sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe,
+                          block_size=self.engine.config.block_size, on_error=self._row_failed)
+        rows = (row for row in source.rows() if row.id not in committed.ids)
+        self.preemptions = 0
+        started = time.monotonic()
+        self.progress.start(scan.total, committed.rows)
+        try:
+            if self.stopper.signum is None:  # a signal during the model load: nothing started, nothing to do
+                self.engine.add_step_callback(self._on_step)
+                for output in self.engine.stream(self._requests(planner.works(rows))):
+                    self._finished(output)
+        finally:
+            self.writer.flush()
+            self.progress.close()
+        if self.stopper.signum is not None:
+            done = out.committed(with_ids=False).rows
+            self.progress.message(f"interrupted: {done} of {scan.total} rows committed; run again to resume")
+            return EXIT_SIGNAL[self.stopper.signum]
+        return self._finish(scan.total, time.monotonic() - started)
+
+    def _requests(self, works: Iterable[Work]) -> Iterator:
+        from batchjob.engine import Request
+        for work in works:
+            if self.stopper.signum is not None:
+                return
+            self.in_flight[work.request_id] = work
+            yield Request(work.request_id, work.token_ids, work.params)
+
+    def _on_step(self, metrics: StepMetrics) -> None:
+        self.preemptions += metrics.num_preemptions
+        self.progress.step(metrics)
+        self.writer.flush_if_due()
+        if self.stopper.signum is not None and not self.stop_committed:
+            self.stop_committed = True
+            self.writer.flush()  # commit what is finished now, in case a kill -9 follows the signal
+            self.progress.message(f"stopping: finishing {len(self.in_flight)} requests in flight "
+                                  "(signal again to drop them)")
+        if self.stopper.count > 1 and not self.aborted:
+            self.aborted = True
+            self.engine.abort_all()
+
+    def _finished(self, output: RequestOutput) -> None:
+        work = self.in_flight.pop(output.request_id)
+        if output.finish_reason == "abort":
+            return  # not committed, so it runs again on resume
+        m = output.metrics
+        for k, row in enumerate(work.rows):
+            self.writer.add({
+                **row.passthrough, "id": row.id, "output": output.text, "finish_reason": output.finish_reason,
+                "prompt_tokens": len(work.token_ids), "output_tokens": len(output.token_ids),
+                # A duplicate reuses the whole computed result, its prompt included.
+                "cached_tokens": len(work.token_ids) if k else output.num_cached_tokens,
+                "truncated": work.truncated, "error": output.error, "row_index": row.index,
+                "queue_time_s": m and m.queue_time, "ttft_s": m and m.ttft, "total_time_s": m and m.total_time})
+        self.progress.rows(len(work.rows), output_tokens=len(output.token_ids),
+                           prompt_tokens=len(work.token_ids) - output.num_cached_tokens)
+
+    def _row_failed(self, row: Row, error: str) -> None:
+        self.writer.add({**row.passthrough, "id": row.id, "error": error, "row_index": row.index})
+        self.progress.rows(1)
+
+    def _finish(self, total: int, wall_time: float) -> int:
+        job, out = self.job, self.out
+        committed = out.committed(with_ids=False)
+        if committed.rows != total:
+            raise RuntimeError(f"{total - committed.rows} of {total} rows got no result from the engine")
+        if job.output.order == "input":
+            out.staging.mkdir(exist_ok=True)
+            sort_parts(out.parts(), out.staging, job.output.rows_per_file)
+            write_atomic(out.staging / STAGED, lambda f: None)
+            out.publish_sorted()
+        if job.output.format == "openai-batch":
+            write_openai_output(out.parts(), out.path / OPENAI_OUTPUT, job.model)
+        tokens = self.progress.stats.output_tokens
+        summary = {"rows_total": total, "rows_ok": committed.rows - committed.failed,
+                   "rows_failed": committed.failed, "prompt_tokens": committed.prompt_tokens,
+                   "output_tokens": committed.output_tokens, "cached_tokens": committed.cached_tokens,
+                   "this_run": {"rows": self.progress.stats.rows, "output_tokens": tokens,
+                                "wall_time_s": round(wall_time, 3),
+                                "output_tokens_per_s": round(tokens / wall_time, 2) if wall_time else None,
+                                "total_tokens_per_s": round((tokens + self.progress.stats.prompt_tokens) /
+                                                            wall_time, 2) if wall_time else None,
+                                "preemptions": self.preemptions},
+                   "finished": now_iso()}
+        out.write_success(summary)
+        self.progress.message(f"done: {summary['rows_ok']} rows ok, {summary['rows_failed']} failed; "
+                              f"results in {out.data}")
+        return self._exit_code(committed.failed)
+
+    def _already_done(self) -> int:
+        summary = self.out.read_summary() or {}
+        self.progress.message(f"{self.out.path} is already complete (_SUCCESS, same job): nothing to do")
+        return self._exit_code(summary.get("rows_failed", 0))
+
+    def _exit_code(self, failed: int) -> int:
+        return EXIT_ROW_ERRORS if failed and self.job.fail_on_row_errors else EXIT_OK

@@ -1,0 +1,139 @@
+"""Result rows into Parquet part files that are each whole or absent, and the final files made from them.
+
+A part is written under a hidden temporary name, fsynced, renamed into place and its folder fsynced, so after a
+crash at any instant the folder holds only complete parts; the parts are the only record of which rows are done."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchjob.job.openai_batch import format_response
+
+RESULT_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("output", pa.string()),
+    ("finish_reason", pa.string()),
+    ("prompt_tokens", pa.int32()),
+    ("output_tokens", pa.int32()),
+    ("cached_tokens", pa.int32()),
+    ("truncated", pa.bool_()),
+    ("error", pa.string()),
+    ("queue_time_s", pa.float64()),
+    ("ttft_s", pa.float64()),
+    ("total_time_s", pa.float64()),
+    ("row_index", pa.int64()),  # the row's position in the input, for `order: input`
+])
+RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2).encode() + b"\n"))
+
+
+def write_table(path: Path, table: pa.Table) -> None:
+    write_atomic(path, lambda f: pq.write_table(table, f, compression="zstd"))
+
+
+class PartWriter:
+    """Buffers result rows and commits them as a part every `checkpoint_rows` rows or `checkpoint_seconds`."""
+
+    def __init__(self, folder: Path, passthrough: pa.Schema, *, checkpoint_rows: int, checkpoint_seconds: float,
+                 next_part: int, on_commit: Callable[[int], None] = lambda rows: None):
+        self.folder, self.schema = folder, pa.schema([*RESULT_SCHEMA, *passthrough])
+        self.checkpoint_rows, self.checkpoint_seconds = checkpoint_rows, checkpoint_seconds
+        self.next_part, self.on_commit = next_part, on_commit
+        self.buffer: list[dict] = []
+        self.last_commit = time.monotonic()
+
+    def add(self, record: dict) -> None:
+        self.buffer.append(record)
+        if len(self.buffer) >= self.checkpoint_rows:
+            self.flush()
+        else:
+            self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        if self.buffer and time.monotonic() - self.last_commit >= self.checkpoint_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer:
+            table = pa.Table.from_pylist(self.buffer, schema=self.schema)
+            write_table(self.folder / f"part-{self.next_part:06d}.parquet", table)
+            self.next_part += 1
+            self.on_commit(len(self.buffer))
+            self.buffer = []
+        self.last_commit = time.monotonic()
+
+
+def sort_parts(parts: list[Path], staging: Path, rows_per_file: int) -> None:
+    """Write the rows of `parts` in input order as files of `rows_per_file` consecutive input rows.
+
+    Each output file covers one range of row_index and reads only the parts whose row_index statistics overlap it;
+    the sort window keeps each part's rows close together in the input, so memory stays near one output file."""
+    ranges = [(_index_range(p), p) for p in parts]
+    end = max((hi for (_, hi), _ in ranges), default=-1) + 1
+    for number, start in enumerate(range(0, end, rows_per_file)):
+        stop = start + rows_per_file
+        pieces = [_rows_between(p, start, stop) for (lo, hi), p in ranges if lo < stop and hi >= start]
+        pieces = [t for t in pieces if t.num_rows]
+        if pieces:
+            write_table(staging / f"sorted-{number:06d}.parquet", pa.concat_tables(pieces).sort_by("row_index"))
+
+
+def _index_range(part: Path) -> tuple[int, int]:
+    meta = pq.ParquetFile(part).metadata
+    column = meta.schema.to_arrow_schema().get_field_index("row_index")
+    lo, hi = None, None
+    for rg in range(meta.num_row_groups):
+        stats = meta.row_group(rg).column(column).statistics
+        if stats is None or not stats.has_min_max:
+            indexes = pq.read_table(part, columns=["row_index"]).column(0)
+            return pc.min(indexes).as_py(), pc.max(indexes).as_py()
+        lo = stats.min if lo is None else min(lo, stats.min)
+        hi = stats.max if hi is None else max(hi, stats.max)
+    return (lo, hi) if lo is not None else (0, -1)
+
+
+def _rows_between(part: Path, start: int, stop: int) -> pa.Table:
+    table = pq.read_table(part)
+    index = table.column("row_index")
+    return table.filter(pc.and_(pc.greater_equal(index, start), pc.less(index, stop)))
+
+
+def iter_rows(files: list[Path]) -> Iterator[dict]:
+    for path in files:
+        for batch in pq.ParquetFile(path).iter_batches(1024):
+            yield from batch.to_pylist()
+
+
+def write_openai_output(files: list[Path], path: Path, model: str) -> None:
+    def write(f: BinaryIO) -> None:
+        for row in iter_rows(files):
+            f.write(json.dumps(format_response(row, model), ensure_ascii=False).encode() + b"\n")
+    write_atomic(path, write)
