@@ -39,7 +39,10 @@ def _fail(message: str, code: int):
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="Periodic log lines (used when stdout is not a terminal, and always with json).")
 @click.option("--log-interval", type=float, default=10.0, show_default=True, help="Seconds between log lines.")
-def run(job_file: str, overrides: tuple[str, ...], restart: bool, log_format: str, log_interval: float) -> None:
+@click.option("--grace", type=float, default=10.0, show_default=True,
+              help="On SIGINT/SIGTERM, seconds that requests in flight get to finish before they are dropped.")
+def run(job_file: str, overrides: tuple[str, ...], restart: bool, log_format: str, log_interval: float,
+        grace: float) -> None:
     """Run JOB_FILE: read its input, generate, and commit results to its output folder; resumes by itself.
 
     Exit codes: 0 all rows done; 2 usage, job-file or input error; 3 finished but some rows failed (with
@@ -48,7 +51,7 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool, log_format: st
     progress = (RichProgress() if sys.stdout.isatty() and log_format == "text"
                 else LogProgress(interval=log_interval, json_lines=log_format == "json"))
     try:
-        code = run_job(job, progress, restart=restart)
+        code = run_job(job, progress, restart=restart, grace=grace)
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
     except (InputError, StateError) as e:

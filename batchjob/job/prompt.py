@@ -28,7 +28,7 @@ class PromptBuilder:
         def encode(text: str) -> list[int]:
             # A rendered chat template writes its own BOS, so the tokenizer must not add another.
             return self.tokenizer.encode(render(text), add_special_tokens=not chat)
-        ids = encode(main)
+        ids = full = encode(main)
         if len(ids) < self.context_len:
             return ids, False
         policy = self.prompt.on_too_long
@@ -43,11 +43,14 @@ class PromptBuilder:
             over = len(ids) - limit
             if over <= 0:
                 return ids, True
-            keep = max(0, len(main_ids) - over - TRUNCATION_MARGIN)
+            keep = len(main_ids) - over - TRUNCATION_MARGIN
+            if keep <= 0:
+                break
             main_ids = main_ids[len(main_ids) - keep:] if policy == "truncate_left" else main_ids[:keep]
             ids = encode(self.tokenizer.decode(main_ids))
-        # Even without its text the prompt is too long (a huge system text or message history): cut tokens.
-        return (ids[-limit:] if policy == "truncate_left" else ids[:limit]), True
+        # Without its text the prompt would still be too long (a huge system text or message history): cut the
+        # whole prompt's tokens, which keeps the row's text on the side the policy keeps.
+        return (full[-limit:] if policy == "truncate_left" else full[:limit]), True
 
     def _parts(self, row: Row) -> tuple[Callable[[str], str], str, bool]:
         """How to render the prompt around its main text, that text (the part truncation cuts), and whether the

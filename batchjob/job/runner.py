@@ -16,7 +16,7 @@ from batchjob.job.progress import Progress
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource, Row
 from batchjob.job.spec import JobSpec
-from batchjob.job.state import OPENAI_OUTPUT, STAGED, OutputDir, now_iso
+from batchjob.job.state import OPENAI_OUTPUT, STAGED, Committed, OutputDir, now_iso
 from batchjob.job.writer import PartWriter, sort_parts, write_atomic, write_openai_output
 from batchjob.outputs import RequestOutput, StepMetrics
 
@@ -40,11 +40,14 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
 
 
 class Stopper:
-    """SIGINT/SIGTERM: the first stops admitting and lets in-flight requests finish, a second drops them."""
+    """SIGINT/SIGTERM: stop admitting work; requests in flight get `grace` seconds to finish, and the end of the grace
+    or a second signal drops the rest (uncommitted, so they run again on resume)."""
 
-    def __init__(self):
+    def __init__(self, grace: float):
+        self.grace = grace
         self.signum: int | None = None
         self.count = 0
+        self.since = 0.0
 
     def __enter__(self) -> "Stopper":
         self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
@@ -55,15 +58,20 @@ class Stopper:
             signal.signal(s, handler)
 
     def _handle(self, signum: int, frame) -> None:
-        self.signum = self.signum or signum
+        if self.signum is None:
+            self.signum, self.since = signum, time.monotonic()
         self.count += 1
 
+    @property
+    def drop_in_flight(self) -> bool:
+        return self.count > 1 or (self.signum is not None and time.monotonic() - self.since >= self.grace)
 
-def run_job(job: JobSpec, progress: Progress, *, restart: bool = False,
+
+def run_job(job: JobSpec, progress: Progress, *, restart: bool = False, grace: float = 10.0,
             engine_factory: Callable[[JobSpec], object] = load_engine) -> int:
     """The exit code of a run that got going; LockHeld, InputError and StateError when it cannot start."""
     out = OutputDir(job.output.path)
-    with out.lock() as lock, Stopper() as stopper:
+    with out.lock() as lock, Stopper(grace) as stopper:
         if lock.stale and lock.stale.get("pid"):
             progress.message(f"took over the lock of a run that is gone ({describe(lock.stale)})")
         return JobRun(job, out, progress, stopper, engine_factory).run(restart)
@@ -117,11 +125,11 @@ class JobRun:
         finally:
             self.writer.flush()
             self.progress.close()
-        if self.stopper.signum is not None:
-            done = out.committed(with_ids=False).rows
-            self.progress.message(f"interrupted: {done} of {scan.total} rows committed; run again to resume")
+        result = out.committed(with_ids=False)
+        if result.rows < scan.total and self.stopper.signum is not None:
+            self.progress.message(f"interrupted: {result.rows} of {scan.total} rows committed; run again to resume")
             return EXIT_SIGNAL[self.stopper.signum]
-        return self._finish(scan.total, time.monotonic() - started)
+        return self._finish(result, scan.total, time.monotonic() - started)
 
     def _requests(self, works: Iterable[Work]) -> Iterator:
         from batchjob.engine import Request
@@ -138,9 +146,9 @@ class JobRun:
         if self.stopper.signum is not None and not self.stop_committed:
             self.stop_committed = True
             self.writer.flush()  # commit what is finished now, in case a kill -9 follows the signal
-            self.progress.message(f"stopping: finishing {len(self.in_flight)} requests in flight "
-                                  "(signal again to drop them)")
-        if self.stopper.count > 1 and not self.aborted:
+            self.progress.message(f"stopping: {len(self.in_flight)} requests in flight get up to "
+                                  f"{self.stopper.grace:g} s to finish (signal again to drop them now)")
+        if self.stopper.drop_in_flight and not self.aborted:
             self.aborted = True
             self.engine.abort_all()
 
@@ -164,9 +172,8 @@ class JobRun:
         self.writer.add({**row.passthrough, "id": row.id, "error": error, "row_index": row.index})
         self.progress.rows(1)
 
-    def _finish(self, total: int, wall_time: float) -> int:
+    def _finish(self, committed: Committed, total: int, wall_time: float) -> int:
         job, out = self.job, self.out
-        committed = out.committed(with_ids=False)
         if committed.rows != total:
             raise RuntimeError(f"{total - committed.rows} of {total} rows got no result from the engine")
         if job.output.order == "input":

@@ -1,0 +1,77 @@
+"""Shared fixtures: the real default model, our engine on it, and transformers loading the same GGUF as the oracle."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from batchjob.attention_metadata import AttentionMetadata
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    from batchjob.model_loader import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from batchjob.engine import Engine
+
+    return Engine("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(loaded):
+    """transformers' own GGUF loader on the same file (needs accelerate); it dequantizes and un-permutes itself."""
+    transformers = pytest.importorskip("transformers", reason="the oracle needs the test extra")
+    folder, name = os.path.dirname(loaded.path), os.path.basename(loaded.path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model.eval(), tokenizer
+
+
+def chat_messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="session")
+def oracle_prompts(loaded) -> list[list[dict]]:
+    """16 real chat prompts of about 20 to 1,500 tokens: short questions and sample_data documents to summarize,
+    picked to spread over the length range."""
+    questions = ["What is 2+2?", "Name three primary colours.", "Who wrote Pride and Prejudice?",
+                 "Translate 'good morning' into French."]
+    docs = pq.read_table(ROOT / "sample_data" / "documents.parquet").to_pylist()
+    tok = loaded.tokenizer
+    sized = []
+    for d in docs:
+        msgs = chat_messages(f"Summarize the following text in two sentences.\n\n{d['text']}")
+        n = len(tok.encode_chat(msgs))
+        if n <= 1500:
+            sized.append((n, msgs))
+    sized.sort(key=lambda x: x[0])
+    picks = [sized[round(i * (len(sized) - 1) / 11)][1] for i in range(12)]
+    return [chat_messages(q) for q in questions] + picks
+
+
+def last_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Our model's logits at the last position of one sequence, through a fresh paged cache."""
+    c = model.config
+    n = len(ids)
+    blocks = -(-n // block_size)
+    caches = [tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim) for _ in range(2))
+              for _ in range(c.num_hidden_layers)]
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
+                             slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
+                             query_lens_host=[n], seq_lens_host=[n])
+    with torch.inference_mode():
+        hidden = model.forward(torch.tensor(ids), torch.arange(n), meta, caches)
+        return model.compute_logits(hidden[-1:])[0]
