@@ -35,5 +35,44 @@ def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> N
     click.echo(out.text)
 
 
+@main.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--num-prompts", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--range-ratio", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="lengths uniform in len*(1-r)..len*(1+r)")
+@click.option("--prefix-len", default=0, show_default=True, type=click.IntRange(min=0), help="shared prefix tokens")
+@click.option("--systems", default="engine,static,hf", show_default=True,
+              help="comma list of engine, static, hf, vllm, llama-cpp")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1),
+              help="fixed batch size of the static and hf baselines")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-num-seqs", default=None, type=int)
+@click.option("--max-num-batched-tokens", default=None, type=int)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
+def bench(model, num_prompts, input_len, output_len, range_ratio, prefix_len, systems, batch_size, repeats,
+          max_num_seqs, max_num_batched_tokens, json_path) -> None:
+    """Throughput of this engine against baselines on one workload, in one process."""
+    import json
+
+    from batchjob.bench import format_report, run_bench, synthetic
+    from batchjob.engine import Engine
+    from batchjob.model_loader import resolve_model
+
+    overrides = {k: v for k, v in (("max_num_seqs", max_num_seqs),
+                                   ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
+    engine = Engine(model, **overrides)
+    wl = synthetic(engine.model_config.vocab_size, num_prompts, input_len, output_len, range_ratio, prefix_len)
+    import torch
+
+    report = run_bench(engine, resolve_model(model), wl, [s.strip() for s in systems.split(",") if s.strip()],
+                       batch_size, repeats, torch.get_num_threads())
+    click.echo(format_report(report))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 if __name__ == "__main__":
     main()

@@ -113,11 +113,8 @@ class Engine:
         finished = []
         if sched.scheduled:
             logits = self.runner.execute(sched)
-            to_sample = [seq for seq, n in sched.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+            to_sample = self.scheduler.advance(sched)
             tokens, logprobs = self.sampler(logits, to_sample) if to_sample else ([], None)
-            for seq, n in sched.scheduled:
-                seq.num_computed_tokens += n
-                self.block_manager.commit_full_blocks(seq)
             now = time.time()
             for i, (seq, token) in enumerate(zip(to_sample, tokens)):
                 seq.token_ids.append(token)

@@ -164,6 +164,17 @@ class Scheduler:
                 if seq.metrics.first_scheduled_time is None and seq.max_tokens > floor:
                     seq.max_tokens, seq.length_capped = floor, True
 
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """After the step's forward pass: its tokens are in the cache. Returns the sequences that now need their
+        next token (all their tokens computed), in scheduled order."""
+        ready = []
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.bm.commit_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                ready.append(seq)
+        return ready
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED

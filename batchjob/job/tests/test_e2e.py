@@ -103,10 +103,13 @@ def test_sigterm_then_kill_9_at_random_moments_then_resume_gives_the_uninterrupt
     killed_mid_run = 0
     for attempt in range(3):
         log = tmp_path / f"kill{attempt}.log"
+        before = len(dataset(out.path))
         proc = start("run", job, log=log)
-        if not wait_for_work(proc, log):
-            break  # finished before it could be killed
-        time.sleep(rng.uniform(0.0, 1.5))
+        # Each try commits something before its kill, which then lands at a random moment: mid-step,
+        # mid-commit of the next part, or while draining.
+        while len(dataset(out.path)) == before and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))
         proc.kill()
         proc.wait(30)
         done = len(dataset(out.path))

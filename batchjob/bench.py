@@ -1,0 +1,317 @@
+"""`batchjob bench`: one workload through this engine and through baselines in the same process, interleaved in
+rounds so that machine drift cancels, reported as ratios to this engine.
+
+Systems: `engine` (continuous batching); `static` (the seed's fixed batch: prompts padded to the batch's longest,
+the whole batch decoded until its longest request is done, then the next batch; it reproduces padding's cost, not
+its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vllm` and `llama-cpp` when installed."""
+from __future__ import annotations
+
+import importlib.util
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.engine import Engine
+from batchjob.outputs import StepMetrics
+from batchjob.sampling_params import SamplingParams
+from batchjob.scheduler import SchedulerOutput
+from batchjob.sequence import Request, Sequence
+
+
+@dataclass
+class Workload:
+    requests: list[Request]
+    name: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+
+def synthetic(vocab_size: int, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+              prefix_len: int = 0, seed: int = 0) -> Workload:
+    """As `vllm bench throughput --dataset-name random`: random token ids, lengths uniform in
+    [len * (1 - range_ratio), len * (1 + range_ratio)], an optional shared prefix; outputs run to output_len."""
+    rng = random.Random(seed)
+    draw = lambda n: [rng.randrange(100, vocab_size - 100) for _ in range(n)]  # noqa: E731 - skip special ids
+    span = lambda n: rng.randint(max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio))))  # noqa: E731
+    prefix = draw(prefix_len)
+    reqs = [Request(f"r{i}", prefix + draw(span(input_len)),
+                    SamplingParams(max_tokens=span(output_len), ignore_eos=True)) for i in range(num_prompts)]
+    name = f"random in={input_len} out={output_len} n={num_prompts} range={range_ratio} prefix={prefix_len}"
+    return Workload(reqs, name)
+
+
+@dataclass
+class Result:
+    system: str
+    wall: float
+    prompt_tokens: int
+    output_tokens: int
+    num_requests: int
+    mean_batch: float = 0.0
+    max_batch: int = 0
+    mean_kv_usage: float = 0.0
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+
+    def row(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(requests_per_s=self.num_requests / self.wall,
+                 total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.wall,
+                 output_tokens_per_s=self.output_tokens / self.wall)
+        return d
+
+
+def _summarize(system: str, wall: float, wl: Workload, output_tokens: int, steps: list[StepMetrics]) -> Result:
+    batch = [s.num_seqs for s in steps] or [0]
+    r = Result(system, wall, wl.prompt_tokens, output_tokens, len(wl.requests), statistics.mean(batch), max(batch),
+               statistics.mean(s.kv_cache_usage_perc for s in steps) if steps else 0.0,
+               sum(s.num_preemptions for s in steps))
+    if steps:
+        r.prefix_hit_rate = steps[-1].prefix_cache_hit_rate
+    for s in steps:  # a mixed step counts as prefill: it carries the prompt work
+        if s.num_prefill_tokens:
+            r.prefill_time += s.step_time
+            r.prefill_tokens += s.num_prefill_tokens + s.num_decode_tokens
+        else:
+            r.decode_time += s.step_time
+            r.decode_tokens += s.num_decode_tokens
+            r.decode_steps += 1
+    return r
+
+
+def _collect(engine: Engine) -> list[StepMetrics]:
+    steps: list[StepMetrics] = []
+    engine._step_callbacks = [steps.append]
+    engine.scheduler.prefix_queries = engine.scheduler.prefix_hits = 0
+    return steps
+
+
+def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
+    steps = _collect(engine)
+    t0 = time.perf_counter()
+    outs = list(engine.stream(wl.requests))
+    return _summarize(system, time.perf_counter() - t0, wl, sum(len(o.token_ids) for o in outs), steps)
+
+
+def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
+    """Fixed batches through the same model runner and sampler: each batch is one padded prefill step, then decode
+    steps over every row until the longest request has its tokens (finished rows keep computing)."""
+    steps = _collect(engine)
+    bm, runner = engine.block_manager, engine.runner
+    pad = engine.tokenizer.eos_token_id or 0
+    output_tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(wl.requests), batch_size):
+        batch = wl.requests[i:i + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        new = max(r.params.max_tokens for r in batch)
+        seqs = [Sequence(Request(r.request_id, [pad] * (longest - len(r.prompt_token_ids)) + r.prompt_token_ids,
+                                 r.params), j) for j, r in enumerate(batch)]
+        if not all(bm.can_allocate(s, longest + new) for s in seqs):
+            raise ValueError(f"static batch of {len(seqs)} x {longest + new} tokens does not fit the KV pool")
+        for step in range(new):
+            ts = time.perf_counter()
+            sched = SchedulerOutput()
+            for s in seqs:
+                n = s.num_uncomputed_tokens
+                bm.allocate(s, n)
+                sched.scheduled.append((s, n))
+            if step == 0:
+                sched.num_prefill_tokens = len(seqs) * longest
+            else:
+                sched.num_decode_tokens = len(seqs)
+            tokens, _ = engine.sampler(runner.execute(sched), seqs)
+            for s, t in zip(seqs, tokens):
+                s.num_computed_tokens = s.num_tokens
+                s.token_ids.append(t)
+            steps.append(StepMetrics(step=len(steps), time=time.time(), step_time=time.perf_counter() - ts,
+                                     num_seqs=len(seqs), num_prefill_tokens=sched.num_prefill_tokens,
+                                     num_decode_tokens=sched.num_decode_tokens, kv_cache_usage_perc=bm.usage,
+                                     num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                                     num_waiting=0, num_running=len(seqs)))
+        output_tokens += sum(r.params.max_tokens for r in batch)  # only the requested tokens count
+        for s in seqs:
+            bm.free(s)
+    return _summarize("static", time.perf_counter() - t0, wl, output_tokens, steps)
+
+
+def run_hf(model_path, wl: Workload, batch_size: int, hf_model=None) -> Result:
+    """transformers generate over fixed, left-padded batches (fp32, greedy, every row to its batch's longest)."""
+    from transformers import AutoModelForCausalLM
+
+    if hf_model is None:
+        kw = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
+        folder = model_path.parent if model_path.suffix == ".gguf" else model_path
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+    output_tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(wl.requests), batch_size):
+        batch = wl.requests[i:i + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[j, longest - n:] = torch.tensor(r.prompt_token_ids)
+            mask[j, longest - n:] = 1
+        new = max(r.params.max_tokens for r in batch)
+        with torch.inference_mode():
+            hf_model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+        output_tokens += sum(r.params.max_tokens for r in batch)
+    r = Result("hf", time.perf_counter() - t0, wl.prompt_tokens, output_tokens, len(wl.requests),
+               float(batch_size), batch_size)
+    return r
+
+
+def run_vllm(model_path, wl: Workload) -> Result:
+    from vllm import LLM, SamplingParams as VSP  # type: ignore[import-not-found]
+
+    llm = LLM(model=str(model_path), dtype="float32", enable_prefix_caching=True)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in wl.requests]
+    params = [VSP(max_tokens=r.params.max_tokens, ignore_eos=True, temperature=0.0) for r in wl.requests]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    return Result("vllm", wall, wl.prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outs), len(wl.requests))
+
+
+def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
+    """llama-cpp-python, one request after another (its Python API has no batched generation)."""
+    from llama_cpp import Llama  # type: ignore[import-not-found]
+
+    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=threads, verbose=False)
+    out_tokens = 0
+    t0 = time.perf_counter()
+    for r in wl.requests:
+        llm.reset()
+        for k, _ in zip(range(r.params.max_tokens), llm.generate(r.prompt_token_ids, temp=0.0)):
+            out_tokens += 1
+    return Result("llama-cpp", time.perf_counter() - t0, wl.prompt_tokens, out_tokens, len(wl.requests))
+
+
+def peer_status() -> dict[str, str | None]:
+    """None for a peer that can run here, else why it is skipped."""
+    return {
+        "hf": None if importlib.util.find_spec("transformers") else "transformers not installed (pip install -e '.[test]')",
+        "vllm": None if importlib.util.find_spec("vllm") else "vllm not installed",
+        "llama-cpp": None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python not installed",
+    }
+
+
+def matmul_flops(engine: Engine, rows: int, reps: int = 5) -> float:
+    """The machine's measured fp32 matmul FLOP/s at the model's weight shapes for `rows` tokens."""
+    model = engine.runner.model
+    layer = model.layers[0]
+    weights = [layer["qkv"], layer["o"], layer["gate_up"], layer["down"]]
+    xs = [torch.randn(rows, w.shape[1], dtype=model.dtype, device=engine.runner.device) for w in weights]
+    for x, w in zip(xs, weights):
+        F.linear(x, w)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for x, w in zip(xs, weights):
+            F.linear(x, w)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    flops = 2 * rows * sum(w.numel() for w in weights) * reps
+    return flops / (time.perf_counter() - t0)
+
+
+def model_flops_per_token(engine: Engine) -> int:
+    """Matmul FLOPs of one token through the decoder layers (the logits rows are few and left out)."""
+    m = engine.runner.model
+    return 2 * sum(sum(layer[k].numel() for k in ("qkv", "o", "gate_up", "down")) for layer in m.layers)
+
+
+def roofline(engine: Engine, result: Result) -> dict:
+    per_token = model_flops_per_token(engine)
+    out = {}
+    for phase, tokens, secs, rows in (("prefill", result.prefill_tokens, result.prefill_time,
+                                       engine.config.max_num_batched_tokens),
+                                      ("decode", result.decode_tokens, result.decode_time,
+                                       max(1, round(result.decode_tokens / max(1, result.decode_steps))))):
+        if not tokens or not secs:
+            continue
+        achieved = per_token * tokens / secs
+        peak = matmul_flops(engine, rows)
+        out[phase] = {"achieved_gflops": achieved / 1e9, "matmul_gflops": peak / 1e9, "rows": rows,
+                      "fraction": achieved / peak}
+    return out
+
+
+def run_bench(engine: Engine, model_path, wl: Workload, systems: list[str], batch_size: int, repeats: int,
+              threads: int) -> dict:
+    """Every system once per round, rounds interleaved; the median wall time per system is reported."""
+    skipped = {k: v for k, v in peer_status().items() if k in systems and v}
+    systems = [s for s in systems if s not in skipped]
+    engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
+    hf_model = None
+    runs: dict[str, list[Result]] = {s: [] for s in systems}
+    for _ in range(repeats):
+        for system in systems:
+            if system == "engine":
+                runs[system].append(run_engine(engine, wl))
+            elif system == "static":
+                runs[system].append(run_static(engine, wl, batch_size))
+            elif system == "hf":
+                if hf_model is None:
+                    from transformers import AutoModelForCausalLM
+
+                    kw = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
+                    folder = model_path.parent if model_path.suffix == ".gguf" else model_path
+                    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+                runs[system].append(run_hf(model_path, wl, batch_size, hf_model))
+            elif system == "vllm":
+                runs[system].append(run_vllm(model_path, wl))
+            elif system == "llama-cpp":
+                runs[system].append(run_llama_cpp(model_path, wl, threads))
+            else:
+                raise ValueError(f"unknown system {system!r}")
+    results = {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
+    rows = [results[s].row() for s in systems]
+    base = results.get("engine")
+    for row in rows:
+        row["ratio_to_engine"] = (row["total_tokens_per_s"] / base.row()["total_tokens_per_s"]) if base else None
+    report = {"workload": wl.name, "systems": rows, "skipped": skipped, "repeats": repeats,
+              "batch_size": batch_size, "threads": threads,
+              "engine_config": engine.config.model_dump(), "num_kv_blocks": engine.num_kv_blocks}
+    if base:
+        report["roofline"] = roofline(engine, base)
+    return report
+
+
+def format_report(report: dict) -> str:
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=report["workload"])
+    for col in ("system", "req/s", "total tok/s", "out tok/s", "ratio", "mean batch", "max batch", "KV use",
+                "preempt", "prefix hit"):
+        table.add_column(col, justify="right")
+    for r in report["systems"]:
+        ratio = "" if r["ratio_to_engine"] is None else f"{r['ratio_to_engine']:.2f}x"
+        table.add_row(r["system"], f"{r['requests_per_s']:.2f}", f"{r['total_tokens_per_s']:.1f}",
+                      f"{r['output_tokens_per_s']:.1f}", ratio, f"{r['mean_batch']:.1f}", str(r["max_batch"]),
+                      f"{100 * r['mean_kv_usage']:.1f}%", str(r["preemptions"]), f"{100 * r['prefix_hit_rate']:.1f}%")
+    buf = StringIO()
+    console = Console(file=buf, width=140)
+    console.print(table)
+    for phase, v in report.get("roofline", {}).items():
+        console.print(f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "
+                      f"measured fp32 matmul {v['matmul_gflops']:.1f} GFLOP/s at {v['rows']} rows")
+    for name, why in report["skipped"].items():
+        console.print(f"skipped {name}: {why}")
+    return buf.getvalue()
