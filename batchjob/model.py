@@ -34,6 +34,10 @@ class LlamaModel:
                 "o": w[p + "self_attn.o_proj.weight"],
                 "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
                 "down": w[p + "mlp.down_proj.weight"],
+                # Llama's attention_bias also biases o_proj, and its mlp_bias all three MLP projections.
+                "o_bias": w.get(p + "self_attn.o_proj.bias"), "down_bias": w.get(p + "mlp.down_proj.bias"),
+                "gate_up_bias": (torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
+                                 if p + "mlp.gate_proj.bias" in w else None),
             })
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
@@ -64,9 +68,10 @@ class LlamaModel:
             k_cache, v_cache, *scales = cache
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, *scales)
-            h = F.linear(attn.view(-1, self.q_size), layer["o"])
+            h = F.linear(attn.view(-1, self.q_size), layer["o"], layer["o_bias"])
             x, residual = ops.rms_norm(h, layer["post_norm"], c.rms_norm_eps, residual)
-            h = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+            h = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up"], layer["gate_up_bias"])), layer["down"],
+                         layer["down_bias"])
         out, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
         return out
 

@@ -54,7 +54,7 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool, log_format: st
         code = run_job(job, progress, restart=restart, grace=grace)
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
-    except (InputError, StateError) as e:
+    except (InputError, StateError, JobFileError) as e:
         _fail(str(e), EXIT_USAGE)
     sys.exit(code)
 
@@ -69,7 +69,7 @@ def plan(job_file: str, overrides: tuple[str, ...], no_calibrate: bool, as_json:
     job = _load(job_file, overrides)
     try:
         report = plan_job(job, calibrate=not no_calibrate)
-    except InputError as e:
+    except (InputError, JobFileError) as e:
         _fail(str(e), EXIT_USAGE)
     click.echo(json.dumps(report, indent=2) if as_json else _plan_text(report))
 
@@ -115,7 +115,7 @@ def status(folder: str, as_json: bool) -> None:
     total = s["rows_total"]
     pct = f" ({100 * s['rows_done'] / total:.1f}%)" if total else ""
     click.echo(f"{s['folder']}: {state}")
-    click.echo(f"rows: {s['rows_done']:,} of {total if total is not None else '?'} done{pct}, {s['rows_failed']:,} failed")
+    click.echo(f"rows: {s['rows_done']:,} of {'?' if total is None else total} done{pct}, {s['rows_failed']:,} failed")
     click.echo(f"tokens: prompt {s['prompt_tokens']:,}, output {s['output_tokens']:,}")
     if s["parts"]:
         click.echo(f"parts: {s['parts']}, last commit {s['last_commit_s_ago']} s ago")

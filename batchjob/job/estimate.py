@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+from array import array
 from collections import OrderedDict
 from typing import Callable
 
@@ -21,22 +22,25 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
     scan = source.scan()
     engine = engine_factory(job)
     block_size = engine.config.block_size
+    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
+    builder.check()
     failed = 0
 
     def count_failure(row, error) -> None:
         nonlocal failed
         failed += 1
-    planner = Planner(PromptBuilder(job, engine.tokenizer, engine.max_model_len), job.sampling,
+    planner = Planner(builder, job.sampling,
                       sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe, block_size=block_size,
                       on_error=count_failure)
     cache = PrefixCacheModel(engine.num_kv_blocks, block_size)
-    lengths, max_tokens, sample, duplicates, shared = [], [], [], 0, 0
+    # Compact arrays: a plan of a million-row input keeps two numbers a request.
+    lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
     for work in planner.works(source.rows()):
         lengths.append(len(work.token_ids))
         max_tokens.append(work.params.max_tokens)
         duplicates += len(work.rows) - 1
         shared += cache.hit_tokens(work.token_ids)
-        if len(sample) < CALIBRATION_REQUESTS:
+        if len(sample) < CALIBRATION_REQUESTS:  # the first in planned order: what the run starts with
             sample.append(work)
     if not lengths:
         return {"rows": scan.total, "rows_failing_before_the_model": failed, "requests": 0}

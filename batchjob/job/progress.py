@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TextIO
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichBar, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from batchjob.outputs import StepMetrics
 
@@ -79,15 +81,17 @@ class Progress(ABC):
         self.stats.preemptions += metrics.num_preemptions
         self.refresh()
 
+    @abstractmethod
     def refresh(self) -> None:
-        pass
+        """Show the stats, if it is time to."""
 
     @abstractmethod
     def message(self, text: str) -> None:
         """Say something now (resuming, stopping, done)."""
 
+    @abstractmethod
     def close(self) -> None:
-        pass
+        """Show the final stats and let go of the terminal."""
 
 
 class LogProgress(Progress):
@@ -119,26 +123,31 @@ class LogProgress(Progress):
 
 
 class RichProgress(Progress):
+    """A bar with rows done and the ETA, and a line of engine statistics under it."""
+
     def __init__(self, console: Console | None = None):
         super().__init__()
         self.console = console or Console()
         self.bar = RichBar(TextColumn("[bold]rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("{task.fields[stats]}"), console=self.console, refresh_per_second=4)
+                           TextColumn("eta {task.fields[eta]}"), console=self.console)
+        self.stats_line = Text()
+        self.live = Live(Group(self.bar, self.stats_line), console=self.console, refresh_per_second=4)
         self.task = None
 
     def start(self, total: int, done_before: int) -> None:
         super().start(total, done_before)
-        self.task = self.bar.add_task("rows", total=total, completed=done_before, stats="")
-        self.bar.start()
+        self.task = self.bar.add_task("rows", total=total, completed=done_before, eta="?")
+        self.live.start()
 
     def refresh(self) -> None:
         if self.task is not None:
             s = self.stats.snapshot()
-            eta = "?" if s["eta_s"] is None else _duration(s["eta_s"])
-            stats = (f"eta {eta} | out {s['output_tokens_per_s']:.0f} tok/s, total {s['total_tokens_per_s']:.0f} "
-                     f"tok/s | batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | preempt {s['preemptions']} | "
-                     f"prefix hits {s['prefix_hit_pct']:.0f}%")
-            self.bar.update(self.task, completed=s["rows_done"], stats=stats)
+            self.bar.update(self.task, completed=s["rows_done"],
+                            eta="?" if s["eta_s"] is None else _duration(s["eta_s"]))
+            self.stats_line.plain = (
+                f"out {s['output_tokens_per_s']:.0f} tok/s | total {s['total_tokens_per_s']:.0f} tok/s | "
+                f"batch {s['batch_size']} | KV {s['kv_usage_pct']:.0f}% | preempt {s['preemptions']} | "
+                f"prefix hit {s['prefix_hit_pct']:.0f}%")
 
     def message(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False)
@@ -146,4 +155,4 @@ class RichProgress(Progress):
     def close(self) -> None:
         if self.task is not None:
             self.refresh()
-            self.bar.stop()
+            self.live.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from batchjob.job.reader import Row
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import JobFileError, JobSpec
 
 # Re-encoding a cut text can merge or split tokens at the cut; a few spare tokens make the next try fit.
 TRUNCATION_MARGIN = 4
@@ -33,7 +33,7 @@ class PromptBuilder:
             return ids, False
         policy = self.prompt.on_too_long
         if policy == "error":
-            raise RowError(f"prompt is {len(ids)} tokens, longer than the model's context of {self.context_len} "
+            raise RowError(f"prompt is {len(ids)} tokens, too long for the model's context of {self.context_len} "
                            "(prompt.on_too_long: error)")
         # Leave room for the answer too, but never give it more than half of the context.
         limit = self.context_len - min(max_tokens, self.context_len // 2)
@@ -72,7 +72,7 @@ class PromptBuilder:
                 raise RowError(f"prompt.template cannot format this row: {e}") from None
             if chat:
                 head = [{"role": "system", "content": system}] if system else []
-                return self.tokenizer.apply_chat_template(head + [{"role": "user", "content": body}])
+                return self._chat(head + [{"role": "user", "content": body}])
             return f"{system}\n\n{body}" if system else body
         return render, main, chat
 
@@ -83,9 +83,22 @@ class PromptBuilder:
         longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
 
         def render(text: str) -> str:
-            return self.tokenizer.apply_chat_template(
-                [*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1:]])
+            return self._chat([*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1:]])
         return render, messages[longest]["content"]
+
+    def _chat(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the template is the model's code: some refuse some message orders, for one
+            raise RowError(f"the model's chat template refused this prompt: {e}") from None
+
+    def check(self) -> None:
+        """Fail before any work when the job asks for a chat template that the model does not have."""
+        if self.prompt.chat_template or self.messages_column or self.format == "openai-batch":
+            try:
+                self.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+            except ValueError as e:
+                raise JobFileError(f"prompt.chat_template: {e}") from None
 
 
 def _text(value, name: str) -> str:

@@ -57,7 +57,7 @@ class InputSource:
             self.passthrough = list(spec.passthrough)
         self._parquet = {path: self._open_parquet(path) for path in self.files} if self.format == "parquet" else {}
         for path in self.files:
-            if not self._parquet and not Path(path).is_file():
+            if not Path(path).is_file():
                 raise InputError(f"input.path: {path} is not a readable file")
 
     def _open_parquet(self, path: str) -> pq.ParquetFile:
@@ -90,7 +90,7 @@ class InputSource:
         counts: Counter[str] = Counter()
         kinds: dict[str, set[type]] = {c: set() for c in self.passthrough}
         total = 0
-        if self._parquet:
+        if self.format == "parquet":
             for path, pf in self._parquet.items():
                 for rg in range(pf.num_row_groups):
                     counts.update(self._row_group_ids(path, pf, rg, total))
@@ -120,7 +120,7 @@ class InputSource:
         """All rows in input order; scan() first, which types the JSON pass-through columns."""
         index = 0
         for path in self.files:
-            if self._parquet:
+            if self.format == "parquet":
                 yield from self._parquet_rows(path, self._parquet[path], index)
                 index += self._parquet[path].metadata.num_rows
             else:
@@ -187,7 +187,8 @@ class InputSource:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             # Decode leniently to still find the id, so the failed row is written under it.
-            text, error = raw.decode("utf-8", "replace"), f"line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start})"
+            text = raw.decode("utf-8", "replace")
+            error = f"line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start})"
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:

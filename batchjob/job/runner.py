@@ -14,7 +14,7 @@ from batchjob.job.lock import describe
 from batchjob.job.planner import Planner, Work
 from batchjob.job.progress import Progress
 from batchjob.job.prompt import PromptBuilder
-from batchjob.job.reader import InputSource, Row
+from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import OPENAI_OUTPUT, STAGED, Committed, OutputDir, now_iso
 from batchjob.job.writer import PartWriter, sort_parts, write_atomic, write_openai_output
@@ -22,6 +22,9 @@ from batchjob.outputs import RequestOutput, StepMetrics
 
 EXIT_OK, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_LOCKED = 0, 2, 3, 75
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# Truncation (max_model_len), output lengths (elastic_*), sampling draws (seed) and numbers by design (dtypes).
+RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed", "dtype",
+                          "kv_cache_dtype"}
 
 
 def load_engine(job: JobSpec):
@@ -30,10 +33,11 @@ def load_engine(job: JobSpec):
 
 
 def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> dict:
-    """What makes two runs' results belong to one dataset; engine tuning may change between runs, this may not."""
+    """What makes two runs' results belong to one dataset. Engine tuning (batch sizes, memory, preemption) may change
+    between runs; the engine settings that change what is computed may not."""
     fp = {"model": job.model, "model_digest": model_digest,
           "prompt": job.prompt.model_dump(), "sampling": job.sampling.model_dump(),
-          "kv_cache_dtype": job.engine.kv_cache_dtype,
+          "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
           "input": {**job.input.model_dump(include={"format", "id_column", "text_column", "messages_column",
                                                     "passthrough"}), "files": source.identity()}}
     return json.loads(json.dumps(fp))  # as it reads back from _job.json, for comparing
@@ -69,7 +73,7 @@ class Stopper:
 
 def run_job(job: JobSpec, progress: Progress, *, restart: bool = False, grace: float = 10.0,
             engine_factory: Callable[[JobSpec], object] = load_engine) -> int:
-    """The exit code of a run that got going; LockHeld, InputError and StateError when it cannot start."""
+    """The exit code of a run that got going; LockHeld, InputError, StateError and JobFileError when it cannot."""
     out = OutputDir(job.output.path)
     with out.lock() as lock, Stopper(grace) as stopper:
         if lock.stale and lock.stale.get("pid"):
@@ -87,49 +91,54 @@ class JobRun:
 
     def run(self, restart: bool) -> int:
         job, out = self.job, self.out
+        started = time.monotonic()
         out.recover()
         source = InputSource(job)
         fp = fingerprint(job, source, None)
-        cheap_keys = [k for k in fp if k != "model_digest"]
         if restart:
             self.progress.message(f"--restart: discarding earlier results in {out.path}")
             out.reset()
-        out.check_fingerprint(fp, keys=cheap_keys)
+        # Everything but the model digest is known before the slow model load, so a mismatch fails at once.
+        out.check_fingerprint(fp, keys=[k for k in fp if k != "model_digest"])
         if out.succeeded:
             return self._already_done()
         scan = source.scan()
         committed = out.committed()
-        if committed.rows:
-            self.progress.message(f"resuming: {committed.rows} of {scan.total} rows already done")
-        self.engine = self.engine_factory(job)
-        fp["model_digest"] = self.engine.model_digest
-        out.check_fingerprint(fp, keys=["model_digest"])
-        meta = out.read_job() or {"created": now_iso()}
-        out.write_job({**meta, "fingerprint": fp, "rows_total": scan.total, "job": job.model_dump(mode="json"),
-                       "fingerprint_sha256": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()})
-
-        self.writer = PartWriter(out.data, scan.passthrough_schema, checkpoint_rows=job.output.checkpoint_rows,
-                                 checkpoint_seconds=job.output.checkpoint_seconds, next_part=out.next_part_number())
-        builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
-        planner = Planner(builder, job.sampling, sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe,
-                          block_size=self.engine.config.block_size, on_error=self._row_failed)
-        rows = (row for row in source.rows() if row.id not in committed.ids)
-        self.preemptions = 0
-        started = time.monotonic()
-        self.progress.start(scan.total, committed.rows)
-        try:
-            if self.stopper.signum is None:  # a signal during the model load: nothing started, nothing to do
-                self.engine.add_step_callback(self._on_step)
-                for output in self.engine.stream(self._requests(planner.works(rows))):
-                    self._finished(output)
-        finally:
-            self.writer.flush()
-            self.progress.close()
+        if committed.rows < scan.total:
+            if committed.rows:
+                self.progress.message(f"resuming: {committed.rows} of {scan.total} rows already done")
+            self._generate(source, scan, committed, fp)
         result = out.committed(with_ids=False)
         if result.rows < scan.total and self.stopper.signum is not None:
             self.progress.message(f"interrupted: {result.rows} of {scan.total} rows committed; run again to resume")
             return EXIT_SIGNAL[self.stopper.signum]
         return self._finish(result, scan.total, time.monotonic() - started)
+
+    def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
+        job, out = self.job, self.out
+        self.engine = self.engine_factory(job)
+        fp["model_digest"] = self.engine.model_digest
+        out.check_fingerprint(fp, keys=["model_digest"])
+        builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
+        builder.check()
+        meta = out.read_job() or {"created": now_iso()}
+        out.write_job({**meta, "fingerprint": fp, "rows_total": scan.total, "job": job.model_dump(mode="json"),
+                       "fingerprint_sha256": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()})
+        if self.stopper.signum is not None:  # stopped during the model load: nothing started, nothing to commit
+            return
+        self.writer = PartWriter(out.data, scan.passthrough_schema, checkpoint_rows=job.output.checkpoint_rows,
+                                 checkpoint_seconds=job.output.checkpoint_seconds, next_part=out.next_part_number())
+        planner = Planner(builder, job.sampling, sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe,
+                          block_size=self.engine.config.block_size, on_error=self._row_failed)
+        rows = (row for row in source.rows() if row.id not in committed.ids)
+        self.progress.start(scan.total, committed.rows)
+        self.engine.add_step_callback(self._on_step)
+        try:
+            for output in self.engine.stream(self._requests(planner.works(rows))):
+                self._finished(output)
+        finally:
+            self.writer.flush()
+            self.progress.close()
 
     def _requests(self, works: Iterable[Work]) -> Iterator:
         from batchjob.engine import Request
@@ -140,7 +149,6 @@ class JobRun:
             yield Request(work.request_id, work.token_ids, work.params)
 
     def _on_step(self, metrics: StepMetrics) -> None:
-        self.preemptions += metrics.num_preemptions
         self.progress.step(metrics)
         self.writer.flush_if_due()
         if self.stopper.signum is not None and not self.stop_committed:
@@ -183,16 +191,16 @@ class JobRun:
             out.publish_sorted()
         if job.output.format == "openai-batch":
             write_openai_output(out.parts(), out.path / OPENAI_OUTPUT, job.model)
-        tokens = self.progress.stats.output_tokens
+        stats = self.progress.stats
+        generating = time.monotonic() - stats.started  # the rates leave out the model load
         summary = {"rows_total": total, "rows_ok": committed.rows - committed.failed,
                    "rows_failed": committed.failed, "prompt_tokens": committed.prompt_tokens,
                    "output_tokens": committed.output_tokens, "cached_tokens": committed.cached_tokens,
-                   "this_run": {"rows": self.progress.stats.rows, "output_tokens": tokens,
-                                "wall_time_s": round(wall_time, 3),
-                                "output_tokens_per_s": round(tokens / wall_time, 2) if wall_time else None,
-                                "total_tokens_per_s": round((tokens + self.progress.stats.prompt_tokens) /
-                                                            wall_time, 2) if wall_time else None,
-                                "preemptions": self.preemptions},
+                   "this_run": {"rows": stats.rows, "wall_time_s": round(wall_time, 3),
+                                "output_tokens_per_s": round(stats.output_tokens / generating, 2),
+                                "total_tokens_per_s": round((stats.output_tokens + stats.prompt_tokens) /
+                                                            generating, 2),
+                                "preemptions": stats.preemptions},
                    "finished": now_iso()}
         out.write_success(summary)
         self.progress.message(f"done: {summary['rows_ok']} rows ok, {summary['rows_failed']} failed; "

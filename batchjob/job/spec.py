@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batchjob.config import EngineConfig
+from batchjob.job.writer import RESULT_COLUMNS
 from batchjob.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -46,6 +47,10 @@ class InputSpec(_Section):
                 raise ValueError(f"cannot tell the format of {self.path!r} from its extension; "
                                  "set input.format to one of 'parquet', 'jsonl', 'openai-batch'")
             object.__setattr__(self, "format", FORMAT_BY_SUFFIX[suffix])
+        clashes = sorted(RESULT_COLUMNS & set(self.passthrough))
+        if clashes:
+            raise ValueError(f"passthrough: {', '.join(clashes)} would clash with result columns of that name "
+                             f"({', '.join(sorted(RESULT_COLUMNS))})")
         if self.format == "openai-batch":
             named = {"id_column", "text_column", "messages_column"} & self.model_fields_set
             if named:

@@ -63,10 +63,10 @@ class PartWriter:
     """Buffers result rows and commits them as a part every `checkpoint_rows` rows or `checkpoint_seconds`."""
 
     def __init__(self, folder: Path, passthrough: pa.Schema, *, checkpoint_rows: int, checkpoint_seconds: float,
-                 next_part: int, on_commit: Callable[[int], None] = lambda rows: None):
+                 next_part: int):
         self.folder, self.schema = folder, pa.schema([*RESULT_SCHEMA, *passthrough])
         self.checkpoint_rows, self.checkpoint_seconds = checkpoint_rows, checkpoint_seconds
-        self.next_part, self.on_commit = next_part, on_commit
+        self.next_part = next_part
         self.buffer: list[dict] = []
         self.last_commit = time.monotonic()
 
@@ -86,7 +86,6 @@ class PartWriter:
             table = pa.Table.from_pylist(self.buffer, schema=self.schema)
             write_table(self.folder / f"part-{self.next_part:06d}.parquet", table)
             self.next_part += 1
-            self.on_commit(len(self.buffer))
             self.buffer = []
         self.last_commit = time.monotonic()
 

@@ -10,7 +10,8 @@ from batchjob.sampling_params import SamplingParams
 BLOCK = 16
 
 
-def planner(tmp_path, errors, *, window=100, dedupe=True, params=SamplingParams(max_tokens=8), **sections):
+def planner(tmp_path, errors, *, window=100, dedupe=True, params=None, **sections):
+    params = params or SamplingParams(max_tokens=8)
     job = make_job(tmp_path / "in.jsonl", tmp_path / "out", **sections)
     return Planner(PromptBuilder(job, FakeTokenizer(), 10_000), params, sort_window=window, dedupe=dedupe,
                    block_size=BLOCK, on_error=lambda row, error: errors.append((row.id, error)))

@@ -49,7 +49,7 @@ def test_too_long_prompts_follow_the_policy(tmp_path):
     text = " ".join(f"word{i:03d}" for i in range(100))  # 799 tokens with the byte tokenizer
     row = Row(0, "a", {"text": text})
     sections = {"prompt": {"system": "S", "template": "Summarize: {text} END"}}
-    with pytest.raises(RowError, match="longer than the model's context of 200"):
+    with pytest.raises(RowError, match="too long for the model's context of 200"):
         builder(tmp_path, 200, **sections).build(row, 16)
 
     sections["prompt"]["on_too_long"] = "truncate_right"

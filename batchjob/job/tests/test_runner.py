@@ -5,6 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.job.reader import InputError
+from batchjob.job.spec import JobFileError
 from batchjob.job.runner import EXIT_OK, EXIT_ROW_ERRORS, run_job
 from batchjob.job.state import StateError
 from batchjob.job.tests.helpers import SAMPLE_DATA, documents, fake_factory, make_job, write_jsonl, write_parquet
@@ -189,3 +190,16 @@ def test_openai_batch_round_trip(tmp_path, progress):
     assert chat["body"]["choices"][0]["finish_reason"] == "length" and chat["body"]["usage"]["completion_tokens"] == 7
     assert out["cmpl-1"]["response"]["body"]["choices"][0]["text"] == "five four"
     assert out["bad-1"]["response"] is None and out["bad-1"]["error"]["message"].startswith("missing prompt")
+
+
+def test_a_model_without_a_chat_template_fails_before_any_work(tmp_path, docs, progress):
+    def no_template(job):
+        engine = fake_factory()(job)
+
+        def refuse(messages, add_generation_prompt=True):
+            raise ValueError("this model has no chat template; set the job's prompt.chat_template to false")
+        engine.tokenizer.apply_chat_template = refuse
+        return engine
+    with pytest.raises(JobFileError, match="prompt.chat_template: this model has no chat template"):
+        run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=no_template)
+    assert not list((tmp_path / "out" / "data").iterdir())

@@ -64,6 +64,11 @@ def test_template_must_use_the_text_column_and_fit_the_input_kind(tmp_path):
                                                                                            "openai-batch}"))
 
 
+def test_passthrough_columns_must_not_shadow_result_columns(tmp_path):
+    text = MINIMAL.replace("docs.parquet}", "docs.parquet, passthrough: [title, error]}")
+    assert "input: passthrough: error would clash with result columns" in error_of(tmp_path, text)
+
+
 def test_set_overrides_are_parsed_as_yaml_and_validated(tmp_path):
     job = load(tmp_path, MINIMAL, ["engine.max_num_seqs=32", "sampling.stop=[END, STOP]", "prompt.system=Be brief"])
     assert job.engine.max_num_seqs == 32 and job.sampling.stop == ["END", "STOP"]

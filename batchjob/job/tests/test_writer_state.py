@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -128,7 +129,6 @@ def test_a_second_holder_is_refused_and_named(tmp_path):
 def test_a_dead_holders_lock_is_taken_over(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
-    import socket
     (tmp_path / LOCK).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "earlier"}))
     out = OutputDir(tmp_path)
     out.write_job({"fingerprint": {}, "rows_total": 3})
