@@ -104,7 +104,7 @@ class JobRun:
             return self._already_done()
         scan = source.scan()
         committed = out.committed()
-        if committed.rows < scan.total:
+        if committed.rows < scan.total and self.stopper.signum is None:
             if committed.rows:
                 self.progress.message(f"resuming: {committed.rows} of {scan.total} rows already done")
             self._generate(source, scan, committed, fp)

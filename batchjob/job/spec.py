@@ -17,7 +17,7 @@ from batchjob.config import EngineConfig
 from batchjob.job.writer import RESULT_COLUMNS
 from batchjob.sampling_params import SamplingParams
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # model_loader.DEFAULT_MODEL, which imports torch to be read
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
 

@@ -149,10 +149,14 @@ def test_abort_all_returns_in_flight(engine, prompts):
     assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
-def test_fp8_kv_cache_doubles_blocks_and_stays_close(prompts, alone):
+def test_fp8_kv_cache_doubles_blocks_and_stays_close(prompts):
+    """e4m3 keeps 3 mantissa bits, so SmolLM2's flat distributions may flip a near-tie; the first token's
+    log-probability must stay close and the first token must agree for most prompts."""
     fp8 = Engine("smollm2-135m-instruct", kv_cache_dtype="fp8", kv_cache_memory_gb=0.25)
     ref = Engine("smollm2-135m-instruct", kv_cache_memory_gb=0.25)
     assert fp8.num_kv_blocks >= 1.9 * ref.num_kv_blocks
-    outs = fp8.generate(prompts[:8], GREEDY)
-    same = sum(o.token_ids[:4] == a[:4] for o, a in zip(outs, alone[:8]))
-    assert same >= 6  # fp8 rounding may flip a near-tie, but not most continuations
+    params = SamplingParams(max_tokens=1, logprobs=True)
+    pairs = list(zip(fp8.generate(prompts[:8], params), ref.generate(prompts[:8], params)))
+    agree = [(a.logprobs[0], b.logprobs[0]) for a, b in pairs if a.token_ids == b.token_ids]
+    assert len(agree) >= 6
+    assert all(abs(x - y) < 0.25 for x, y in agree)

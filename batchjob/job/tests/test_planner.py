@@ -1,4 +1,5 @@
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchjob.job.planner import Planner
 from batchjob.job.prompt import PromptBuilder

@@ -1,12 +1,14 @@
 """The runner end to end on the fake engine: fast, so every path of a run is covered here."""
 import json
+import os
+import signal
 
 import pyarrow.parquet as pq
 import pytest
 
 from batchjob.job.reader import InputError
-from batchjob.job.spec import JobFileError
 from batchjob.job.runner import EXIT_OK, EXIT_ROW_ERRORS, run_job
+from batchjob.job.spec import JobFileError
 from batchjob.job.state import StateError
 from batchjob.job.tests.helpers import SAMPLE_DATA, documents, fake_factory, make_job, write_jsonl, write_parquet
 
@@ -16,6 +18,8 @@ def reversed_words(text: str, max_tokens: int = 64) -> str:
 
 
 def results(out) -> dict:
+    if not list((out / "data").glob("*.parquet")):
+        return {}
     table = pq.read_table(out / "data")
     assert len(set(table.column("id").to_pylist())) == table.num_rows, "an id was written twice"
     return {r["id"]: r for r in table.to_pylist()}
@@ -74,6 +78,14 @@ def test_a_second_signal_drops_the_requests_in_flight(tmp_path, docs, progress):
     assert len(committed) == 5 and {r["finish_reason"] for r in committed.values()} == {"stop"}
     assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
     assert len(results(tmp_path / "out")) == 23
+
+
+def test_a_signal_during_the_model_load_stops_before_any_work(tmp_path, docs, progress):
+    def interrupted_load(job):
+        os.kill(os.getpid(), signal.SIGINT)
+        return fake_factory()(job)
+    assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=interrupted_load) == 130
+    assert results(tmp_path / "out") == {} and progress.messages[-1].startswith("interrupted: 0 of 23")
 
 
 def test_at_the_end_of_the_grace_the_requests_in_flight_are_dropped(tmp_path, docs, progress):

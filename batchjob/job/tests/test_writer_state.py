@@ -9,7 +9,8 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchjob.job.lock import LockHeld
 from batchjob.job.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
