@@ -74,5 +74,31 @@ def bench(model, num_prompts, input_len, output_len, range_ratio, prefix_len, sy
             json.dump(report, f, indent=2)
 
 
+@main.command()
+@click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]))
+@click.option("--small", is_flag=True, help="tiny shapes (implied on a CPU, where the Triton interpreter runs)")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--num-prompts", default=512, show_default=True, type=click.IntRange(min=1))
+def selftest(device, small, model, num_prompts) -> None:
+    """Every Triton kernel against its torch reference, then an engine throughput run with the kernels."""
+    import os
+    import sys
+
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports kernels.*
+    from batchjob.bench import format_report, run_bench, synthetic
+    from batchjob.engine import Engine
+    from batchjob.model_loader import resolve_model
+    from kernels.selftest import format_table, run_selftest
+
+    rows = run_selftest(device, small=small or device == "cpu")
+    click.echo(format_table(rows))
+    engine = Engine(model, device=device, ops_backend="triton")
+    n = num_prompts if device == "cuda" else 4
+    wl = synthetic(engine.model_config.vocab_size, n, 256 if device == "cuda" else 16, 64 if device == "cuda" else 4)
+    click.echo(format_report(run_bench(engine, resolve_model(model), wl, ["engine"], 1, 1, 1)))
+    sys.exit(0 if all(r["passed"] for r in rows) else 1)
+
+
 if __name__ == "__main__":
     main()
