@@ -3,13 +3,19 @@ from __future__ import annotations
 
 import click
 
-from batchjob.model_loader import DEFAULT_MODEL
+from batchjob.job.cli import plan, run, status
+from batchjob.models import DEFAULT_MODEL
 
 
 @click.group()
 @click.version_option(package_name="batchjob")
 def main() -> None:
     """Offline LLM batch inference: continuous batching, paged KV cache, resumable Parquet output."""
+
+
+main.add_command(run)
+main.add_command(plan)
+main.add_command(status)
 
 
 @main.command()

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 from batchjob.block_manager import BlockManager
 from batchjob.config import EngineConfig
-from batchjob.model_loader import DEFAULT_MODEL, load_model
+from batchjob.model_loader import load_model
+from batchjob.models import DEFAULT_MODEL
 from batchjob.model_runner import ModelRunner
 from batchjob.outputs import RequestOutput, StepMetrics
 from batchjob.sampler import Sampler
@@ -38,6 +39,7 @@ class Engine:
         self._step_callbacks: list[Callable[[StepMetrics], None]] = []
         self._arrivals = itertools.count()
         self._aborting = False
+        self._aborting_waiting = False
         self.step_count = 0
         self.last_step: StepMetrics | None = None
 
@@ -72,6 +74,9 @@ class Engine:
             if self._aborting:
                 yield from self._abort_in_flight()
                 return
+            if self._aborting_waiting:
+                self._aborting_waiting = False
+                yield from self._abort_waiting()
             if not self.scheduler.has_work():
                 if exhausted:
                     return
@@ -81,6 +86,10 @@ class Engine:
     def abort_all(self) -> None:
         """Ends the current stream: in-flight requests come out with finish_reason "abort"."""
         self._aborting = True
+
+    def abort_waiting(self) -> None:
+        """Queued requests that hold no KV blocks come out with finish_reason "abort"; running ones go on."""
+        self._aborting_waiting = True
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _wants_more(self) -> bool:
@@ -161,6 +170,9 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq, "abort")
             yield self._output(seq)
+        yield from self._abort_waiting()
+
+    def _abort_waiting(self) -> Iterator[RequestOutput]:
         while self.scheduler.waiting:
             seq = self.scheduler.waiting.popleft()
             seq.finish_reason = "abort"

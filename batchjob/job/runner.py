@@ -153,6 +153,7 @@ class JobRun:
         self.writer.flush_if_due()
         if self.stopper.signum is not None and not self.stop_committed:
             self.stop_committed = True
+            self.engine.abort_waiting()  # the grace is for requests already running, not the queue
             self.writer.flush()  # commit what is finished now, in case a kill -9 follows the signal
             self.progress.message(f"stopping: {len(self.in_flight)} requests in flight get up to "
                                   f"{self.stopper.grace:g} s to finish (signal again to drop them now)")

@@ -15,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batchjob.config import EngineConfig
 from batchjob.job.writer import RESULT_COLUMNS
+from batchjob.models import DEFAULT_MODEL
 from batchjob.sampling_params import SamplingParams
 
-DEFAULT_MODEL = "smollm2-135m-instruct"  # model_loader.DEFAULT_MODEL, which imports torch to be read
+
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
 

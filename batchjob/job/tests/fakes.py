@@ -45,6 +45,9 @@ class FakeEngine:
     def abort_all(self) -> None:
         self._aborting = True
 
+    def abort_waiting(self) -> None:
+        """Every request this fake has pulled is running: none waits."""
+
     def stream(self, requests):
         source, running, exhausted, emitted = iter(requests), [], False, 0
         self._aborting = False
