@@ -21,6 +21,20 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
 
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables, slot_mapping,
+              device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """From host lists; block_tables and slot_mapping may be lists or tensors."""
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        return cls(query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                   block_tables=torch.as_tensor(block_tables, dtype=torch.int32).to(device),
+                   slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device),
+                   max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+                   query_lens_host=list(query_lens), seq_lens_host=list(seq_lens))
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)

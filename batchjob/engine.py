@@ -24,8 +24,9 @@ class Engine:
         self.config = EngineConfig(**config)
         loaded = load_model(model)
         self.model_config, self.tokenizer, self.model_digest = loaded.config, loaded.tokenizer, loaded.digest
+        # Within a sliding window attention is plain causal attention, so capping the context keeps results exact.
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+                                 loaded.config.max_position_embeddings, loaded.config.sliding_window or 1 << 30)
         self.runner = ModelRunner(self.config, loaded)
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.num_kv_blocks = self.runner.num_blocks

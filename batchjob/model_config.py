@@ -27,6 +27,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict | None = None
+    sliding_window: int | None = None  # Mistral v0.1; the engine caps the context to it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -61,6 +62,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases; Llama says so in its config.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )

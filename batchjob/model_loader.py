@@ -166,6 +166,9 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     hidden = g("embedding_length")
+    # llama3 scaling comes as a rope_freqs tensor; linear scaling only as these two keys.
+    scaling = g("rope.scaling.type")
+    rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")} if scaling == "linear" else None
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch], vocab_size=g("vocab_size") or 0, hidden_size=hidden,
@@ -173,7 +176,7 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
         num_attention_heads=heads, num_key_value_heads=g("attention.head_count_kv", heads),
         head_dim=g("attention.key_length") or hidden // heads, rms_norm_eps=g("attention.layer_norm_rms_epsilon"),
         rope_theta=float(g("rope.freq_base", 10000.0)), max_position_embeddings=g("context_length", 4096),
-        tie_word_embeddings=not has_output, attention_bias=arch == "qwen2",
+        tie_word_embeddings=not has_output, attention_bias=arch == "qwen2", rope_scaling=rope_scaling,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=(eos,) if eos is not None else (),
     )
 

@@ -91,12 +91,7 @@ class ModelRunner:
         n, bs = self.config.max_num_batched_tokens, self.block_size
         blocks = -(-n // bs)
         probe = self._make_caches(blocks)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
-            slot_mapping=torch.arange(n, device=self.device),
-            max_query_len=n, max_seq_len=n, query_lens_host=[n], seq_lens_host=[n])
+        meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), self.device)
         with torch.inference_mode():
             self.model.compute_logits(self.model.forward(torch.zeros(n, dtype=torch.long, device=self.device),
                                                          torch.arange(n, device=self.device), meta, probe))
@@ -124,15 +119,7 @@ class ModelRunner:
         max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
         tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq, _ in out.scheduled]
         dev = self.device
-        qsl = [0]
-        for q in qlens:
-            qsl.append(qsl[-1] + q)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            max_query_len=max(qlens), max_seq_len=max(seq_lens), query_lens_host=qlens, seq_lens_host=seq_lens)
+        meta = AttentionMetadata.build(qlens, seq_lens, tables, slots, dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
 

@@ -92,16 +92,7 @@ def make_attention_case(specs: list[tuple[int, int]], *, heads: int, kv_heads: i
         step_idx.append(torch.arange(at + p, at + p + n))
         at += p + n
     step_idx_t = torch.cat(step_idx).to(device)
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        slot_mapping=step_slots.to(device),
-        max_query_len=max(q_lens + [0]), max_seq_len=max(seq_lens + [0]),
-        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, step_slots, device)
     return AttentionCase(q, k_cache, v_cache, k_scale, v_scale, meta, head_dim ** -0.5,
                          k_all[step_idx_t], v_all[step_idx_t])
 

@@ -60,18 +60,14 @@ def oracle_prompts(loaded) -> list[list[dict]]:
     return [chat_messages(q) for q in questions] + picks
 
 
-def last_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Our model's logits at the last position of one sequence, through a fresh paged cache."""
+def forward_logits(model, ids: list[int], last_only: bool = True, block_size: int = 16) -> torch.Tensor:
+    """Our model's logits for one sequence through a fresh paged cache: the last row, or every row."""
     c = model.config
     n = len(ids)
     blocks = -(-n // block_size)
     caches = [tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim) for _ in range(2))
               for _ in range(c.num_hidden_layers)]
-    meta = AttentionMetadata(query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
-                             slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
-                             query_lens_host=[n], seq_lens_host=[n])
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)))
     with torch.inference_mode():
         hidden = model.forward(torch.tensor(ids), torch.arange(n), meta, caches)
-        return model.compute_logits(hidden[-1:])[0]
+        return model.compute_logits(hidden[-1] if last_only else hidden)

@@ -7,7 +7,7 @@ import torch
 from batchjob import ops
 from batchjob.model import LlamaModel
 from batchjob.sampling_params import SamplingParams
-from tests.conftest import last_logits
+from tests.conftest import forward_logits
 
 
 def _hf_ids(hf_tokenizer, messages) -> list[int]:
@@ -49,7 +49,7 @@ def test_logits_and_greedy_continuation_match_transformers(loaded, engine, hf_or
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2,
                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                     return_dict_in_generate=True, output_logits=True)
-        diff = (last_logits(model, ids) - ref.logits[0][0].float()).abs().max().item()
+        diff = (forward_logits(model, ids) - ref.logits[0][0].float()).abs().max().item()
         assert diff <= 1e-3, f"prompt of {len(ids)} tokens: logits differ by {diff}"
         assert out.token_ids == ref.sequences[0, len(ids):].tolist(), f"prompt of {len(ids)} tokens"
 

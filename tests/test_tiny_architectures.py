@@ -12,11 +12,10 @@ transformers = pytest.importorskip("transformers", reason="the oracle needs the 
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from batchjob import ops  # noqa: E402
-from batchjob.attention_metadata import AttentionMetadata  # noqa: E402
 from batchjob.model import LlamaModel  # noqa: E402
 from batchjob.model_loader import load_model  # noqa: E402
 from batchjob.sampling_params import SamplingParams  # noqa: E402
-from tests.conftest import last_logits  # noqa: E402
+from tests.conftest import forward_logits  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -97,21 +96,6 @@ def build(case: str, folder, tokenizer_json: str):
     return model
 
 
-def all_logits(model: LlamaModel, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Like conftest.last_logits, but every position's row."""
-    c, n = model.config, len(ids)
-    blocks = -(-n // block_size)
-    caches = [tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim) for _ in range(2))
-              for _ in range(c.num_hidden_layers)]
-    meta = AttentionMetadata(query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
-                             slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
-                             query_lens_host=[n], seq_lens_host=[n])
-    with torch.inference_mode():
-        return model.compute_logits(model.forward(torch.tensor(ids), torch.arange(n), meta, caches))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     hf = build(case, tmp_path, tokenizer_json)
@@ -144,10 +128,10 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0].float()
         assert ref[-1].std() > 0.3, "logits too flat to compare"
-        diff = (last_logits(ours, ids) - ref[-1]).abs().max().item()
+        diff = (forward_logits(ours, ids) - ref[-1]).abs().max().item()
         assert diff <= 1e-4, f"{case}, {n} tokens: last logits differ by {diff}"
         if n == LENGTHS[-1]:
-            diff = (all_logits(ours, ids) - ref).abs().max().item()
+            diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
             assert diff <= 1e-4, f"{case}, {n} tokens: some position's logits differ by {diff}"
 
 
