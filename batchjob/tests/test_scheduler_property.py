@@ -72,3 +72,35 @@ def test_scheduler_invariants(seed, num_blocks, block_size, max_num_seqs, budget
     assert bm.num_free_blocks == num_blocks
     for s in seqs:
         assert s.num_output_tokens == s.max_tokens and s.length_capped == (s.max_tokens < s.params.max_tokens)
+
+
+def drive(sched: Scheduler, rng: random.Random, steps: int) -> None:
+    for _ in range(steps):
+        if not sched.has_work():
+            return
+        out = sched.schedule()
+        for s in sched.advance(out):
+            s.token_ids.append(rng.randrange(50))
+            if s.num_output_tokens >= s.max_tokens:
+                sched.finish(s, "length")
+
+
+def test_preemption_rate_throttles_admission_then_relaxes_and_elastic_caps_waiting_requests():
+    rng = random.Random(0)
+    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, block_size=4, kv_watermark=1.0,
+                       preemption_rate_threshold=1.0, elastic_compression=True, elastic_max_tokens_floor=3)
+    bm = BlockManager(24, 4, enable_prefix_caching=False)
+    sched = Scheduler(cfg, bm)
+    seqs = [Sequence(Request(str(i), [rng.randrange(50) for _ in range(6)], SamplingParams(max_tokens=40)), i)
+            for i in range(40)]
+    for s in seqs:
+        sched.add(s)
+    drive(sched, rng, 60)
+    assert sched.num_preemptions_total > 0 and sched.throttle > 0
+    assert sched.effective_watermark < cfg.kv_watermark
+    assert any(s.length_capped and s.max_tokens == 3 for s in seqs)
+    drive(sched, rng, 100000)
+    assert not sched.has_work()
+    for _ in range(200):  # idle steps: no preemptions, so the rate falls and the throttle relaxes
+        sched.schedule()
+    assert sched.throttle == 0 and sched.preemption_rate == 0
