@@ -16,8 +16,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is not None:
         x = x + residual
         residual = x
-    xf = x.float()
-    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    # Normalise in fp32 and round before the weight, as HF's LlamaRMSNorm does.
+    out = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
     return out if residual is None else (out, residual)
 
 
@@ -109,8 +109,11 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, 
         mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
         mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
         mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
-        qb = q.new_zeros(len(group), max_q, h, d)
-        qb[valid_q] = q[rows]
+        if max_q == 1:
+            qb = q[rows].unsqueeze(1)
+        else:
+            qb = q.new_zeros(len(group), max_q, h, d)
+            qb[valid_q] = q[rows]
         # [B, max_q, KVH, G, D] -> [B, KVH, max_q * G, D]: rows of one KV head are (query row, head in group).
         qb = qb.view(len(group), max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(len(group), kvh, max_q * g, d)
         mask = mask.repeat_interleave(g, dim=1).unsqueeze(1)

@@ -36,18 +36,21 @@ def _fail(message: str, code: int):
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--restart", is_flag=True, help="Discard the output folder's earlier results and start over.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Where the engines run: this process, or Ray workers (the job file's `ray:` section); "
+                   "default: the job file's `executor`.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="Periodic log lines (used when stdout is not a terminal, and always with json).")
 @click.option("--log-interval", type=float, default=10.0, show_default=True, help="Seconds between log lines.")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="On SIGINT/SIGTERM, seconds that requests in flight get to finish before they are dropped.")
-def run(job_file: str, overrides: tuple[str, ...], restart: bool, log_format: str, log_interval: float,
-        grace: float) -> None:
+def run(job_file: str, overrides: tuple[str, ...], restart: bool, executor: str | None, log_format: str,
+        log_interval: float, grace: float) -> None:
     """Run JOB_FILE: read its input, generate, and commit results to its output folder; resumes by itself.
 
     Exit codes: 0 all rows done; 2 usage, job-file or input error; 3 finished but some rows failed (with
     fail_on_row_errors); 75 another run holds the output folder; 130/143 interrupted, resumable."""
-    job = _load(job_file, overrides)
+    job = _load(job_file, overrides + ((f"executor={executor}",) if executor else ()))
     progress = (RichProgress() if sys.stdout.isatty() and log_format == "text"
                 else LogProgress(interval=log_interval, json_lines=log_format == "json"))
     try:

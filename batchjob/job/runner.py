@@ -4,6 +4,7 @@ Exit codes (README): 0 all rows done; 2 usage, job-file or input error; 3 finish
 fail_on_row_errors); 75 another run holds the output folder; 130 / 143 interrupted by SIGINT / SIGTERM, resumable."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import signal
@@ -17,7 +18,8 @@ from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import OPENAI_OUTPUT, STAGED, Committed, OutputDir, now_iso
-from batchjob.job.writer import PartWriter, sort_parts, write_atomic, write_openai_output
+from batchjob.job.writer import (PartWriter, failed_row, result_rows, sort_parts, write_atomic,
+                                 write_openai_output)
 from batchjob.outputs import RequestOutput, StepMetrics
 
 EXIT_OK, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_LOCKED = 0, 2, 3, 75
@@ -43,6 +45,10 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
     return json.loads(json.dumps(fp))  # as it reads back from _job.json, for comparing
 
 
+class Interrupted(Exception):
+    """A signal came during Stopper.interruptible()."""
+
+
 class Stopper:
     """SIGINT/SIGTERM: stop admitting work; requests in flight get `grace` seconds to finish, and the end of the grace
     or a second signal drops the rest (uncommitted, so they run again on resume)."""
@@ -52,6 +58,7 @@ class Stopper:
         self.signum: int | None = None
         self.count = 0
         self.since = 0.0
+        self.interrupt = False
 
     def __enter__(self) -> "Stopper":
         self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
@@ -65,6 +72,19 @@ class Stopper:
         if self.signum is None:
             self.signum, self.since = signum, time.monotonic()
         self.count += 1
+        if self.interrupt:
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Within it a signal also raises Interrupted, to leave a blocking wait that cannot look at the flag."""
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+        self.interrupt = True
+        try:
+            yield
+        finally:
+            self.interrupt = False
 
     @property
     def drop_in_flight(self) -> bool:
@@ -74,11 +94,15 @@ class Stopper:
 def run_job(job: JobSpec, progress: Progress, *, restart: bool = False, grace: float = 10.0,
             engine_factory: Callable[[JobSpec], object] = load_engine) -> int:
     """The exit code of a run that got going; LockHeld, InputError, StateError and JobFileError when it cannot."""
+    run_class = JobRun
+    if job.executor == "ray":
+        from batchjob.job.ray_executor import RayJobRun  # Ray is an optional extra, imported only when asked for
+        run_class = RayJobRun
     out = OutputDir(job.output.path)
     with out.lock() as lock, Stopper(grace) as stopper:
         if lock.stale and lock.stale.get("pid"):
             progress.message(f"took over the lock of a run that is gone ({describe(lock.stale)})")
-        return JobRun(job, out, progress, stopper, engine_factory).run(restart)
+        return run_class(job, out, progress, stopper, engine_factory).run(restart)
 
 
 class JobRun:
@@ -117,13 +141,10 @@ class JobRun:
     def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
         job, out = self.job, self.out
         self.engine = self.engine_factory(job)
-        fp["model_digest"] = self.engine.model_digest
-        out.check_fingerprint(fp, keys=["model_digest"])
+        self._check_model(fp, self.engine.model_digest)
         builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
         builder.check()
-        meta = out.read_job() or {"created": now_iso()}
-        out.write_job({**meta, "fingerprint": fp, "rows_total": scan.total, "job": job.model_dump(mode="json"),
-                       "fingerprint_sha256": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()})
+        self._write_job(fp, scan)
         if self.stopper.signum is not None:  # stopped during the model load: nothing started, nothing to commit
             return
         self.writer = PartWriter(out.data, scan.passthrough_schema, checkpoint_rows=job.output.checkpoint_rows,
@@ -139,6 +160,17 @@ class JobRun:
         finally:
             self.writer.flush()
             self.progress.close()
+
+    def _check_model(self, fp: dict, model_digest: str) -> None:
+        fp["model_digest"] = model_digest
+        self.out.check_fingerprint(fp, keys=["model_digest"])
+
+    def _write_job(self, fp: dict, scan: Scan) -> None:
+        """Record the job before its first part is committed, so that every part belongs to a known job."""
+        meta = self.out.read_job() or {"created": now_iso()}
+        self.out.write_job({**meta, "fingerprint": fp, "rows_total": scan.total,
+                            "job": self.job.model_dump(mode="json"),
+                            "fingerprint_sha256": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()})
 
     def _requests(self, works: Iterable[Work]) -> Iterator:
         from batchjob.engine import Request
@@ -165,20 +197,13 @@ class JobRun:
         work = self.in_flight.pop(output.request_id)
         if output.finish_reason == "abort":
             return  # not committed, so it runs again on resume
-        m = output.metrics
-        for k, row in enumerate(work.rows):
-            self.writer.add({
-                **row.passthrough, "id": row.id, "output": output.text, "finish_reason": output.finish_reason,
-                "prompt_tokens": len(work.token_ids), "output_tokens": len(output.token_ids),
-                # A duplicate reuses the whole computed result, its prompt included.
-                "cached_tokens": len(work.token_ids) if k else output.num_cached_tokens,
-                "truncated": work.truncated, "error": output.error, "row_index": row.index,
-                "queue_time_s": m and m.queue_time, "ttft_s": m and m.ttft, "total_time_s": m and m.total_time})
+        for record in result_rows(work, output):
+            self.writer.add(record)
         self.progress.rows(len(work.rows), output_tokens=len(output.token_ids),
                            prompt_tokens=len(work.token_ids) - output.num_cached_tokens)
 
     def _row_failed(self, row: Row, error: str) -> None:
-        self.writer.add({**row.passthrough, "id": row.id, "error": error, "row_index": row.index})
+        self.writer.add(failed_row(row, error))
         self.progress.rows(1)
 
     def _finish(self, committed: Committed, total: int, wall_time: float) -> int:

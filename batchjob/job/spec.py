@@ -85,14 +85,27 @@ class OutputSpec(_Section):
     rows_per_file: int = Field(100_000, ge=1, description="rows per final file when order is 'input'")
 
 
+class RaySpec(_Section):
+    """Where and how wide a run with `executor: ray` goes."""
+    address: str | None = Field(None, description="a running cluster ('auto', 'ray://host:10001'); default: "
+                                                  "$RAY_ADDRESS if set, else a local instance on this machine")
+    num_workers: int = Field(1, ge=1, description="actors, each loading the model once and holding one engine")
+    num_cpus_per_worker: float = Field(1.0, gt=0)
+    num_gpus_per_worker: float = Field(0.0, ge=0)
+    shard_rows: int = Field(256, ge=1, description="rows a worker takes at a time: the planner orders within a "
+                                                    "shard, and a shard's results are committed when it is done")
+
+
 class JobSpec(_Section):
     model: str = DEFAULT_MODEL
+    executor: Literal["local", "ray"] = Field("local", description="'ray': scale out over Ray Data actors")
     input: InputSpec
     prompt: PromptSpec = Field(default_factory=PromptSpec)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     output: OutputSpec
+    ray: RaySpec = Field(default_factory=RaySpec)
     fail_on_row_errors: bool = False
 
     @model_validator(mode="after")

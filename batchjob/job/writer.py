@@ -33,6 +33,27 @@ RESULT_SCHEMA = pa.schema([
 RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
 
 
+def result_rows(work, output) -> list[dict]:
+    """The output rows of a finished planner Work: one per input row it stands for, duplicates included."""
+    m = output.metrics
+    return [{**row.passthrough, "id": row.id, "output": output.text, "finish_reason": output.finish_reason,
+             "prompt_tokens": len(work.token_ids), "output_tokens": len(output.token_ids),
+             # A duplicate reuses the whole computed result, its prompt included.
+             "cached_tokens": len(work.token_ids) if k else output.num_cached_tokens,
+             "truncated": work.truncated, "error": output.error, "row_index": row.index,
+             "queue_time_s": m and m.queue_time, "ttft_s": m and m.ttft, "total_time_s": m and m.total_time}
+            for k, row in enumerate(work.rows)]
+
+
+def failed_row(row, error: str) -> dict:
+    """The output row of an input row that never reached the engine."""
+    return {**row.passthrough, "id": row.id, "error": error, "row_index": row.index}
+
+
+def result_schema(passthrough: pa.Schema) -> pa.Schema:
+    return pa.schema([*RESULT_SCHEMA, *passthrough])
+
+
 def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
@@ -64,7 +85,7 @@ class PartWriter:
 
     def __init__(self, folder: Path, passthrough: pa.Schema, *, checkpoint_rows: int, checkpoint_seconds: float,
                  next_part: int):
-        self.folder, self.schema = folder, pa.schema([*RESULT_SCHEMA, *passthrough])
+        self.folder, self.schema = folder, result_schema(passthrough)
         self.checkpoint_rows, self.checkpoint_seconds = checkpoint_rows, checkpoint_seconds
         self.next_part = next_part
         self.buffer: list[dict] = []

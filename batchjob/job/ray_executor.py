@@ -1,0 +1,142 @@
+"""`executor: ray`: the job's rows in shards through Ray Data actors that each hold one engine.
+
+The driver does what a local run does around the work (lock, fingerprint, resume, bad rows, the final files) and is
+the only writer of the output folder: a worker returns each shard's result rows and the driver commits them as the
+parts a local run writes. So the layout, resume, `status` and `_SUCCESS` are a local run's, the workers need no
+access to the output folder, and a shard that Ray redoes because its worker died is committed once."""
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchjob.job.planner import Planner
+from batchjob.job.prompt import PromptBuilder
+from batchjob.job.reader import InputSource, Row, Scan
+from batchjob.job.runner import Interrupted, JobRun
+from batchjob.job.spec import JobFileError, JobSpec, RaySpec
+from batchjob.job.state import Committed, StateError
+from batchjob.job.writer import PartWriter, failed_row, result_rows, result_schema
+
+try:
+    import ray
+    import ray.data
+except ImportError:
+    raise JobFileError("executor: 'ray' needs Ray, an optional extra: pip install 'batchjob[ray]' "
+                       "(or pip install 'ray[data]')") from None
+
+ROW = "row"  # the one column of an input shard: each Row pickled as the local reader made it
+DIGEST = b"model_digest"  # result schema metadata: the model a worker ran, for the job's fingerprint
+
+
+class EngineWorker:
+    """A Ray Data actor: loads the model once, then turns shards of rows into result rows, in the planner's order."""
+
+    def __init__(self, job: JobSpec, passthrough: pa.Schema, engine_factory):
+        self.job = job
+        self.engine = engine_factory(job)
+        self.builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
+        self.builder.check()
+        self.schema = result_schema(passthrough).with_metadata({DIGEST: self.engine.model_digest})
+
+    def __call__(self, shard: pa.Table) -> pa.Table:
+        from batchjob.engine import Request
+        job, records, works = self.job, [], {}
+        planner = Planner(self.builder, job.sampling, sort_window=job.schedule.sort_window,
+                          dedupe=job.schedule.dedupe, block_size=self.engine.config.block_size,
+                          on_error=lambda row, error: records.append(failed_row(row, error)))
+
+        def requests() -> Iterator[Request]:
+            for work in planner.works(pickle.loads(b) for b in shard.column(ROW).to_pylist()):
+                works[work.request_id] = work
+                yield Request(work.request_id, work.token_ids, work.params)
+        for output in self.engine.stream(requests()):
+            records += result_rows(works.pop(output.request_id), output)
+        return pa.Table.from_pylist(records, schema=self.schema)
+
+
+class RayJobRun(JobRun):
+    """A run whose generation is spread over Ray workers; everything before and after it is the local run's."""
+
+    def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
+        started = connect(self.job.ray)
+        try:
+            self._run_shards(source, scan, committed, fp)
+        finally:
+            if started:
+                ray.shutdown()
+
+    def _run_shards(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
+        job, spec = self.job, self.job.ray
+        shards = to_shards((row for row in source.rows() if row.id not in committed.ids), spec.shard_rows)
+        results = iter(ray.data.from_arrow_refs(shards).map_batches(
+            EngineWorker, fn_constructor_kwargs={"job": job, "passthrough": scan.passthrough_schema,
+                                                 "engine_factory": self.engine_factory},
+            batch_size=spec.shard_rows, batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
+            num_cpus=spec.num_cpus_per_worker, num_gpus=spec.num_gpus_per_worker,
+        ).iter_batches(batch_size=None, batch_format="pyarrow"))
+        self.writer = PartWriter(self.out.data, scan.passthrough_schema, checkpoint_rows=job.output.checkpoint_rows,
+                                 checkpoint_seconds=job.output.checkpoint_seconds,
+                                 next_part=self.out.next_part_number())
+        self.progress.start(scan.total, committed.rows)
+        try:
+            while True:
+                try:
+                    # Waiting on Ray can take a shard's time; a signal ends the wait, and the shards in flight
+                    # (uncommitted) run again on resume.
+                    with self.stopper.interruptible():
+                        table = next(results, None)
+                except Interrupted:
+                    return
+                if table is None:
+                    return
+                self._commit(table, scan, committed.ids, fp)
+        finally:
+            results.close()  # stops the dataset's execution, and so its workers, when the run ends early
+            self.writer.flush()
+            self.progress.close()
+
+    def _commit(self, table: pa.Table, scan: Scan, written: set[str], fp: dict) -> None:
+        digest = table.schema.metadata[DIGEST].decode()
+        if fp["model_digest"] is None:  # the first results: now the model is known, and so is the whole job
+            self._check_model(fp, digest)
+            self._write_job(fp, scan)
+        elif digest != fp["model_digest"]:
+            raise StateError(f"Ray workers run different models (sha256 {fp['model_digest']} and {digest}): "
+                             "the model path must hold the same files on every node")
+        for record in table.to_pylist():
+            # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
+            if record["id"] not in written:
+                written.add(record["id"])
+                self.writer.add(record)
+        self.progress.rows(table.num_rows, output_tokens=_sum(table, "output_tokens"),
+                           prompt_tokens=_sum(table, "prompt_tokens") - _sum(table, "cached_tokens"))
+
+
+def connect(spec: RaySpec) -> bool:
+    """Join the cluster, or start a local instance; True when this run started Ray and so must stop it."""
+    # Our own progress shows rows and tokens; Ray Data's bars and progress lines would interleave with it.
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    if ray.is_initialized():
+        return False  # the caller's own Ray (a notebook, a test), used as it is
+    ray.init(address=spec.address, logging_level=logging.WARNING)
+    return True
+
+
+def to_shards(rows: Iterable[Row], size: int) -> list:
+    """The rows in input order, `size` a shard, each put into Ray's object store as one block. The driver holds one
+    shard at a time, and workers get rows exactly as the local reader made them, bad rows and all."""
+    rows, shards = iter(rows), []
+    while chunk := list(itertools.islice(rows, size)):
+        shards.append(ray.put(pa.table({ROW: pa.array([pickle.dumps(row) for row in chunk], pa.large_binary())})))
+    return shards
+
+
+def _sum(table: pa.Table, column: str) -> int:
+    return pc.sum(table.column(column)).as_py() or 0
