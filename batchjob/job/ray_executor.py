@@ -12,7 +12,6 @@ import pickle
 from typing import Iterable, Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from batchjob.job.planner import Planner
 from batchjob.job.prompt import PromptBuilder
@@ -109,13 +108,13 @@ class RayJobRun(JobRun):
         elif digest != fp["model_digest"]:
             raise StateError(f"Ray workers run different models (sha256 {fp['model_digest']} and {digest}): "
                              "the model path must hold the same files on every node")
-        for record in table.to_pylist():
-            # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
-            if record["id"] not in written:
-                written.add(record["id"])
-                self.writer.add(record)
-        self.progress.rows(table.num_rows, output_tokens=_sum(table, "output_tokens"),
-                           prompt_tokens=_sum(table, "prompt_tokens") - _sum(table, "cached_tokens"))
+        # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
+        fresh = [record for record in table.to_pylist() if record["id"] not in written]
+        for record in fresh:
+            written.add(record["id"])
+            self.writer.add(record)
+        self.progress.rows(len(fresh), output_tokens=sum(r["output_tokens"] or 0 for r in fresh),
+                           prompt_tokens=sum((r["prompt_tokens"] or 0) - (r["cached_tokens"] or 0) for r in fresh))
 
 
 def connect(spec: RaySpec) -> bool:
@@ -136,7 +135,3 @@ def to_shards(rows: Iterable[Row], size: int) -> list:
     while chunk := list(itertools.islice(rows, size)):
         shards.append(ray.put(pa.table({ROW: pa.array([pickle.dumps(row) for row in chunk], pa.large_binary())})))
     return shards
-
-
-def _sum(table: pa.Table, column: str) -> int:
-    return pc.sum(table.column(column)).as_py() or 0
