@@ -3,10 +3,14 @@ rounds so that machine drift cancels, reported as ratios to this engine.
 
 Systems: `engine` (continuous batching); `static` (the seed's fixed batch: prompts padded to the batch's longest,
 the whole batch decoded until its longest request is done, then the next batch; it reproduces padding's cost, not
-its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vllm` and `llama-cpp` when installed."""
+its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vllm` and `llama-cpp` when installed.
+The sweep instead runs this engine at several fixed token budgets and at `auto` (token_budget.py).
+
+Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real rows, prompts and sampling."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import random
 import statistics
 import time
@@ -46,6 +50,27 @@ def synthetic(vocab_size: int, num_prompts: int, input_len: int, output_len: int
     return Workload(reqs, name)
 
 
+def job_workload(job, engine: Engine, num_rows: int | None = None) -> Workload:
+    """A job's first `num_rows` input rows (all by default) as the job runner would send them: its reader, prompt
+    builder and planner (order, dedupe, per-row sampling overrides); rows that fail before the model are left out."""
+    from batchjob.job.planner import Planner
+    from batchjob.job.prompt import PromptBuilder
+    from batchjob.job.reader import InputSource
+
+    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
+    builder.check()
+    failed = []
+    planner = Planner(builder, job.sampling, sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe,
+                      block_size=engine.config.block_size, on_error=lambda row, error: failed.append(row))
+    rows = list(itertools.islice(InputSource(job).rows(), num_rows))
+    reqs = [Request(w.request_id, w.token_ids, w.params) for w in planner.works(rows)]
+    if not reqs:
+        raise ValueError(f"{job.input.path}: none of its first {len(rows)} rows makes a request")
+    name = (f"job {job.input.path}: {len(rows)} rows, {len(reqs)} requests ({len(failed)} rows fail before the "
+            f"model), max_tokens {job.sampling.max_tokens}")
+    return Workload(reqs, name)
+
+
 @dataclass
 class Result:
     system: str
@@ -63,6 +88,7 @@ class Result:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     decode_steps: int = 0
+    token_budget: int | None = None  # the engine's at the end of the run: what `auto` chose
 
     def row(self) -> dict:
         d = dict(self.__dict__)
@@ -94,6 +120,7 @@ def _collect(engine: Engine) -> list[StepMetrics]:
     steps: list[StepMetrics] = []
     engine._step_callbacks = [steps.append]
     engine.scheduler.prefix_queries = engine.scheduler.prefix_hits = 0
+    engine.block_manager.reset_prefix_cache()  # each run starts cold, not with the previous run's prompts cached
     return steps
 
 
@@ -101,7 +128,9 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     steps = _collect(engine)
     t0 = time.perf_counter()
     outs = list(engine.stream(wl.requests))
-    return _summarize(system, time.perf_counter() - t0, wl, sum(len(o.token_ids) for o in outs), steps)
+    result = _summarize(system, time.perf_counter() - t0, wl, sum(len(o.token_ids) for o in outs), steps)
+    result.token_budget = engine.token_budget
+    return result
 
 
 def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
@@ -238,7 +267,7 @@ def roofline(engine: Engine, result: Result) -> dict:
     per_token = model_flops_per_token(engine)
     out = {}
     for phase, tokens, secs, rows in (("prefill", result.prefill_tokens, result.prefill_time,
-                                       engine.config.max_num_batched_tokens),
+                                       engine.token_budget),
                                       ("decode", result.decode_tokens, result.decode_time,
                                        max(1, round(result.decode_tokens / max(1, result.decode_steps))))):
         if not tokens or not secs:
@@ -282,13 +311,65 @@ def run_bench(engine: Engine, model_path, wl: Workload, systems: list[str], batc
     rows = [results[s].row() for s in systems]
     base = results.get("engine")
     for row in rows:
-        row["ratio_to_engine"] = (row["total_tokens_per_s"] / base.row()["total_tokens_per_s"]) if base else None
+        # By requests/s, i.e. wall time on the same requests: the baselines decode every request to max_tokens, so
+        # on a workload that stops at EOS their token counts would credit them with tokens the engine never needed.
+        row["ratio_to_engine"] = (row["requests_per_s"] / base.row()["requests_per_s"]) if base else None
     report = {"workload": wl.name, "systems": rows, "skipped": skipped, "repeats": repeats,
               "batch_size": batch_size, "threads": threads,
               "engine_config": engine.config.model_dump(), "num_kv_blocks": engine.num_kv_blocks}
     if base:
         report["roofline"] = roofline(engine, base)
     return report
+
+
+def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) -> dict:
+    """The engine at each fixed token budget and at `auto` (a fresh tuner each run, as at the start of a job), in
+    interleaved rounds whose order rotates so that no setting always runs first; medians by wall time."""
+    settings: list[int | str] = [*budgets, "auto"]
+    engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
+    runs: dict[int | str, list[Result]] = {s: [] for s in settings}
+    tuners: list[dict] = []
+    for k in range(repeats):
+        for setting in settings[k % len(settings):] + settings[:k % len(settings)]:
+            engine.set_token_budget(setting)
+            runs[setting].append(run_engine(engine, wl, f"budget {setting}"))
+            if setting == "auto":
+                tuners.append(engine.auto_budget.summary())
+    results = {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
+    rows = [results[s].row() for s in settings]
+    best = max((r for r, s in zip(rows, settings) if s != "auto"), key=lambda r: r["requests_per_s"])
+    for row in rows:
+        row["ratio_to_best_fixed"] = row["requests_per_s"] / best["requests_per_s"]
+    return {"workload": wl.name, "systems": rows, "best_fixed": best["system"],
+            "auto_ratio": rows[-1]["ratio_to_best_fixed"], "auto_tuner": tuners, "repeats": repeats,
+            "budget_cap": engine.budget_cap, "engine_config": engine.config.model_dump(),
+            "num_kv_blocks": engine.num_kv_blocks}
+
+
+def format_sweep(report: dict) -> str:
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"token budget sweep: {report['workload']}")
+    for col in ("setting", "budget used", "wall s", "total tok/s", "out tok/s", "vs best fixed", "mean batch",
+                "KV use", "preempt"):
+        table.add_column(col, justify="right")
+    for r in report["systems"]:
+        table.add_row(r["system"], str(r["token_budget"]), f"{r['wall']:.2f}", f"{r['total_tokens_per_s']:.1f}",
+                      f"{r['output_tokens_per_s']:.1f}", f"{100 * r['ratio_to_best_fixed']:.1f}%",
+                      f"{r['mean_batch']:.1f}", f"{100 * r['mean_kv_usage']:.1f}%", str(r["preemptions"]))
+    buf = StringIO()
+    console = Console(file=buf, width=140)
+    console.print(table)
+    console.print(f"auto reached {100 * report['auto_ratio']:.1f}% of the best fixed budget ({report['best_fixed']}), "
+                  f"median of {report['repeats']} run(s); tuner cap {report['budget_cap']}")
+    for k, t in enumerate(report["auto_tuner"]):
+        rates = ", ".join(f"{b}: {v:,.0f}" for b, v in t["tokens_per_s_by_budget"].items())
+        console.print(f"auto run {k + 1}: ended at {t['budget']} ({'settled' if t['settled'] else 'still probing'}, "
+                      f"{t['moves']} moves); tokens/s by budget {rates}")
+    return buf.getvalue()
 
 
 def format_report(report: dict) -> str:

@@ -95,6 +95,15 @@ class BlockManager:
                 self.block_hash[block], self.block_tokens[block] = parent, chunk
             seq.num_hashed_blocks, seq.last_block_hash = i + 1, parent
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks that no sequence holds, as vLLM's reset_prefix_cache: so that a benchmark's next
+        run over the same prompts computes them again."""
+        for block in self.evictable:
+            del self.hash_to_block[self.block_hash[block]]
+            self.block_hash[block] = self.block_tokens[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+
     def free(self, seq: Sequence) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so they are evicted first.
         for block in reversed(seq.block_table):

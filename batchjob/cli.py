@@ -41,9 +41,22 @@ def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> N
     click.echo(out.text)
 
 
+def _budgets(ctx, param, text: str | None) -> list[int]:
+    try:
+        budgets = [int(b) for b in text.split(",")] if text else []
+    except ValueError:
+        budgets = [0]
+    if any(b < 16 for b in budgets):
+        raise click.BadParameter("expected numbers >= 16 separated by commas")
+    return budgets
+
+
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
-@click.option("--num-prompts", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--job", "job_file", default=None, type=click.Path(dir_okay=False),
+              help="the workload is this job file's rows, prompts, sampling, model and engine settings")
+@click.option("--num-prompts", default=None, type=click.IntRange(min=1),
+              help="synthetic prompts (default 64), or the job's first rows (default all)")
 @click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--range-ratio", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
@@ -55,29 +68,71 @@ def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> N
               help="fixed batch size of the static and hf baselines")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-seqs", default=None, type=int)
-@click.option("--max-num-batched-tokens", default=None, type=int)
+@click.option("--max-num-batched-tokens", default=None, help="a number, or 'auto'")
+@click.option("--sweep-budgets", "budgets", default=None, metavar="N,N,...", callback=_budgets,
+              help="instead of --systems: this engine at each fixed token budget and at 'auto', on the workload")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
-def bench(model, num_prompts, input_len, output_len, range_ratio, prefix_len, systems, batch_size, repeats,
-          max_num_seqs, max_num_batched_tokens, json_path) -> None:
+def bench(model, job_file, num_prompts, input_len, output_len, range_ratio, prefix_len, systems, batch_size, repeats,
+          max_num_seqs, max_num_batched_tokens, budgets, json_path) -> None:
     """Throughput of this engine against baselines on one workload, in one process."""
     import json
 
-    from batchjob.bench import format_report, run_bench, synthetic
+    import pydantic
+
+    from batchjob.bench import format_report, format_sweep, job_workload, run_bench, run_sweep, synthetic
     from batchjob.engine import Engine
+    from batchjob.job.spec import JobFileError, load_job
     from batchjob.model_loader import resolve_model
 
     overrides = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                    ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
-    engine = Engine(model, **overrides)
-    wl = synthetic(engine.model_config.vocab_size, num_prompts, input_len, output_len, range_ratio, prefix_len)
-    import torch
+    if budgets:
+        overrides["max_num_batched_tokens"] = "auto"  # sizes the engine's memory for every budget it may run at
+    job = None
+    if job_file:
+        try:
+            job = load_job(job_file)
+        except JobFileError as e:
+            raise click.ClickException(str(e)) from None
+        model = job.model
+        overrides = {**job.engine.model_dump(exclude_unset=True), **overrides}
+    try:
+        engine = Engine(model, **overrides)
+    except pydantic.ValidationError as e:
+        raise click.ClickException(str(e)) from None
+    if job:
+        wl = job_workload(job, engine, num_prompts)
+    else:
+        wl = synthetic(engine.model_config.vocab_size, num_prompts or 64, input_len, output_len, range_ratio,
+                       prefix_len)
+    if budgets:
+        report = run_sweep(engine, wl, budgets, repeats)
+        click.echo(format_sweep(report))
+    else:
+        import torch
 
-    report = run_bench(engine, resolve_model(model), wl, [s.strip() for s in systems.split(",") if s.strip()],
-                       batch_size, repeats, torch.get_num_threads())
-    click.echo(format_report(report))
+        report = run_bench(engine, resolve_model(model), wl, [s.strip() for s in systems.split(",") if s.strip()],
+                           batch_size, repeats, torch.get_num_threads())
+        click.echo(format_report(report))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
+
+
+@main.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--output-dir", default=None, type=click.Path(file_okay=False), help="default: FOLDER/report")
+def report(folder, output_dir) -> None:
+    """Draw the job output FOLDER: batch size, KV usage and tokens/s over time, TTFT/TPOT, row lengths; PNGs and one
+    self-contained HTML page."""
+    from batchjob.report import render
+
+    try:
+        paths = render(folder, output_dir)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    for path in paths:
+        click.echo(str(path))
 
 
 @main.command()

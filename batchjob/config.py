@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Presets: offline throughput admits until KV is nearly full; latency keeps headroom and smaller steps.
 PROFILES = {
@@ -17,7 +17,8 @@ class EngineConfig(BaseModel):
 
     profile: Literal["throughput", "latency"] = "throughput"
     max_num_seqs: int | None = Field(None, ge=1, description="upper bound on sequences per step")
-    max_num_batched_tokens: int | None = Field(None, ge=16, description="token budget of one step")
+    max_num_batched_tokens: int | Literal["auto"] | None = Field(
+        None, description="token budget of one step, or 'auto' to tune it while running (token_budget.py)")
     max_model_len: int | None = Field(None, ge=16, description="context limit; default the model's")
     block_size: int = Field(16, ge=1, le=256)
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV pool on a CPU; default 2 GiB")
@@ -36,6 +37,16 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     num_threads: int | None = Field(None, ge=1)
     seed: int = 0
+
+    @field_validator("max_num_batched_tokens", mode="before")
+    @classmethod
+    def _budget(cls, value):
+        # One plain message instead of pydantic's error per member of the union.
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 16):
+            return value
+        raise ValueError("expected a whole number >= 16 or 'auto'")
 
     @model_validator(mode="after")
     def _apply_profile(self) -> "EngineConfig":

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from batchjob.block_manager import BlockManager
-from batchjob.config import EngineConfig
+from batchjob.config import PROFILES, EngineConfig
 from batchjob.model_loader import load_model
 from batchjob.models import DEFAULT_MODEL
 from batchjob.model_runner import ModelRunner
@@ -15,6 +15,7 @@ from batchjob.sampler import Sampler
 from batchjob.sampling_params import SamplingParams
 from batchjob.scheduler import Scheduler
 from batchjob.sequence import Request, Sequence
+from batchjob.token_budget import AutoTokenBudget, budget_cap
 
 __all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput"]
 
@@ -27,12 +28,18 @@ class Engine:
         # Within a sliding window attention is plain causal attention, so capping the context keeps results exact.
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, loaded.config.sliding_window or 1 << 30)
-        self.runner = ModelRunner(self.config, loaded)
+        auto = self.config.max_num_batched_tokens == "auto"
+        # With "auto" the runner leaves activation memory for the largest budget the tuner may pick.
+        cap = budget_cap(self.config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.config.model_copy(update={"max_num_batched_tokens": cap}) if auto
+                                  else self.config, loaded)
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.num_kv_blocks = self.runner.num_blocks
+        self.budget_cap = budget_cap(self.config.max_num_seqs, self.max_model_len,
+                                     self.num_kv_blocks * self.config.block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self._auto_budget() if auto else None)
         self.sampler = Sampler(self.config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -84,6 +91,21 @@ class Engine:
                 continue
             yield from self.step()
 
+    @property
+    def token_budget(self) -> int:
+        """The step token budget: the configured one, or the one the tuner holds best so far."""
+        return self.auto_budget.chosen if self.auto_budget else self.config.max_num_batched_tokens
+
+    @property
+    def auto_budget(self) -> AutoTokenBudget | None:
+        """The tuner of `max_num_batched_tokens: auto` (its summary() says what it measured); None if fixed."""
+        return self.scheduler.auto_budget
+
+    def set_token_budget(self, budget: int | str) -> None:
+        """A fixed budget, or "auto" to tune it afresh (as at the start of a run)."""
+        self.config.max_num_batched_tokens = budget
+        self.scheduler.auto_budget = self._auto_budget() if budget == "auto" else None
+
     def abort_all(self) -> None:
         """Ends the current stream: in-flight requests come out with finish_reason "abort"."""
         self._aborting = True
@@ -93,6 +115,10 @@ class Engine:
         self._aborting_waiting = True
 
     # -- internals ----------------------------------------------------------------------------------------------
+    def _auto_budget(self) -> AutoTokenBudget:
+        # Tuning starts from the profile's fixed budget: "auto" begins where the untuned default would stay.
+        return AutoTokenBudget(self.budget_cap, start=PROFILES[self.config.profile]["max_num_batched_tokens"])
+
     def _wants_more(self) -> bool:
         # Enough queued to fill the next steps; the rest stays in the caller's iterator (bounded memory).
         return len(self.scheduler.waiting) < max(2 * self.config.max_num_seqs, 64)
@@ -187,12 +213,16 @@ class Engine:
 
     def _report(self, sched, step_time: float) -> None:
         s = self.scheduler
+        budget = s.token_budget  # before the tuner sees this step and perhaps moves
+        if s.auto_budget:
+            s.auto_budget.observe(sched.num_batched_tokens, sched.num_prefill_tokens, step_time)
         m = StepMetrics(step=self.step_count, time=time.time(), step_time=step_time, num_seqs=len(sched.scheduled),
                         num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
                         kv_cache_usage_perc=self.block_manager.usage, num_preemptions=sched.num_preempted,
                         prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
                         num_waiting=len(s.waiting), num_running=len(s.running),
-                        extra={"preemption_rate": s.preemption_rate, "watermark": s.effective_watermark})
+                        extra={"preemption_rate": s.preemption_rate, "watermark": s.effective_watermark,
+                               "token_budget": budget})
         self.last_step = m
         for fn in self._step_callbacks:
             fn(m)

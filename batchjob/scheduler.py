@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from batchjob.block_manager import BlockManager
 from batchjob.config import EngineConfig
 from batchjob.sequence import Sequence, SequenceStatus
+from batchjob.token_budget import AutoTokenBudget
 
 _THROTTLE_STEP, _THROTTLE_DECAY, _THROTTLE_MAX = 0.02, 0.01, 0.5
 _SUSTAINED_PRESSURE_STEPS = 20
@@ -30,8 +31,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, auto_budget: AutoTokenBudget | None = None):
         self.config, self.bm = config, block_manager
+        self.auto_budget = auto_budget  # set when max_num_batched_tokens is "auto"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admission first
         self.preemption_history: deque[int] = deque(maxlen=100)
@@ -56,9 +58,13 @@ class Scheduler:
     def effective_watermark(self) -> float:
         return max(0.05, self.config.kv_watermark - self.throttle)
 
+    @property
+    def token_budget(self) -> int:
+        return self.auto_budget.value if self.auto_budget else self.config.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         scheduled: set[int] = set()
         for seq in list(self.running):
             if budget == 0:

@@ -14,10 +14,12 @@ from typing import Callable, Iterable, Iterator
 from batchjob.job.lock import describe
 from batchjob.job.planner import Planner, Work
 from batchjob.job.progress import Progress
+from batchjob.job.prom import write_metrics
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec
-from batchjob.job.state import OPENAI_OUTPUT, STAGED, Committed, OutputDir, now_iso
+from batchjob.job.state import METRICS, OPENAI_OUTPUT, STAGED, TIMELINE, Committed, OutputDir, now_iso
+from batchjob.job.timeline import Timeline
 from batchjob.job.writer import (PartWriter, failed_row, result_rows, sort_parts, write_atomic,
                                  write_openai_output)
 from batchjob.outputs import RequestOutput, StepMetrics
@@ -112,6 +114,8 @@ class JobRun:
         self.in_flight: dict[str, Work] = {}
         self.stop_committed = False
         self.aborted = False
+        self.engine = None  # a local run's, once loaded
+        self.timeline: Timeline | None = None  # the local engine's steps; engines on Ray workers report none
 
     def run(self, restart: bool) -> int:
         job, out = self.job, self.out
@@ -135,7 +139,7 @@ class JobRun:
         result = out.committed(with_ids=False)
         if result.rows < scan.total and self.stopper.signum is not None:
             self.progress.message(f"interrupted: {result.rows} of {scan.total} rows committed; run again to resume")
-            return EXIT_SIGNAL[self.stopper.signum]
+            return self._write_metrics(result, scan.total, EXIT_SIGNAL[self.stopper.signum])
         return self._finish(result, scan.total, time.monotonic() - started)
 
     def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
@@ -153,12 +157,14 @@ class JobRun:
                           block_size=self.engine.config.block_size, on_error=self._row_failed)
         rows = (row for row in source.rows() if row.id not in committed.ids)
         self.progress.start(scan.total, committed.rows)
+        self.timeline = Timeline(out.path / TIMELINE)
         self.engine.add_step_callback(self._on_step)
         try:
             for output in self.engine.stream(self._requests(planner.works(rows))):
                 self._finished(output)
         finally:
             self.writer.flush()
+            self.timeline.write()
             self.progress.close()
 
     def _check_model(self, fp: dict, model_digest: str) -> None:
@@ -182,6 +188,7 @@ class JobRun:
 
     def _on_step(self, metrics: StepMetrics) -> None:
         self.progress.step(metrics)
+        self.timeline.add(metrics)
         self.writer.flush_if_due()
         if self.stopper.signum is not None and not self.stop_committed:
             self.stop_committed = True
@@ -228,10 +235,25 @@ class JobRun:
                                                             generating, 2),
                                 "preemptions": stats.preemptions},
                    "finished": now_iso()}
+        if self.engine is not None:
+            summary["this_run"]["token_budget"] = self.engine.token_budget
+            if self.engine.auto_budget is not None:
+                tuned = summary["this_run"]["token_budget_auto"] = self.engine.auto_budget.summary()
+                rates = ", ".join(f"{b}: {r:,.0f}" for b, r in tuned["tokens_per_s_by_budget"].items())
+                self.progress.message(f"max_num_batched_tokens auto: chose {tuned['budget']} (tokens/s by budget: "
+                                      f"{rates or 'no step filled a budget'})")
         out.write_success(summary)
         self.progress.message(f"done: {summary['rows_ok']} rows ok, {summary['rows_failed']} failed; "
                               f"results in {out.data}")
-        return self._exit_code(committed.failed)
+        return self._write_metrics(committed, total, self._exit_code(committed.failed))
+
+    def _write_metrics(self, committed: Committed, total: int, code: int) -> int:
+        """metrics.prom at the end of a run that got to generate; returns `code`."""
+        t, labels = self.timeline, {"model_name": self.job.model, "output": str(self.out.path.resolve())}
+        write_metrics(self.out.path / METRICS, labels, committed, total, exit_code=code,
+                      last_success=self.out.success_time(), preemptions=t and t.preemptions,
+                      kv_cache_usage=t and t.kv_cache_usage_mean)
+        return code
 
     def _already_done(self) -> int:
         summary = self.out.read_summary() or {}

@@ -5,6 +5,8 @@
     OUT/data/*.parquet  the results: committed parts, which are also the only record of progress
     OUT/_sorted/        `order: input` results being staged; `_COMPLETE` in it means ready to replace the parts
     OUT/output.jsonl    OpenAI Batch output lines, when output.format is openai-batch
+    OUT/_timeline.parquet   the engine's steps over time (timeline.py), for `batchjob report`
+    OUT/metrics.prom    the last run's figures for Prometheus (prom.py)
     OUT/_summary.json, OUT/_SUCCESS   written last, only when every row is done"""
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from batchjob.job.writer import fsync_dir, write_atomic, write_json
 
 JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_lock"
 DATA, STAGING, STAGED, OPENAI_OUTPUT = "data", "_sorted", "_COMPLETE", "output.jsonl"
+TIMELINE, METRICS = "_timeline.parquet", "metrics.prom"
 
 
 class StateError(Exception):
@@ -114,7 +117,7 @@ class OutputDir:
 
     def reset(self) -> None:
         """Remove everything a run writes here (for --restart), and nothing else."""
-        for name in (SUCCESS, SUMMARY, JOB_FILE, OPENAI_OUTPUT):
+        for name in (SUCCESS, SUMMARY, JOB_FILE, OPENAI_OUTPUT, TIMELINE, METRICS):
             (self.path / name).unlink(missing_ok=True)
         for folder in (self.staging, self.data):
             if folder.exists():
@@ -134,6 +137,13 @@ class OutputDir:
     def write_success(self, summary: dict) -> None:
         write_json(self.path / SUMMARY, summary)
         write_atomic(self.path / SUCCESS, lambda f: None)
+
+    def success_time(self) -> float | None:
+        """Unix time of the job's last success (when _SUCCESS was written); None if it has not succeeded."""
+        try:
+            return (self.path / SUCCESS).stat().st_mtime
+        except FileNotFoundError:
+            return None
 
     def read_summary(self) -> dict | None:
         try:

@@ -1,7 +1,8 @@
 """A small deterministic engine with the real Engine's contract, for fast tests of the job runner.
 
 Tokens are UTF-8 bytes; the answer is the user text's words reversed, cut to max_tokens bytes. Requests finish
-shortest prompt first, so completion order differs from admission order as with the real engine."""
+shortest prompt first, so completion order differs from admission order as with the real engine. Each finished
+request takes `steps_per_output` engine steps (a long run, for the timeline's sampling)."""
 from __future__ import annotations
 
 import os
@@ -26,14 +27,16 @@ class FakeTokenizer:
 
 class FakeEngine:
     def __init__(self, model: str = "fake", *, max_num_seqs: int = 4, block_size: int = 16, max_model_len: int = 512,
-                 signal_at: tuple[int, ...] = ()):
+                 signal_at: tuple[int, ...] = (), steps_per_output: int = 1):
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
         self.max_model_len = max_model_len
         self.model_config = SimpleNamespace(max_position_embeddings=max_model_len)
         self.tokenizer = FakeTokenizer()
         self.model_digest = f"digest-of-{model}"
         self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
+        self.token_budget, self.auto_budget = 64, None
         self.signal_at = signal_at  # send SIGTERM to this process after these numbers of outputs, as a scheduler would
+        self.steps_per_output = steps_per_output
         self.callbacks = []
         self.prompts_seen: list[list[int]] = []
         self._aborting = False
@@ -65,12 +68,13 @@ class FakeEngine:
                 return
             if not running:
                 return
-            self._step += 1
-            for fn in self.callbacks:
-                fn(StepMetrics(step=self._step, time=time.time(), step_time=0.001, num_seqs=len(running),
-                               num_prefill_tokens=0, num_decode_tokens=len(running), kv_cache_usage_perc=0.5,
-                               num_preemptions=0, prefix_cache_queries=10, prefix_cache_hits=5, num_waiting=0,
-                               num_running=len(running)))
+            for _ in range(self.steps_per_output):
+                self._step += 1
+                for fn in self.callbacks:
+                    fn(StepMetrics(step=self._step, time=time.time(), step_time=0.001, num_seqs=len(running),
+                                   num_prefill_tokens=0, num_decode_tokens=len(running), kv_cache_usage_perc=0.5,
+                                   num_preemptions=0, prefix_cache_queries=10, prefix_cache_hits=5,
+                                   num_waiting=0 if exhausted else 1, num_running=len(running)))
             running.sort(key=lambda item: len(item[0].prompt_token_ids))
             request, metrics = running.pop(0)
             yield self._answer(request, metrics)
