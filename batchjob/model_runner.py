@@ -14,7 +14,6 @@ from batchjob.model import LlamaModel
 from batchjob.model_loader import LoadedModel
 from batchjob.ops import FP8_DTYPE
 from batchjob.scheduler import SchedulerOutput
-from batchjob.sequence import Sequence
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_GB = 2.0

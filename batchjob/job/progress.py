@@ -26,6 +26,9 @@ class Stats:
     output_tokens: int = 0
     prompt_tokens: int = 0
     preemptions: int = 0
+    # From the engine's steps: live rates while long rows are still running (rows report their tokens at the end).
+    step_tokens: int = 0
+    step_decode_tokens: int = 0
     step: StepMetrics | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -38,9 +41,12 @@ class Stats:
         rate = self.rows / elapsed
         remaining = self.total - self.done
         step = self.step
+        live = step is not None  # a Ray driver sees no steps: rates from finished rows then
+        output = self.step_decode_tokens if live else self.output_tokens
+        total = self.step_tokens if live else self.output_tokens + self.prompt_tokens
         return {"rows_done": self.done, "rows_total": self.total,
-                "output_tokens_per_s": round(self.output_tokens / elapsed, 1),
-                "total_tokens_per_s": round((self.output_tokens + self.prompt_tokens) / elapsed, 1),
+                "output_tokens_per_s": round(output / elapsed, 1),
+                "total_tokens_per_s": round(total / elapsed, 1),
                 "batch_size": step.num_seqs if step else 0,
                 "kv_usage_pct": round(100 * step.kv_cache_usage_perc, 1) if step else 0.0,
                 "preemptions": self.preemptions,
@@ -80,6 +86,8 @@ class Progress(ABC):
     def step(self, metrics: StepMetrics) -> None:
         self.stats.step = metrics
         self.stats.preemptions += metrics.num_preemptions
+        self.stats.step_tokens += metrics.num_prefill_tokens + metrics.num_decode_tokens
+        self.stats.step_decode_tokens += metrics.num_decode_tokens
         self.refresh()
 
     @abstractmethod

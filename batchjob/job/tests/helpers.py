@@ -53,3 +53,13 @@ class Messages(LogProgress):
 def fake_factory(**config):
     return lambda job: FakeEngine(job.model, **config)
 
+
+def short_documents(folder: Path, rows: int, words: int) -> Path:
+    """The first `rows` sample documents cut to `words` words (short prompts keep prefill cheap on a CPU)."""
+    docs = pq.read_table(SAMPLE_DATA / "documents.parquet").slice(0, rows).to_pylist()
+    for doc in docs:
+        doc["text"] = " ".join(doc["text"].split()[:words])
+    path = folder / "docs.parquet"
+    pq.write_table(pa.Table.from_pylist(docs), path)
+    return path
+

@@ -10,13 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from batchjob.job.state import OutputDir
-from batchjob.job.tests.helpers import REPO, SAMPLE_DATA, write_jsonl
+from batchjob.job.tests.helpers import REPO, SAMPLE_DATA, short_documents, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -68,12 +67,7 @@ def dataset(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    docs = pq.read_table(SAMPLE_DATA / "documents.parquet").slice(0, ROWS).to_pylist()
-    for doc in docs:  # short prompts keep prefill cheap on a CPU
-        doc["text"] = " ".join(doc["text"].split()[:30])
-    path = tmp_path_factory.mktemp("e2e") / "docs.parquet"
-    pq.write_table(pa.Table.from_pylist(docs), path)
-    return path
+    return short_documents(tmp_path_factory.mktemp("e2e"), ROWS, 30)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -20,7 +18,7 @@ from batchjob.job.spec import JobFileError, load_job
 from batchjob.job.state import OutputDir
 from batchjob.job.tests.fakes import FakeEngine
 from batchjob.job.tests.helpers import (REPO, SAMPLE_DATA, Messages, documents, fake_factory, make_job,
-                                        write_parquet)
+                                        short_documents, write_parquet)
 from batchjob.job.tests.test_runner import results
 
 RAY = {"num_workers": 2, "shard_rows": 3}
@@ -144,12 +142,7 @@ def write_job(path: Path, data: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    docs = pq.read_table(SAMPLE_DATA / "documents.parquet").slice(0, ROWS).to_pylist()
-    for doc in docs:  # short prompts keep prefill cheap on a CPU
-        doc["text"] = " ".join(doc["text"].split()[:24])
-    path = tmp_path_factory.mktemp("ray") / "docs.parquet"
-    pq.write_table(pa.Table.from_pylist(docs), path)
-    return path
+    return short_documents(tmp_path_factory.mktemp("ray"), ROWS, 24)
 
 
 @pytest.fixture(scope="module")
