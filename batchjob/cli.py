@@ -42,12 +42,13 @@ def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> N
 
 
 def _budgets(ctx, param, text: str | None) -> list[int]:
+    """The fixed budgets of --sweep-budgets; `auto` always runs too, so naming it is allowed and changes nothing."""
     try:
-        budgets = [int(b) for b in text.split(",")] if text else []
+        budgets = [int(b) for b in (text or "").split(",") if b.strip() not in ("", "auto")]
     except ValueError:
         budgets = [0]
-    if any(b < 16 for b in budgets):
-        raise click.BadParameter("expected numbers >= 16 separated by commas")
+    if text and (not budgets or min(budgets) < 16):
+        raise click.BadParameter("expected fixed budgets (numbers >= 16) separated by commas")
     return budgets
 
 

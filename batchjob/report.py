@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from matplotlib.figure import Figure  # no pyplot: no global state, no display; savefig renders with Agg
+from matplotlib.ticker import MaxNLocator
 
 from batchjob.config import EngineConfig
 from batchjob.job.state import DATA, JOB_FILE, SUMMARY, TIMELINE
@@ -118,8 +119,9 @@ def batch_chart(t: pa.Table, engine: EngineConfig) -> Chart:
     mean, peak = t.column("num_seqs").to_numpy(), t.column("num_seqs_max").to_numpy()
     ax.fill_between(x, mean, peak, step="pre", color="tab:blue", alpha=0.2, lw=0, label="max in the row's steps")
     ax.step(x, mean, where="pre", color="tab:blue", lw=1.2, label="sequences per step")
-    ax.axhline(engine.max_num_seqs, color="grey", ls="--", lw=1, label=f"max_num_seqs {engine.max_num_seqs}")
-    ax.set(xlabel=unit, ylabel="sequences", ylim=(0, None), title="Batch size")
+    if peak.max() * 2 >= engine.max_num_seqs:  # a limit far above the batch would only flatten the curve
+        ax.axhline(engine.max_num_seqs, color="grey", ls="--", lw=1, label="max_num_seqs")
+    ax.set(xlabel=unit, ylabel="sequences", ylim=(0, None), title=f"Batch size (max_num_seqs {engine.max_num_seqs})")
     ax.legend(loc="lower right", fontsize="small")
     return Chart("batch_size", "Batch size", fig)
 
@@ -177,7 +179,7 @@ def throughput_chart(t: pa.Table) -> Chart:
     budget = t.column("token_budget").to_numpy()
     if budget.min() != budget.max():  # `auto` moved it: show where to
         twin = ax.twinx()
-        twin.step(_clock(t)[0], budget, where="pre", color="black", lw=0.8, label="token budget (auto)")
+        twin.step(_clock(t)[0], budget, where="pre", color="black", lw=0.6, alpha=0.6, label="token budget (auto)")
         twin.set(ylabel="tokens per step", ylim=(0, None))
         twin.legend(loc="upper right", fontsize="small")
     ax.legend(loc="upper left", fontsize="small")
@@ -202,7 +204,7 @@ def length_chart(results: pa.Table) -> Chart:
     ok = results.filter(pc.is_null(results.column("error")))
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     for k, (column, label) in enumerate((("prompt_tokens", "prompt length"), ("output_tokens", "output length"))):
-        _histogram(fig.add_subplot(1, 2, k + 1), _values(ok.column(column)), label, "tokens")
+        _histogram(fig.add_subplot(1, 2, k + 1), _values(ok.column(column)), label, "tokens", whole=True)
     failed = results.num_rows - ok.num_rows
     return Chart("lengths", "Row lengths", fig, f"{ok.num_rows:,} rows; {failed:,} failed rows left out.")
 
@@ -211,12 +213,18 @@ def _values(column: pa.ChunkedArray) -> np.ndarray:
     return pc.drop_null(column).to_numpy().astype(float)
 
 
-def _histogram(ax, values: np.ndarray, label: str, unit: str, percentiles: bool = False) -> None:
+def _histogram(ax, values: np.ndarray, label: str, unit: str, percentiles: bool = False, whole: bool = False) -> None:
+    """`whole`: counts, binned on whole numbers so that no bin holds more distinct values than its neighbours."""
     ax.set(title=label, xlabel=unit, ylabel="rows")
     if not len(values):
         ax.text(0.5, 0.5, "no rows", ha="center", va="center", transform=ax.transAxes)
         return
-    ax.hist(values, bins=min(50, max(5, len(np.unique(values)))), color="tab:blue", alpha=0.75)
+    bins = 50
+    if whole:
+        width = max(1, int(np.ceil((values.max() - values.min() + 1) / 50)))
+        bins = np.arange(values.min(), values.max() + width + 1, width) - 0.5
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.hist(values, bins=bins, color="tab:blue", alpha=0.75)
     if percentiles:
         for q, style in ((50, "-"), (90, "--"), (99, ":")):
             v = np.percentile(values, q)
