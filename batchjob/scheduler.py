@@ -2,12 +2,14 @@
 
 Order within a step: running decodes and partial prefills (oldest first), then new requests from the queue.
 Memory has three layers: a hard cap (a request waits when blocks are short), a soft watermark (no new prefills
-above it), and preemption by recompute as the last resort; the recent preemption rate lowers the watermark."""
+above it), and preemption by recompute as the last resort; the recent preemption rate lowers the watermark. A request
+held back by either limit lets smaller ones behind it go first, at most `max_bypass` of them (then it goes next)."""
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from batchjob.block_manager import BlockManager
 from batchjob.config import EngineConfig
@@ -16,6 +18,7 @@ from batchjob.token_budget import AutoTokenBudget
 
 _THROTTLE_STEP, _THROTTLE_DECAY, _THROTTLE_MAX = 0.02, 0.01, 0.5
 _SUSTAINED_PRESSURE_STEPS = 20
+_MAX_LOOKAHEAD = 32  # requests one step may pass over while looking for one that fits
 
 
 @dataclass
@@ -106,19 +109,23 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         cfg, bm = self.config, self.bm
         blocked: list[Sequence] = []  # requests passed over in this step because they did not fit
-        for seq in list(self.waiting):
+        candidates = islice(self.waiting, cfg.max_num_seqs - len(self.running) + _MAX_LOOKAHEAD)
+        for seq in list(candidates):
             if budget == 0 or len(self.running) >= cfg.max_num_seqs:
                 break
             if any(b.skipped >= cfg.max_bypass for b in blocked):
                 break  # bounded bypass: the passed-over request gets the next free blocks
+            if len(blocked) >= _MAX_LOOKAHEAD:
+                break  # memory is short for most of the queue: scanning all of it every step costs O(queue)
             cached = bm.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             need = bm.blocks_needed(seq, n)
-            if self.running and (bm.num_used_blocks + need) / bm.num_blocks > self.effective_watermark:
-                bm.free(seq)
-                break  # soft watermark: let the running sequences drain first
-            n = self._fit(seq, n)
-            if n < min(seq.num_uncomputed_tokens, bm.block_size):  # hard cap: not even a useful first chunk fits
+            # Soft watermark: no first chunk that lifts usage above it while others run, so that their decodes have
+            # room to grow. Hard cap: not even a useful first chunk fits in the free blocks. Either way a smaller
+            # request behind it may still go first, a bounded number of times.
+            over_watermark = self.running and (bm.num_used_blocks + need) / bm.num_blocks > self.effective_watermark
+            n = 0 if over_watermark else self._fit(seq, n)
+            if n < min(seq.num_uncomputed_tokens, bm.block_size):
                 bm.free(seq)
                 blocked.append(seq)
                 continue
