@@ -1,7 +1,7 @@
 """What one forward pass needs to read and write the paged KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,8 @@ class AttentionMetadata:
     # Host copies, so that the CPU path can plan without device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # What an attention backend derives from the fields above once per step, for all layers.
+    plan_cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables, slot_mapping,

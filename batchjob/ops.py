@@ -2,6 +2,8 @@
 replace them on a CUDA device behind the same signatures; on a CPU these torch forms run."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +79,49 @@ def _gather(cache: torch.Tensor, scale_cache: torch.Tensor | None, blocks: torch
     return out.to(dtype).view(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
+@dataclass
+class _Group:
+    """One batched attention call of a step (its decodes, or its prefill chunks); the same for every layer."""
+    rows: torch.Tensor  # the group's query rows of q, sequence after sequence
+    blocks: torch.Tensor  # [B, nb] block ids, padding clamped to block 0 (masked out)
+    mask: torch.Tensor  # [B, 1, max_q * G, C]: (query row, head in group) sees key position c
+    valid_q: torch.Tensor  # [B, max_q]: which padded query slots are real rows
+    max_q: int
+
+
+def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
+    """Built at the first layer and kept on `meta`: indexes and masks cost as much as the attention itself when
+    every layer rebuilds them."""
+    key = (block_size, g)
+    if meta.plan_cache.get("key") == key:
+        return meta.plan_cache["groups"]
+    device = meta.seq_lens.device
+    qlens, starts = meta.query_lens_host, meta.query_start_loc.tolist()
+    groups = []
+    for group in ([i for i, n in enumerate(qlens) if n == 1], [i for i, n in enumerate(qlens) if n > 1]):
+        if not group:
+            continue
+        idx = torch.tensor(group, dtype=torch.long, device=device)
+        seq_lens = meta.seq_lens.to(torch.long)[idx]
+        q_lens = torch.tensor([qlens[i] for i in group], device=device)
+        nb = -(-max(meta.seq_lens_host[i] for i in group) // block_size)
+        max_q = max(qlens[i] for i in group)
+        pos = torch.arange(nb * block_size, device=device)
+        # Query row j of a sequence sits at absolute position seq_len - q_len + j.
+        j = torch.arange(max_q, device=device)
+        valid_q = j.unsqueeze(0) < q_lens.unsqueeze(1)
+        qpos = (seq_lens - q_lens).unsqueeze(1) + j.unsqueeze(0)
+        mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
+        mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+        mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
+        groups.append(_Group(
+            rows=torch.cat([torch.arange(starts[i], starts[i] + qlens[i], device=device) for i in group]),
+            blocks=meta.block_tables[idx, :nb].to(torch.long).clamp(min=0),
+            mask=mask.repeat_interleave(g, dim=1).unsqueeze(1), valid_q=valid_q, max_q=max_q))
+    meta.plan_cache.update(key=key, groups=groups)
+    return groups
+
+
 def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     k_scale_cache=None, v_scale_cache=None) -> torch.Tensor:
     """Causal attention of the step's query rows q [T, H, D] over each sequence's cached context, read through its
@@ -86,38 +131,18 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, 
     kvh = k_cache.shape[2]
     g = h // kvh
     out = torch.empty_like(q)
-    qlens = meta.query_lens_host
-    starts = meta.query_start_loc.tolist()
-    block_size = k_cache.shape[1]
-    for group in ([i for i, n in enumerate(qlens) if n == 1], [i for i, n in enumerate(qlens) if n > 1]):
-        if not group:
-            continue
-        idx = torch.tensor(group, dtype=torch.long, device=q.device)
-        seq_lens = meta.seq_lens.to(torch.long)[idx]
-        q_lens = torch.tensor([qlens[i] for i in group], device=q.device)
-        nb = -(-max(meta.seq_lens_host[i] for i in group) // block_size)
-        max_q = max(qlens[i] for i in group)
-        blocks = meta.block_tables[idx, :nb].to(torch.long).clamp(min=0)
-        k = _gather(k_cache, k_scale_cache, blocks, q.dtype)  # [B, KVH, C, D]
-        v = _gather(v_cache, v_scale_cache, blocks, q.dtype)
-        pos = torch.arange(nb * block_size, device=q.device)
-        # Query row j of a sequence sits at absolute position seq_len - q_len + j.
-        rows = torch.cat([torch.arange(starts[i], starts[i] + qlens[i], device=q.device) for i in group])
-        j = torch.arange(max_q, device=q.device)
-        valid_q = j.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
-        qpos = (seq_lens - q_lens).unsqueeze(1) + j.unsqueeze(0)
-        mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
-        mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
-        mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
+    for grp in _plan(meta, k_cache.shape[1], g):
+        b, max_q = grp.blocks.shape[0], grp.max_q
+        k = _gather(k_cache, k_scale_cache, grp.blocks, q.dtype)  # [B, KVH, C, D]
+        v = _gather(v_cache, v_scale_cache, grp.blocks, q.dtype)
         if max_q == 1:
-            qb = q[rows].unsqueeze(1)
+            qb = q[grp.rows].unsqueeze(1)
         else:
-            qb = q.new_zeros(len(group), max_q, h, d)
-            qb[valid_q] = q[rows]
+            qb = q.new_zeros(b, max_q, h, d)
+            qb[grp.valid_q] = q[grp.rows]
         # [B, max_q, KVH, G, D] -> [B, KVH, max_q * G, D]: rows of one KV head are (query row, head in group).
-        qb = qb.view(len(group), max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(len(group), kvh, max_q * g, d)
-        mask = mask.repeat_interleave(g, dim=1).unsqueeze(1)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
-        o = o.view(len(group), kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(len(group), max_q, h, d)
-        out[rows] = o[valid_q]
+        qb = qb.view(b, max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, max_q * g, d)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=grp.mask, scale=scale)
+        o = o.view(b, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, max_q, h, d)
+        out[grp.rows] = o[grp.valid_q]
     return out
