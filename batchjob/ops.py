@@ -89,35 +89,54 @@ class _Group:
     max_q: int
 
 
+_BUCKET_FILL = 2 / 3  # a sequence joins a call only if it needs at least this share of the call's padded size
+
+
+def _buckets(sizes: list[int]) -> list[list[int]]:
+    """Indexes of `sizes` in calls whose members are padded to the call's largest size: largest first, a new call
+    whenever the next size falls below _BUCKET_FILL of the current call's, so that padding wastes at most a third
+    of the memory traffic (which bounds decode attention on a CPU), at the price of one more call."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets and sizes[i] >= _BUCKET_FILL * sizes[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
 def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
     """Built at the first layer and kept on `meta`: indexes and masks cost as much as the attention itself when
-    every layer rebuilds them."""
+    every layer rebuilds them. Decodes and prefill chunks go to separate calls, each bucketed by padded size."""
     key = (block_size, g)
     if meta.plan_cache.get("key") == key:
         return meta.plan_cache["groups"]
     device = meta.seq_lens.device
-    qlens, starts = meta.query_lens_host, meta.query_start_loc.tolist()
+    qlens, seq_lens_host, starts = meta.query_lens_host, meta.seq_lens_host, meta.query_start_loc.tolist()
+    decodes = [i for i, n in enumerate(qlens) if n == 1]
+    prefills = [i for i, n in enumerate(qlens) if n > 1]
     groups = []
-    for group in ([i for i, n in enumerate(qlens) if n == 1], [i for i, n in enumerate(qlens) if n > 1]):
-        if not group:
-            continue
-        idx = torch.tensor(group, dtype=torch.long, device=device)
-        seq_lens = meta.seq_lens.to(torch.long)[idx]
-        q_lens = torch.tensor([qlens[i] for i in group], device=device)
-        nb = -(-max(meta.seq_lens_host[i] for i in group) // block_size)
-        max_q = max(qlens[i] for i in group)
-        pos = torch.arange(nb * block_size, device=device)
-        # Query row j of a sequence sits at absolute position seq_len - q_len + j.
-        j = torch.arange(max_q, device=device)
-        valid_q = j.unsqueeze(0) < q_lens.unsqueeze(1)
-        qpos = (seq_lens - q_lens).unsqueeze(1) + j.unsqueeze(0)
-        mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
-        mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
-        mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
-        groups.append(_Group(
-            rows=torch.cat([torch.arange(starts[i], starts[i] + qlens[i], device=device) for i in group]),
-            blocks=meta.block_tables[idx, :nb].to(torch.long).clamp(min=0),
-            mask=mask.repeat_interleave(g, dim=1).unsqueeze(1), valid_q=valid_q, max_q=max_q))
+    for kind, size in ((decodes, lambda i: seq_lens_host[i]), (prefills, lambda i: qlens[i] * seq_lens_host[i])):
+        for bucket in _buckets([size(i) for i in kind]):
+            group = [kind[b] for b in bucket]
+            idx = torch.tensor(group, dtype=torch.long, device=device)
+            seq_lens = meta.seq_lens.to(torch.long)[idx]
+            q_lens = torch.tensor([qlens[i] for i in group], device=device)
+            nb = -(-max(seq_lens_host[i] for i in group) // block_size)
+            max_q = max(qlens[i] for i in group)
+            pos = torch.arange(nb * block_size, device=device)
+            # Query row j of a sequence sits at absolute position seq_len - q_len + j.
+            j = torch.arange(max_q, device=device)
+            valid_q = j.unsqueeze(0) < q_lens.unsqueeze(1)
+            qpos = (seq_lens - q_lens).unsqueeze(1) + j.unsqueeze(0)
+            mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
+            mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+            mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
+            groups.append(_Group(
+                rows=torch.cat([torch.arange(starts[i], starts[i] + qlens[i], device=device) for i in group]),
+                blocks=meta.block_tables[idx, :nb].to(torch.long).clamp(min=0),
+                mask=mask.repeat_interleave(g, dim=1).unsqueeze(1), valid_q=valid_q, max_q=max_q))
     meta.plan_cache.update(key=key, groups=groups)
     return groups
 
@@ -125,8 +144,8 @@ def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
 def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     k_scale_cache=None, v_scale_cache=None) -> torch.Tensor:
     """Causal attention of the step's query rows q [T, H, D] over each sequence's cached context, read through its
-    block table. Decodes (one query row) and prefill chunks run as two batched calls. The G query heads that share
-    a KV head are folded into query rows, so K/V are never expanded to H heads."""
+    block table, in a few batched calls (see _plan). The G query heads that share a KV head are folded into query
+    rows, so K/V are never expanded to H heads."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     g = h // kvh
