@@ -20,7 +20,7 @@ class AttentionMetadata:
     # Host copies, so that the CPU path can plan without device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
-    # What an attention backend derives from the fields above once per step, for all layers.
+    # What an attention backend derives from the fields above once per step, for all layers, by its own key.
     plan_cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod

@@ -81,7 +81,8 @@ def _gather(cache: torch.Tensor, scale_cache: torch.Tensor | None, blocks: torch
 
 @dataclass
 class _Group:
-    """One batched attention call of a step (its decodes, or its prefill chunks); the same for every layer."""
+    """One batched attention call of a step (a bucket of its decodes or of its prefill chunks); the same for every
+    layer."""
     rows: torch.Tensor  # the group's query rows of q, sequence after sequence
     blocks: torch.Tensor  # [B, nb] block ids, padding clamped to block 0 (masked out)
     mask: torch.Tensor  # [B, 1, max_q * G, C]: (query row, head in group) sees key position c
@@ -110,9 +111,10 @@ def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
     """Built at the first layer and kept on `meta`: indexes and masks cost as much as the attention itself when
     every layer rebuilds them. Decodes and prefill chunks go to separate calls, each bucketed by padded size."""
     key = (block_size, g)
-    if meta.plan_cache.get("key") == key:
-        return meta.plan_cache["groups"]
+    if key in meta.plan_cache:
+        return meta.plan_cache[key]
     device = meta.seq_lens.device
+    all_seq_lens = meta.seq_lens.to(torch.long)
     qlens, seq_lens_host, starts = meta.query_lens_host, meta.seq_lens_host, meta.query_start_loc.tolist()
     decodes = [i for i, n in enumerate(qlens) if n == 1]
     prefills = [i for i, n in enumerate(qlens) if n > 1]
@@ -121,7 +123,7 @@ def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
         for bucket in _buckets([size(i) for i in kind]):
             group = [kind[b] for b in bucket]
             idx = torch.tensor(group, dtype=torch.long, device=device)
-            seq_lens = meta.seq_lens.to(torch.long)[idx]
+            seq_lens = all_seq_lens[idx]
             q_lens = torch.tensor([qlens[i] for i in group], device=device)
             nb = -(-max(seq_lens_host[i] for i in group) // block_size)
             max_q = max(qlens[i] for i in group)
@@ -137,7 +139,7 @@ def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
                 rows=torch.cat([torch.arange(starts[i], starts[i] + qlens[i], device=device) for i in group]),
                 blocks=meta.block_tables[idx, :nb].to(torch.long).clamp(min=0),
                 mask=mask.repeat_interleave(g, dim=1).unsqueeze(1), valid_q=valid_q, max_q=max_q))
-    meta.plan_cache.update(key=key, groups=groups)
+    meta.plan_cache[key] = groups
     return groups
 
 
