@@ -7,6 +7,7 @@ its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vll
 The sweep instead runs this engine at several fixed token budgets and at `auto` (token_budget.py).
 
 Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real rows, prompts and sampling."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,11 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchjob.engine import Engine
-from batchjob.outputs import StepMetrics
-from batchjob.sampling_params import SamplingParams
-from batchjob.scheduler import SchedulerOutput
-from batchjob.sequence import Request, Sequence
+from batchjob.engine.engine import Engine
+from batchjob.engine.outputs import StepMetrics
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.sequence import Request, Sequence
 
 
 @dataclass
@@ -36,16 +37,25 @@ class Workload:
         return sum(len(r.prompt_token_ids) for r in self.requests)
 
 
-def synthetic(vocab_size: int, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-              prefix_len: int = 0, seed: int = 0) -> Workload:
+def synthetic(
+    vocab_size: int,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+) -> Workload:
     """As `vllm bench throughput --dataset-name random`: random token ids, lengths uniform in
     [len * (1 - range_ratio), len * (1 + range_ratio)], an optional shared prefix; outputs run to output_len."""
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(100, vocab_size - 100) for _ in range(n)]  # noqa: E731 - skip special ids
     span = lambda n: rng.randint(max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio))))  # noqa: E731
     prefix = draw(prefix_len)
-    reqs = [Request(f"r{i}", prefix + draw(span(input_len)),
-                    SamplingParams(max_tokens=span(output_len), ignore_eos=True)) for i in range(num_prompts)]
+    reqs = [
+        Request(f"r{i}", prefix + draw(span(input_len)), SamplingParams(max_tokens=span(output_len), ignore_eos=True))
+        for i in range(num_prompts)
+    ]
     name = f"random in={input_len} out={output_len} n={num_prompts} range={range_ratio} prefix={prefix_len}"
     return Workload(reqs, name)
 
@@ -60,14 +70,22 @@ def job_workload(job, engine: Engine, num_rows: int | None = None) -> Workload:
     builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
     builder.check()
     failed = []
-    planner = Planner(builder, job.sampling, sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe,
-                      block_size=engine.config.block_size, on_error=lambda row, error: failed.append(row))
+    planner = Planner(
+        builder,
+        job.sampling,
+        sort_window=job.schedule.sort_window,
+        dedupe=job.schedule.dedupe,
+        block_size=engine.config.block_size,
+        on_error=lambda row, error: failed.append(row),
+    )
     rows = list(itertools.islice(InputSource(job).rows(), num_rows))
     reqs = [Request(w.request_id, w.token_ids, w.params) for w in planner.works(rows)]
     if not reqs:
         raise ValueError(f"{job.input.path}: none of its first {len(rows)} rows makes a request")
-    name = (f"job {job.input.path}: {len(rows)} rows, {len(reqs)} requests ({len(failed)} rows fail before the "
-            f"model), max_tokens {job.sampling.max_tokens}")
+    name = (
+        f"job {job.input.path}: {len(rows)} rows, {len(reqs)} requests ({len(failed)} rows fail before the "
+        f"model), max_tokens {job.sampling.max_tokens}"
+    )
     return Workload(reqs, name)
 
 
@@ -93,17 +111,27 @@ class Result:
 
     def row(self) -> dict:
         d = dict(self.__dict__)
-        d.update(requests_per_s=self.num_requests / self.wall,
-                 total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.wall,
-                 output_tokens_per_s=self.output_tokens / self.wall)
+        d.update(
+            requests_per_s=self.num_requests / self.wall,
+            total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.wall,
+            output_tokens_per_s=self.output_tokens / self.wall,
+        )
         return d
 
 
 def _summarize(system: str, wall: float, wl: Workload, output_tokens: int, steps: list[StepMetrics]) -> Result:
     batch = [s.num_seqs for s in steps] or [0]
-    r = Result(system, wall, wl.prompt_tokens, output_tokens, len(wl.requests), statistics.mean(batch), max(batch),
-               statistics.mean(s.kv_cache_usage_perc for s in steps) if steps else 0.0,
-               sum(s.num_preemptions for s in steps))
+    r = Result(
+        system,
+        wall,
+        wl.prompt_tokens,
+        output_tokens,
+        len(wl.requests),
+        statistics.mean(batch),
+        max(batch),
+        statistics.mean(s.kv_cache_usage_perc for s in steps) if steps else 0.0,
+        sum(s.num_preemptions for s in steps),
+    )
     if steps:
         r.prefix_hit_rate = steps[-1].prefix_cache_hit_rate
     for s in steps:  # a mixed step counts as prefill: it carries the prompt work
@@ -143,11 +171,15 @@ def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
     output_tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(wl.requests), batch_size):
-        batch = wl.requests[i:i + batch_size]
+        batch = wl.requests[i : i + batch_size]
         longest = max(len(r.prompt_token_ids) for r in batch)
         new = max(r.params.max_tokens for r in batch)
-        seqs = [Sequence(Request(r.request_id, [pad] * (longest - len(r.prompt_token_ids)) + r.prompt_token_ids,
-                                 r.params), j) for j, r in enumerate(batch)]
+        seqs = [
+            Sequence(
+                Request(r.request_id, [pad] * (longest - len(r.prompt_token_ids)) + r.prompt_token_ids, r.params), j
+            )
+            for j, r in enumerate(batch)
+        ]
         if not all(bm.can_allocate(s, longest + new) for s in seqs):
             raise ValueError(f"static batch of {len(seqs)} x {longest + new} tokens does not fit the KV pool")
         for step in range(new):
@@ -165,11 +197,22 @@ def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
             for s, t in zip(seqs, tokens):
                 s.num_computed_tokens = s.num_tokens
                 s.token_ids.append(t)
-            steps.append(StepMetrics(step=len(steps), time=time.time(), step_time=time.perf_counter() - ts,
-                                     num_seqs=len(seqs), num_prefill_tokens=sched.num_prefill_tokens,
-                                     num_decode_tokens=sched.num_decode_tokens, kv_cache_usage_perc=bm.usage,
-                                     num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
-                                     num_waiting=0, num_running=len(seqs)))
+            steps.append(
+                StepMetrics(
+                    step=len(steps),
+                    time=time.time(),
+                    step_time=time.perf_counter() - ts,
+                    num_seqs=len(seqs),
+                    num_prefill_tokens=sched.num_prefill_tokens,
+                    num_decode_tokens=sched.num_decode_tokens,
+                    kv_cache_usage_perc=bm.usage,
+                    num_preemptions=0,
+                    prefix_cache_queries=0,
+                    prefix_cache_hits=0,
+                    num_waiting=0,
+                    num_running=len(seqs),
+                )
+            )
         output_tokens += sum(r.params.max_tokens for r in batch)  # only the requested tokens count
         for s in seqs:
             bm.free(s)
@@ -187,26 +230,29 @@ def run_hf(model_path, wl: Workload, batch_size: int, hf_model=None) -> Result:
     output_tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(wl.requests), batch_size):
-        batch = wl.requests[i:i + batch_size]
+        batch = wl.requests[i : i + batch_size]
         longest = max(len(r.prompt_token_ids) for r in batch)
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, r in enumerate(batch):
             n = len(r.prompt_token_ids)
-            ids[j, longest - n:] = torch.tensor(r.prompt_token_ids)
-            mask[j, longest - n:] = 1
+            ids[j, longest - n :] = torch.tensor(r.prompt_token_ids)
+            mask[j, longest - n :] = 1
         new = max(r.params.max_tokens for r in batch)
         with torch.inference_mode():
-            hf_model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                              pad_token_id=0)
+            hf_model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
         output_tokens += sum(r.params.max_tokens for r in batch)
-    r = Result("hf", time.perf_counter() - t0, wl.prompt_tokens, output_tokens, len(wl.requests),
-               float(batch_size), batch_size)
+    r = Result(
+        "hf", time.perf_counter() - t0, wl.prompt_tokens, output_tokens, len(wl.requests), float(batch_size), batch_size
+    )
     return r
 
 
 def run_vllm(model_path, wl: Workload) -> Result:
-    from vllm import LLM, SamplingParams as VSP  # type: ignore[import-not-found]
+    from vllm import LLM  # type: ignore[import-not-found]
+    from vllm import SamplingParams as VSP
 
     llm = LLM(model=str(model_path), dtype="float32", enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in wl.requests]
@@ -226,7 +272,7 @@ def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
     t0 = time.perf_counter()
     for r in wl.requests:
         llm.reset()
-        for k, _ in zip(range(r.params.max_tokens), llm.generate(r.prompt_token_ids, temp=0.0)):
+        for _k, _ in zip(range(r.params.max_tokens), llm.generate(r.prompt_token_ids, temp=0.0)):
             out_tokens += 1
     return Result("llama-cpp", time.perf_counter() - t0, wl.prompt_tokens, out_tokens, len(wl.requests))
 
@@ -234,7 +280,9 @@ def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
 def peer_status() -> dict[str, str | None]:
     """None for a peer that can run here, else why it is skipped."""
     return {
-        "hf": None if importlib.util.find_spec("transformers") else "transformers not installed (pip install -e '.[test]')",
+        "hf": None
+        if importlib.util.find_spec("transformers")
+        else "transformers not installed (pip install -e '.[test]')",
         "vllm": None if importlib.util.find_spec("vllm") else "vllm not installed",
         "llama-cpp": None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python not installed",
     }
@@ -267,21 +315,31 @@ def model_flops_per_token(engine: Engine) -> int:
 def roofline(engine: Engine, result: Result) -> dict:
     per_token = model_flops_per_token(engine)
     out = {}
-    for phase, tokens, secs, rows in (("prefill", result.prefill_tokens, result.prefill_time,
-                                       engine.token_budget),
-                                      ("decode", result.decode_tokens, result.decode_time,
-                                       max(1, round(result.decode_tokens / max(1, result.decode_steps))))):
+    for phase, tokens, secs, rows in (
+        ("prefill", result.prefill_tokens, result.prefill_time, engine.token_budget),
+        (
+            "decode",
+            result.decode_tokens,
+            result.decode_time,
+            max(1, round(result.decode_tokens / max(1, result.decode_steps))),
+        ),
+    ):
         if not tokens or not secs:
             continue
         achieved = per_token * tokens / secs
         peak = matmul_flops(engine, rows)
-        out[phase] = {"achieved_gflops": achieved / 1e9, "matmul_gflops": peak / 1e9, "rows": rows,
-                      "fraction": achieved / peak}
+        out[phase] = {
+            "achieved_gflops": achieved / 1e9,
+            "matmul_gflops": peak / 1e9,
+            "rows": rows,
+            "fraction": achieved / peak,
+        }
     return out
 
 
-def run_bench(engine: Engine, model_path, wl: Workload, systems: list[str], batch_size: int, repeats: int,
-              threads: int) -> dict:
+def run_bench(
+    engine: Engine, model_path, wl: Workload, systems: list[str], batch_size: int, repeats: int, threads: int
+) -> dict:
     """Every system once per round, rounds interleaved; the median wall time per system is reported."""
     skipped = {k: v for k, v in peer_status().items() if k in systems and v}
     systems = [s for s in systems if s not in skipped]
@@ -315,9 +373,16 @@ def run_bench(engine: Engine, model_path, wl: Workload, systems: list[str], batc
         # By requests/s, i.e. wall time on the same requests: the baselines decode every request to max_tokens, so
         # on a workload that stops at EOS their token counts would credit them with tokens the engine never needed.
         row["ratio_to_engine"] = (row["requests_per_s"] / base.row()["requests_per_s"]) if base else None
-    report = {"workload": wl.name, "systems": rows, "skipped": skipped, "repeats": repeats,
-              "batch_size": batch_size, "threads": threads,
-              "engine_config": engine.config.model_dump(), "num_kv_blocks": engine.num_kv_blocks}
+    report = {
+        "workload": wl.name,
+        "systems": rows,
+        "skipped": skipped,
+        "repeats": repeats,
+        "batch_size": batch_size,
+        "threads": threads,
+        "engine_config": engine.config.model_dump(),
+        "num_kv_blocks": engine.num_kv_blocks,
+    }
     if base:
         report["roofline"] = roofline(engine, base)
     return report
@@ -333,7 +398,7 @@ def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) ->
     runs: dict[int | str, list[Result]] = {s: [] for s in settings}
     tuners: list[dict] = []
     for k in range(repeats):
-        for setting in settings[k % len(settings):] + settings[:k % len(settings)]:
+        for setting in settings[k % len(settings) :] + settings[: k % len(settings)]:
             engine.set_token_budget(setting)
             runs[setting].append(run_engine(engine, wl, f"budget {setting}"))
             if setting == "auto":
@@ -346,11 +411,19 @@ def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) ->
     for row, setting in zip(rows, settings):
         row["ratio_to_best_fixed"] = row["requests_per_s"] / best["requests_per_s"]
         row["cpu_ratio_to_best_fixed"] = best_cpu / cpu[setting]
-    return {"workload": wl.name, "systems": rows, "best_fixed": best["system"],
-            "best_fixed_cpu": f"budget {min(budgets, key=cpu.get)}", "auto_ratio": rows[-1]["ratio_to_best_fixed"],
-            "auto_cpu_ratio": rows[-1]["cpu_ratio_to_best_fixed"], "auto_tuner": tuners, "repeats": repeats,
-            "budget_cap": engine.budget_cap, "engine_config": engine.config.model_dump(),
-            "num_kv_blocks": engine.num_kv_blocks}
+    return {
+        "workload": wl.name,
+        "systems": rows,
+        "best_fixed": best["system"],
+        "best_fixed_cpu": f"budget {min(budgets, key=cpu.get)}",
+        "auto_ratio": rows[-1]["ratio_to_best_fixed"],
+        "auto_cpu_ratio": rows[-1]["cpu_ratio_to_best_fixed"],
+        "auto_tuner": tuners,
+        "repeats": repeats,
+        "budget_cap": engine.budget_cap,
+        "engine_config": engine.config.model_dump(),
+        "num_kv_blocks": engine.num_kv_blocks,
+    }
 
 
 def format_sweep(report: dict) -> str:
@@ -360,25 +433,47 @@ def format_sweep(report: dict) -> str:
     from rich.table import Table
 
     table = Table(title=f"token budget sweep: {report['workload']}")
-    for col in ("setting", "budget used", "wall s", "total tok/s", "vs best fixed", "CPU s", "vs best (CPU)",
-                "mean batch", "KV use", "preempt"):
+    for col in (
+        "setting",
+        "budget used",
+        "wall s",
+        "total tok/s",
+        "vs best fixed",
+        "CPU s",
+        "vs best (CPU)",
+        "mean batch",
+        "KV use",
+        "preempt",
+    ):
         table.add_column(col, justify="right")
     for r in report["systems"]:
-        table.add_row(r["system"], str(r["token_budget"]), f"{r['wall']:.2f}", f"{r['total_tokens_per_s']:.1f}",
-                      f"{100 * r['ratio_to_best_fixed']:.1f}%", f"{r['median_cpu_s']:.1f}",
-                      f"{100 * r['cpu_ratio_to_best_fixed']:.1f}%", f"{r['mean_batch']:.1f}",
-                      f"{100 * r['mean_kv_usage']:.1f}%", str(r["preemptions"]))
+        table.add_row(
+            r["system"],
+            str(r["token_budget"]),
+            f"{r['wall']:.2f}",
+            f"{r['total_tokens_per_s']:.1f}",
+            f"{100 * r['ratio_to_best_fixed']:.1f}%",
+            f"{r['median_cpu_s']:.1f}",
+            f"{100 * r['cpu_ratio_to_best_fixed']:.1f}%",
+            f"{r['mean_batch']:.1f}",
+            f"{100 * r['mean_kv_usage']:.1f}%",
+            str(r["preemptions"]),
+        )
     buf = StringIO()
     console = Console(file=buf, width=150)
     console.print(table)
-    console.print(f"auto reached {100 * report['auto_ratio']:.1f}% of the best fixed budget by wall time "
-                  f"({report['best_fixed']}) and {100 * report['auto_cpu_ratio']:.1f}% by CPU time "
-                  f"({report['best_fixed_cpu']}); medians of {report['repeats']} run(s); tuner cap "
-                  f"{report['budget_cap']}")
+    console.print(
+        f"auto reached {100 * report['auto_ratio']:.1f}% of the best fixed budget by wall time "
+        f"({report['best_fixed']}) and {100 * report['auto_cpu_ratio']:.1f}% by CPU time "
+        f"({report['best_fixed_cpu']}); medians of {report['repeats']} run(s); tuner cap "
+        f"{report['budget_cap']}"
+    )
     for k, t in enumerate(report["auto_tuner"]):
         rates = ", ".join(f"{b}: {v:,.0f}" for b, v in t["tokens_per_s_by_budget"].items())
-        console.print(f"auto run {k + 1}: ended at {t['budget']} ({'settled' if t['settled'] else 'still probing'}, "
-                      f"{t['moves']} moves); tokens/s by budget {rates}")
+        console.print(
+            f"auto run {k + 1}: ended at {t['budget']} ({'settled' if t['settled'] else 'still probing'}, "
+            f"{t['moves']} moves); tokens/s by budget {rates}"
+        )
     return buf.getvalue()
 
 
@@ -389,20 +484,41 @@ def format_report(report: dict) -> str:
     from rich.table import Table
 
     table = Table(title=report["workload"])
-    for col in ("system", "req/s", "total tok/s", "out tok/s", "ratio", "mean batch", "max batch", "KV use",
-                "preempt", "prefix hit"):
+    for col in (
+        "system",
+        "req/s",
+        "total tok/s",
+        "out tok/s",
+        "ratio",
+        "mean batch",
+        "max batch",
+        "KV use",
+        "preempt",
+        "prefix hit",
+    ):
         table.add_column(col, justify="right")
     for r in report["systems"]:
         ratio = "" if r["ratio_to_engine"] is None else f"{r['ratio_to_engine']:.2f}x"
-        table.add_row(r["system"], f"{r['requests_per_s']:.2f}", f"{r['total_tokens_per_s']:.1f}",
-                      f"{r['output_tokens_per_s']:.1f}", ratio, f"{r['mean_batch']:.1f}", str(r["max_batch"]),
-                      f"{100 * r['mean_kv_usage']:.1f}%", str(r["preemptions"]), f"{100 * r['prefix_hit_rate']:.1f}%")
+        table.add_row(
+            r["system"],
+            f"{r['requests_per_s']:.2f}",
+            f"{r['total_tokens_per_s']:.1f}",
+            f"{r['output_tokens_per_s']:.1f}",
+            ratio,
+            f"{r['mean_batch']:.1f}",
+            str(r["max_batch"]),
+            f"{100 * r['mean_kv_usage']:.1f}%",
+            str(r["preemptions"]),
+            f"{100 * r['prefix_hit_rate']:.1f}%",
+        )
     buf = StringIO()
     console = Console(file=buf, width=140)
     console.print(table)
     for phase, v in report.get("roofline", {}).items():
-        console.print(f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "
-                      f"measured fp32 matmul {v['matmul_gflops']:.1f} GFLOP/s at {v['rows']} rows")
+        console.print(
+            f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "
+            f"measured fp32 matmul {v['matmul_gflops']:.1f} GFLOP/s at {v['rows']} rows"
+        )
     for name, why in report["skipped"].items():
         console.print(f"skipped {name}: {why}")
     return buf.getvalue()

@@ -1,10 +1,170 @@
-"""The `batchjob` command."""
+"""The `batchjob` command: run, plan and status for job files; generate, bench, report and selftest."""
+
 from __future__ import annotations
+
+import json
+import sys
 
 import click
 
-from batchjob.job.cli import plan, run, status
-from batchjob.models import DEFAULT_MODEL
+from batchjob.job.estimate import plan_job
+from batchjob.job.lock import LockHeld, describe
+from batchjob.job.progress import LogProgress, RichProgress
+from batchjob.job.reader import InputError
+from batchjob.job.runner import EXIT_LOCKED, EXIT_USAGE, run_job
+from batchjob.job.spec import JobFileError, JobSpec, load_job
+from batchjob.job.state import OutputDir, StateError
+from batchjob.model.builtin import DEFAULT_MODEL
+
+_set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a job-file setting, e.g. --set engine.max_num_seqs=32 (repeatable).",
+)
+
+
+def _load(job_file: str, overrides: tuple[str, ...]) -> JobSpec:
+    try:
+        return load_job(job_file, overrides)
+    except JobFileError as e:
+        _fail(str(e), EXIT_USAGE)
+
+
+def _fail(message: str, code: int):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--restart", is_flag=True, help="Discard the output folder's earlier results and start over.")
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Where the engines run: this process, or Ray workers (the job file's `ray:` section); "
+    "default: the job file's `executor`.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Periodic log lines (used when stdout is not a terminal, and always with json).",
+)
+@click.option("--log-interval", type=float, default=10.0, show_default=True, help="Seconds between log lines.")
+@click.option(
+    "--grace",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="On SIGINT/SIGTERM, seconds that requests in flight get to finish before they are dropped.",
+)
+def run(
+    job_file: str,
+    overrides: tuple[str, ...],
+    restart: bool,
+    executor: str | None,
+    log_format: str,
+    log_interval: float,
+    grace: float,
+) -> None:
+    """Run JOB_FILE: read its input, generate, and commit results to its output folder; resumes by itself.
+
+    Exit codes: 0 all rows done; 2 usage, job-file or input error; 3 finished but some rows failed (with
+    fail_on_row_errors); 75 another run holds the output folder; 130/143 interrupted, resumable."""
+    job = _load(job_file, overrides + ((f"executor={executor}",) if executor else ()))
+    progress = (
+        RichProgress()
+        if sys.stdout.isatty() and log_format == "text"
+        else LogProgress(interval=log_interval, json_lines=log_format == "json")
+    )
+    try:
+        code = run_job(job, progress, restart=restart, grace=grace)
+    except LockHeld as e:
+        _fail(str(e), EXIT_LOCKED)
+    except (InputError, StateError, JobFileError) as e:
+        _fail(str(e), EXIT_USAGE)
+    sys.exit(code)
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--no-calibrate", is_flag=True, help="Skip the short measured run; no time estimate.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(job_file: str, overrides: tuple[str, ...], no_calibrate: bool, as_json: bool) -> None:
+    """Show what JOB_FILE will cost without running it: tokens, prefix sharing, KV memory, time."""
+    job = _load(job_file, overrides)
+    try:
+        report = plan_job(job, calibrate=not no_calibrate)
+    except (InputError, JobFileError) as e:
+        _fail(str(e), EXIT_USAGE)
+    click.echo(json.dumps(report, indent=2) if as_json else _plan_text(report))
+
+
+def _plan_text(r: dict) -> str:
+    lines = [("rows", f"{r['rows']:,} ({r['rows_failing_before_the_model']:,} fail before the model)")]
+    if r["requests"]:
+        lines += [
+            ("requests", f"{r['requests']:,} ({r['duplicate_rows_computed_once']:,} duplicate rows computed once)"),
+            (
+                "prompt tokens",
+                f"total {r['prompt_tokens_total']:,} | p50 {r['prompt_tokens_p50']:,} | p99 {r['prompt_tokens_p99']:,}",
+            ),
+            ("output tokens", f"expected {r['output_tokens_expected']:,} (at most {r['output_tokens_max']:,})"),
+            ("prefix sharing", f"{100 * r['prefix_sharing_ratio']:.1f}% of prompt tokens hit cached blocks"),
+            (
+                "KV per sequence",
+                f"mean {_mib(r['kv_bytes_per_sequence_mean'])} | max {_mib(r['kv_bytes_per_sequence_max'])}",
+            ),
+            (
+                "sequences that fit",
+                f"{r['sequences_that_fit']:,} in {r['kv_cache_tokens']:,} KV tokens (max_num_seqs {r['max_num_seqs']})",
+            ),
+        ]
+    if "calibration" in r:
+        c = r["calibration"]
+        lines += [
+            (
+                "calibration",
+                f"{c['requests']} requests: prefill {c['prefill_tokens_per_s']:,.0f} tok/s, "
+                f"decode step {1000 * c['decode_step_s']:.1f} ms at batch {c['decode_batch_size']}",
+            ),
+            ("estimated time", f"{r['estimated_time_s']:,.0f} s"),
+        ]
+    return "\n".join(f"{k:<20}{v}" for k, v in lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@click.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(folder: str, as_json: bool) -> None:
+    """Show the progress of the job writing to FOLDER (its output.path), running or stopped."""
+    try:
+        s = OutputDir(folder).status()
+    except StateError as e:
+        _fail(str(e), EXIT_USAGE)
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+        return
+    state = s["state"] + (f" ({describe(s['holder'])})" if s["holder"] else "")
+    total = s["rows_total"]
+    pct = f" ({100 * s['rows_done'] / total:.1f}%)" if total else ""
+    click.echo(f"{s['folder']}: {state}")
+    click.echo(f"rows: {s['rows_done']:,} of {'?' if total is None else total} done{pct}, {s['rows_failed']:,} failed")
+    click.echo(f"tokens: prompt {s['prompt_tokens']:,}, output {s['output_tokens']:,}")
+    if s["parts"]:
+        click.echo(f"parts: {s['parts']}, last commit {s['last_commit_s_ago']} s ago")
+    if s["summary"]:
+        click.echo(f"summary: {json.dumps(s['summary'])}")
 
 
 @click.group()
@@ -28,7 +188,7 @@ main.add_command(status)
 @click.option("--no-chat", is_flag=True, help="send the prompt as raw text, without the chat template")
 def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> None:
     """Complete one PROMPT with the model and print the text."""
-    from batchjob.engine import Engine, SamplingParams
+    from batchjob.engine.engine import Engine, SamplingParams
 
     engine = Engine(model)
     tok = engine.tokenizer
@@ -54,39 +214,82 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
-@click.option("--job", "job_file", default=None, type=click.Path(dir_okay=False),
-              help="the workload is this job file's rows, prompts, sampling, model and engine settings")
-@click.option("--num-prompts", default=None, type=click.IntRange(min=1),
-              help="synthetic prompts (default 64), or the job's first rows (default all)")
+@click.option(
+    "--job",
+    "job_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="the workload is this job file's rows, prompts, sampling, model and engine settings",
+)
+@click.option(
+    "--num-prompts",
+    default=None,
+    type=click.IntRange(min=1),
+    help="synthetic prompts (default 64), or the job's first rows (default all)",
+)
 @click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--range-ratio", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="lengths uniform in len*(1-r)..len*(1+r)")
+@click.option(
+    "--range-ratio",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="lengths uniform in len*(1-r)..len*(1+r)",
+)
 @click.option("--prefix-len", default=0, show_default=True, type=click.IntRange(min=0), help="shared prefix tokens")
-@click.option("--systems", default="engine,static,hf", show_default=True,
-              help="comma list of engine, static, hf, vllm, llama-cpp")
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1),
-              help="fixed batch size of the static and hf baselines")
+@click.option(
+    "--systems", default="engine,static,hf", show_default=True, help="comma list of engine, static, hf, vllm, llama-cpp"
+)
+@click.option(
+    "--batch-size",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="fixed batch size of the static and hf baselines",
+)
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-seqs", default=None, type=int)
 @click.option("--max-num-batched-tokens", default=None, help="a number, or 'auto'")
-@click.option("--sweep-budgets", "budgets", default=None, metavar="N,N,...", callback=_budgets,
-              help="instead of --systems: this engine at each fixed token budget and at 'auto', on the workload")
+@click.option(
+    "--sweep-budgets",
+    "budgets",
+    default=None,
+    metavar="N,N,...",
+    callback=_budgets,
+    help="instead of --systems: this engine at each fixed token budget and at 'auto', on the workload",
+)
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
-def bench(model, job_file, num_prompts, input_len, output_len, range_ratio, prefix_len, systems, batch_size, repeats,
-          max_num_seqs, max_num_batched_tokens, budgets, json_path) -> None:
+def bench(
+    model,
+    job_file,
+    num_prompts,
+    input_len,
+    output_len,
+    range_ratio,
+    prefix_len,
+    systems,
+    batch_size,
+    repeats,
+    max_num_seqs,
+    max_num_batched_tokens,
+    budgets,
+    json_path,
+) -> None:
     """Throughput of this engine against baselines on one workload, in one process."""
     import json
 
     import pydantic
 
     from batchjob.bench import format_report, format_sweep, job_workload, run_bench, run_sweep, synthetic
-    from batchjob.engine import Engine
+    from batchjob.engine.engine import Engine
     from batchjob.job.spec import JobFileError, load_job
-    from batchjob.model_loader import resolve_model
+    from batchjob.model.loader import resolve_model
 
-    overrides = {k: v for k, v in (("max_num_seqs", max_num_seqs),
-                                   ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+        if v is not None
+    }
     if budgets:
         overrides["max_num_batched_tokens"] = "auto"  # sizes the engine's memory for every budget it may run at
     job = None
@@ -104,16 +307,24 @@ def bench(model, job_file, num_prompts, input_len, output_len, range_ratio, pref
     if job:
         wl = job_workload(job, engine, num_prompts)
     else:
-        wl = synthetic(engine.model_config.vocab_size, num_prompts or 64, input_len, output_len, range_ratio,
-                       prefix_len)
+        wl = synthetic(
+            engine.model_config.vocab_size, num_prompts or 64, input_len, output_len, range_ratio, prefix_len
+        )
     if budgets:
         report = run_sweep(engine, wl, budgets, repeats)
         click.echo(format_sweep(report))
     else:
         import torch
 
-        report = run_bench(engine, resolve_model(model), wl, [s.strip() for s in systems.split(",") if s.strip()],
-                           batch_size, repeats, torch.get_num_threads())
+        report = run_bench(
+            engine,
+            resolve_model(model),
+            wl,
+            [s.strip() for s in systems.split(",") if s.strip()],
+            batch_size,
+            repeats,
+            torch.get_num_threads(),
+        )
         click.echo(format_report(report))
     if json_path:
         with open(json_path, "w") as f:
@@ -126,7 +337,7 @@ def bench(model, job_file, num_prompts, input_len, output_len, range_ratio, pref
 def report(folder, output_dir) -> None:
     """Draw the job output FOLDER: batch size, KV usage and tokens/s over time, TTFT/TPOT, row lengths; PNGs and one
     self-contained HTML page."""
-    from batchjob.report import render
+    from batchjob.job.report import render
 
     try:
         paths = render(folder, output_dir)
@@ -149,9 +360,9 @@ def selftest(device, small, model, num_prompts) -> None:
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports kernels.*
     from batchjob.bench import format_report, run_bench, synthetic
-    from batchjob.engine import Engine
-    from batchjob.model_loader import resolve_model
-    from kernels.selftest import format_table, run_selftest
+    from batchjob.engine.engine import Engine
+    from batchjob.kernels.selftest import format_table, run_selftest
+    from batchjob.model.loader import resolve_model
 
     rows = run_selftest(device, small=small or device == "cpu")
     click.echo(format_table(rows))

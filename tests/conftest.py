@@ -1,28 +1,40 @@
 """Shared fixtures: the real default model, our engine on it, and transformers loading the same GGUF as the oracle."""
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pyarrow.parquet as pq
-import pytest
 import torch
 
-from batchjob.attention_metadata import AttentionMetadata
+# Triton's interpreter must be on before any kernel is defined (triton.jit decides at import time): switch it on
+# here, before any test module imports batchjob.kernels.*, unless a CUDA device can run the kernels for real.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob.model.attention_metadata import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
 def loaded():
-    from batchjob.model_loader import load_model
+    from batchjob.model.loader import load_model
 
     return load_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def engine():
-    from batchjob.engine import Engine
+    from batchjob.engine.engine import Engine
 
     return Engine("smollm2-135m-instruct")
 
@@ -45,8 +57,12 @@ def chat_messages(text: str) -> list[dict]:
 def oracle_prompts(loaded) -> list[list[dict]]:
     """16 real chat prompts of about 20 to 1,500 tokens: short questions and sample_data documents to summarize,
     picked to spread over the length range."""
-    questions = ["What is 2+2?", "Name three primary colours.", "Who wrote Pride and Prejudice?",
-                 "Translate 'good morning' into French."]
+    questions = [
+        "What is 2+2?",
+        "Name three primary colours.",
+        "Who wrote Pride and Prejudice?",
+        "Translate 'good morning' into French.",
+    ]
     docs = pq.read_table(ROOT / "sample_data" / "documents.parquet").to_pylist()
     tok = loaded.tokenizer
     sized = []
@@ -65,8 +81,10 @@ def forward_logits(model, ids: list[int], last_only: bool = True, block_size: in
     c = model.config
     n = len(ids)
     blocks = -(-n // block_size)
-    caches = [tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim) for _ in range(2))
-              for _ in range(c.num_hidden_layers)]
+    caches = [
+        tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim) for _ in range(2))
+        for _ in range(c.num_hidden_layers)
+    ]
     meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)))
     with torch.inference_mode():
         hidden = model.forward(torch.tensor(ids), torch.arange(n), meta, caches)

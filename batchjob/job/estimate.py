@@ -1,17 +1,18 @@
 """`batchjob plan`: what a job will cost, from its tokenized prompts and a short measured calibration."""
+
 from __future__ import annotations
 
 import statistics
 from array import array
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
+from batchjob.engine.outputs import StepMetrics
 from batchjob.job.planner import Planner, Work
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource
 from batchjob.job.runner import load_engine
 from batchjob.job.spec import JobSpec
-from batchjob.outputs import StepMetrics
 
 CALIBRATION_REQUESTS = 8
 CALIBRATION_MAX_TOKENS = 64
@@ -29,9 +30,15 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
     def count_failure(row, error) -> None:
         nonlocal failed
         failed += 1
-    planner = Planner(builder, job.sampling,
-                      sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe, block_size=block_size,
-                      on_error=count_failure)
+
+    planner = Planner(
+        builder,
+        job.sampling,
+        sort_window=job.schedule.sort_window,
+        dedupe=job.schedule.dedupe,
+        block_size=block_size,
+        on_error=count_failure,
+    )
     cache = PrefixCacheModel(engine.num_kv_blocks, block_size)
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
@@ -47,9 +54,12 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
 
     prompt_tokens, ordered = sum(lengths), sorted(lengths)
     report = {
-        "rows": scan.total, "rows_failing_before_the_model": failed, "requests": len(lengths),
+        "rows": scan.total,
+        "rows_failing_before_the_model": failed,
+        "requests": len(lengths),
         "duplicate_rows_computed_once": duplicates,
-        "prompt_tokens_total": prompt_tokens, "prompt_tokens_p50": ordered[len(ordered) // 2],
+        "prompt_tokens_total": prompt_tokens,
+        "prompt_tokens_p50": ordered[len(ordered) // 2],
         "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
         "output_tokens_max": sum(max_tokens),
         "prefix_sharing_ratio": round(shared / prompt_tokens, 3),
@@ -64,11 +74,15 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
     kv_tokens = engine.num_kv_blocks * block_size
     fit = int(kv_tokens // tokens_per_seq)
     concurrency = max(1, min(fit, engine.config.max_num_seqs, len(lengths)))
-    report.update({
-        "kv_bytes_per_sequence_mean": round(engine.kv_bytes_per_token * tokens_per_seq),
-        "kv_bytes_per_sequence_max": engine.kv_bytes_per_token * (report["prompt_tokens_p99"] + max(max_tokens)),
-        "kv_cache_tokens": kv_tokens, "sequences_that_fit": fit, "max_num_seqs": engine.config.max_num_seqs,
-    })
+    report.update(
+        {
+            "kv_bytes_per_sequence_mean": round(engine.kv_bytes_per_token * tokens_per_seq),
+            "kv_bytes_per_sequence_max": engine.kv_bytes_per_token * (report["prompt_tokens_p99"] + max(max_tokens)),
+            "kv_cache_tokens": kv_tokens,
+            "sequences_that_fit": fit,
+            "max_num_seqs": engine.config.max_num_seqs,
+        }
+    )
     if calibrate:
         c = report["calibration"]
         # Prefill is compute-bound: time is tokens over measured throughput. Decode is memory-bound, so a step
@@ -80,27 +94,37 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
 
 
 def measure(engine, sample: list[Work]) -> dict:
-    from batchjob.engine import Request
+    from batchjob.engine.engine import Request
+
     steps: list[StepMetrics] = []
     engine.generate([sample[0].token_ids[:8]], sample[0].params.model_copy(update={"max_tokens": 2}))  # warm-up
     engine.add_step_callback(steps.append)
-    requests = [Request(w.request_id, w.token_ids,
-                        w.params.model_copy(update={"max_tokens": min(w.params.max_tokens, CALIBRATION_MAX_TOKENS)}))
-                for w in sample]
+    requests = [
+        Request(
+            w.request_id,
+            w.token_ids,
+            w.params.model_copy(update={"max_tokens": min(w.params.max_tokens, CALIBRATION_MAX_TOKENS)}),
+        )
+        for w in sample
+    ]
     by_id = {w.request_id: w for w in sample}
     outputs = list(engine.stream(requests))
     prefill = [s for s in steps if s.num_prefill_tokens]
     decode = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
     # A request cut by the calibration's cap is assumed to run to its own max_tokens.
-    lengths = [len(o.token_ids) if o.finish_reason == "stop" else by_id[o.request_id].params.max_tokens
-               for o in outputs]
+    lengths = [
+        len(o.token_ids) if o.finish_reason == "stop" else by_id[o.request_id].params.max_tokens for o in outputs
+    ]
     prefill_time = sum(s.step_time for s in prefill)
-    return {"requests": len(sample),
-            "prefill_tokens_per_s": round(sum(s.num_prefill_tokens for s in prefill) / prefill_time, 1)
-            if prefill_time else 0.0,
-            "decode_step_s": round(statistics.fmean(s.step_time for s in decode), 5) if decode else 0.0,
-            "decode_batch_size": round(statistics.fmean(s.num_seqs for s in decode), 1) if decode else 0,
-            "mean_output_tokens": statistics.fmean(lengths)}
+    return {
+        "requests": len(sample),
+        "prefill_tokens_per_s": round(sum(s.num_prefill_tokens for s in prefill) / prefill_time, 1)
+        if prefill_time
+        else 0.0,
+        "decode_step_s": round(statistics.fmean(s.step_time for s in decode), 5) if decode else 0.0,
+        "decode_batch_size": round(statistics.fmean(s.num_seqs for s in decode), 1) if decode else 0,
+        "mean_output_tokens": statistics.fmean(lengths),
+    }
 
 
 class PrefixCacheModel:
@@ -113,7 +137,7 @@ class PrefixCacheModel:
     def hit_tokens(self, token_ids: list[int]) -> int:
         hits, parent, hitting = 0, None, True
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            key = hash((parent, tuple(token_ids[start:start + self.block_size])))
+            key = hash((parent, tuple(token_ids[start : start + self.block_size])))
             parent = key
             if hitting and key in self.blocks:
                 hits += self.block_size

@@ -3,6 +3,7 @@
 The kernel drops an flock when its process dies, kill -9 included, so a dead run's lock is free to take over with no
 pid guessing and no race between two runs taking it at once. The file is never deleted, only emptied: deleting it
 would let a run that opened the old file and a run that made a new one both hold "the" lock."""
+
 from __future__ import annotations
 
 import fcntl
@@ -55,7 +56,7 @@ class OutputLock:
         self.fd: int | None = None
         self.stale: dict | None = None  # a dead run's record, found and replaced on acquire
 
-    def __enter__(self) -> "OutputLock":
+    def __enter__(self) -> OutputLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -64,8 +65,11 @@ class OutputLock:
             raise LockHeld(self.path, read_holder(self.path)) from None
         self.fd = fd
         self.stale = read_holder(self.path)
-        me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)

@@ -4,20 +4,21 @@ Within a window, prompts are sorted by their token ids, which puts prompts shari
 template head) next to each other, so their KV blocks are reused while still cached; each such group, and the pool
 of prompts that share nothing, is then binned by length so that similar lengths run in the same batches. Identical
 requests under deterministic sampling become one piece of work whose result is written for every row."""
+
 from __future__ import annotations
 
 import hashlib
 import itertools
 import math
 from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import pydantic
 
+from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.prompt import PromptBuilder, RowError
 from batchjob.job.reader import Row
-from batchjob.sampling_params import SamplingParams
 
 # Quarter-octave length bins: lengths within ~19% of each other count as similar.
 BINS_PER_OCTAVE = 4
@@ -33,8 +34,16 @@ class Work:
 
 
 class Planner:
-    def __init__(self, builder: PromptBuilder, params: SamplingParams, *, sort_window: int, dedupe: bool,
-                 block_size: int, on_error: Callable[[Row, str], None]):
+    def __init__(
+        self,
+        builder: PromptBuilder,
+        params: SamplingParams,
+        *,
+        sort_window: int,
+        dedupe: bool,
+        block_size: int,
+        on_error: Callable[[Row, str], None],
+    ):
         self.builder, self.params = builder, params
         self.sort_window, self.dedupe, self.block_size = sort_window, dedupe, block_size
         self.on_error = on_error
@@ -79,8 +88,7 @@ class Planner:
         try:
             return SamplingParams.model_validate({**self.params.model_dump(), **row.overrides})
         except pydantic.ValidationError as e:
-            raise RowError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) \
-                from None
+            raise RowError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
 
 
 def order(works: list[Work], block_size: int) -> list[Work]:

@@ -1,4 +1,5 @@
 """Progress of a run: a rich display on a terminal, periodic plain or JSON log lines elsewhere (cron, Airflow)."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichBar
 from rich.text import Text
 
-from batchjob.outputs import StepMetrics
+from batchjob.engine.outputs import StepMetrics
 
 
 @dataclass
@@ -44,22 +45,27 @@ class Stats:
         live = step is not None  # a Ray driver sees no steps: rates from finished rows then
         output = self.step_decode_tokens if live else self.output_tokens
         total = self.step_tokens if live else self.output_tokens + self.prompt_tokens
-        return {"rows_done": self.done, "rows_total": self.total,
-                "output_tokens_per_s": round(output / elapsed, 1),
-                "total_tokens_per_s": round(total / elapsed, 1),
-                "batch_size": step.num_seqs if step else 0,
-                "kv_usage_pct": round(100 * step.kv_cache_usage_perc, 1) if step else 0.0,
-                "preemptions": self.preemptions,
-                "prefix_hit_pct": round(100 * step.prefix_cache_hit_rate, 1) if step else 0.0,
-                "eta_s": round(remaining / rate) if rate > 0 else None}
+        return {
+            "rows_done": self.done,
+            "rows_total": self.total,
+            "output_tokens_per_s": round(output / elapsed, 1),
+            "total_tokens_per_s": round(total / elapsed, 1),
+            "batch_size": step.num_seqs if step else 0,
+            "kv_usage_pct": round(100 * step.kv_cache_usage_perc, 1) if step else 0.0,
+            "preemptions": self.preemptions,
+            "prefix_hit_pct": round(100 * step.prefix_cache_hit_rate, 1) if step else 0.0,
+            "eta_s": round(remaining / rate) if rate > 0 else None,
+        }
 
 
 def _line(s: dict) -> str:
     eta = "?" if s["eta_s"] is None else _duration(s["eta_s"])
     pct = 100 * s["rows_done"] / s["rows_total"] if s["rows_total"] else 100.0
-    return (f"rows {s['rows_done']}/{s['rows_total']} ({pct:.1f}%) | out {s['output_tokens_per_s']:.1f} tok/s | "
-            f"total {s['total_tokens_per_s']:.1f} tok/s | batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | "
-            f"preemptions {s['preemptions']} | prefix hits {s['prefix_hit_pct']:.0f}% | eta {eta}")
+    return (
+        f"rows {s['rows_done']}/{s['rows_total']} ({pct:.1f}%) | out {s['output_tokens_per_s']:.1f} tok/s | "
+        f"total {s['total_tokens_per_s']:.1f} tok/s | batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | "
+        f"preemptions {s['preemptions']} | prefix hits {s['prefix_hit_pct']:.0f}% | eta {eta}"
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -137,8 +143,14 @@ class RichProgress(Progress):
     def __init__(self, console: Console | None = None):
         super().__init__()
         self.console = console or Console()
-        self.bar = RichBar(TextColumn("[bold]rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("eta {task.fields[eta]}"), console=self.console)
+        self.bar = RichBar(
+            TextColumn("[bold]rows"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta {task.fields[eta]}"),
+            console=self.console,
+        )
         self.stats_line = Text()
         self.live = Live(Group(self.bar, self.stats_line), console=self.console, refresh_per_second=4)
         self.task = None
@@ -151,12 +163,14 @@ class RichProgress(Progress):
     def refresh(self) -> None:
         if self.task is not None:
             s = self.stats.snapshot()
-            self.bar.update(self.task, completed=s["rows_done"],
-                            eta="?" if s["eta_s"] is None else _duration(s["eta_s"]))
+            self.bar.update(
+                self.task, completed=s["rows_done"], eta="?" if s["eta_s"] is None else _duration(s["eta_s"])
+            )
             self.stats_line.plain = (
                 f"out {s['output_tokens_per_s']:.0f} tok/s | total {s['total_tokens_per_s']:.0f} tok/s | "
                 f"batch {s['batch_size']} | KV {s['kv_usage_pct']:.0f}% | preempt {s['preemptions']} | "
-                f"prefix hit {s['prefix_hit_pct']:.0f}%")
+                f"prefix hit {s['prefix_hit_pct']:.0f}%"
+            )
 
     def message(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False)

@@ -1,7 +1,8 @@
 """A row's prompt as token ids: template, system text, chat template, and the too-long policy."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from batchjob.job.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec
@@ -28,13 +29,16 @@ class PromptBuilder:
         def encode(text: str) -> list[int]:
             # A rendered chat template writes its own BOS, so the tokenizer must not add another.
             return self.tokenizer.encode(render(text), add_special_tokens=not chat)
+
         ids = full = encode(main)
         if len(ids) < self.context_len:
             return ids, False
         policy = self.prompt.on_too_long
         if policy == "error":
-            raise RowError(f"prompt is {len(ids)} tokens, too long for the model's context of {self.context_len} "
-                           "(prompt.on_too_long: error)")
+            raise RowError(
+                f"prompt is {len(ids)} tokens, too long for the model's context of {self.context_len} "
+                "(prompt.on_too_long: error)"
+            )
         # Leave room for the answer too, but never give it more than half of the context.
         limit = self.context_len - min(max_tokens, self.context_len // 2)
         main_ids = self.tokenizer.encode(main, add_special_tokens=False)
@@ -46,7 +50,7 @@ class PromptBuilder:
             keep = len(main_ids) - over - TRUNCATION_MARGIN
             if keep <= 0:
                 break
-            main_ids = main_ids[len(main_ids) - keep:] if policy == "truncate_left" else main_ids[:keep]
+            main_ids = main_ids[len(main_ids) - keep :] if policy == "truncate_left" else main_ids[:keep]
             ids = encode(self.tokenizer.decode(main_ids))
         # Without its text the prompt would still be too long (a huge system text or message history): cut the
         # whole prompt's tokens, which keeps the row's text on the side the policy keeps.
@@ -74,6 +78,7 @@ class PromptBuilder:
                 head = [{"role": "system", "content": system}] if system else []
                 return self._chat(head + [{"role": "user", "content": body}])
             return f"{system}\n\n{body}" if system else body
+
         return render, main, chat
 
     def _messages_parts(self, messages) -> tuple[Callable[[str], str], str]:
@@ -83,7 +88,8 @@ class PromptBuilder:
         longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
 
         def render(text: str) -> str:
-            return self._chat([*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1:]])
+            return self._chat([*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1 :]])
+
         return render, messages[longest]["content"]
 
     def _chat(self, messages: list[dict]) -> str:

@@ -4,12 +4,13 @@ The driver does what a local run does around the work (lock, fingerprint, resume
 the only writer of the output folder: a worker returns each shard's result rows and the driver commits them as the
 parts a local run writes. So the layout, resume, `status` and `_SUCCESS` are a local run's, the workers need no
 access to the output folder, and a shard that Ray redoes because its worker died is committed once."""
+
 from __future__ import annotations
 
 import itertools
 import logging
 import pickle
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 
@@ -25,8 +26,9 @@ try:
     import ray
     import ray.data
 except ImportError:
-    raise JobFileError("executor: 'ray' needs Ray, an optional extra: pip install 'batchjob[ray]' "
-                       "(or pip install 'ray[data]')") from None
+    raise JobFileError(
+        "executor: 'ray' needs Ray, an optional extra: pip install 'batchjob[ray]' (or pip install 'ray[data]')"
+    ) from None
 
 ROW = "row"  # the one column of an input shard: each Row pickled as the local reader made it
 DIGEST = b"model_digest"  # result schema metadata: the model a worker ran, for the job's fingerprint
@@ -43,16 +45,23 @@ class EngineWorker:
         self.schema = result_schema(passthrough).with_metadata({DIGEST: self.engine.model_digest})
 
     def __call__(self, shard: pa.Table) -> pa.Table:
-        from batchjob.engine import Request
+        from batchjob.engine.engine import Request
+
         job, records, works = self.job, [], {}
-        planner = Planner(self.builder, job.sampling, sort_window=job.schedule.sort_window,
-                          dedupe=job.schedule.dedupe, block_size=self.engine.config.block_size,
-                          on_error=lambda row, error: records.append(failed_row(row, error)))
+        planner = Planner(
+            self.builder,
+            job.sampling,
+            sort_window=job.schedule.sort_window,
+            dedupe=job.schedule.dedupe,
+            block_size=self.engine.config.block_size,
+            on_error=lambda row, error: records.append(failed_row(row, error)),
+        )
 
         def requests() -> Iterator[Request]:
             for work in planner.works(pickle.loads(b) for b in shard.column(ROW).to_pylist()):
                 works[work.request_id] = work
                 yield Request(work.request_id, work.token_ids, work.params)
+
         for output in self.engine.stream(requests()):
             records += result_rows(works.pop(output.request_id), output)
         return pa.Table.from_pylist(records, schema=self.schema)
@@ -72,16 +81,30 @@ class RayJobRun(JobRun):
     def _run_shards(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
         job, spec = self.job, self.job.ray
         shards = to_shards((row for row in source.rows() if row.id not in committed.ids), spec.shard_rows)
-        results = iter(ray.data.from_arrow_refs(shards).map_batches(
-            EngineWorker, fn_constructor_kwargs={"job": job, "passthrough": scan.passthrough_schema,
-                                                 "engine_factory": self.engine_factory},
-            batch_size=spec.shard_rows, batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
-            num_cpus=spec.num_cpus_per_worker, num_gpus=spec.num_gpus_per_worker,
-        ).iter_batches(batch_size=None, batch_format="pyarrow"))
-        self.writer = PartWriter(self.out.data, scan.passthrough_schema, checkpoint_rows=job.output.checkpoint_rows,
-                                 checkpoint_seconds=job.output.checkpoint_seconds,
-                                 next_part=self.out.next_part_number())
+        results = iter(
+            ray.data.from_arrow_refs(shards)
+            .map_batches(
+                EngineWorker,
+                fn_constructor_kwargs={
+                    "job": job,
+                    "passthrough": scan.passthrough_schema,
+                    "engine_factory": self.engine_factory,
+                },
+                batch_size=spec.shard_rows,
+                batch_format="pyarrow",
+                compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
+                num_cpus=spec.num_cpus_per_worker,
+                num_gpus=spec.num_gpus_per_worker,
+            )
+            .iter_batches(batch_size=None, batch_format="pyarrow")
+        )
+        self.writer = PartWriter(
+            self.out.data,
+            scan.passthrough_schema,
+            checkpoint_rows=job.output.checkpoint_rows,
+            checkpoint_seconds=job.output.checkpoint_seconds,
+            next_part=self.out.next_part_number(),
+        )
         self.progress.start(scan.total, committed.rows)
         try:
             while True:
@@ -106,15 +129,20 @@ class RayJobRun(JobRun):
             self._check_model(fp, digest)
             self._write_job(fp, scan)
         elif digest != fp["model_digest"]:
-            raise StateError(f"Ray workers run different models (sha256 {fp['model_digest']} and {digest}): "
-                             "the model path must hold the same files on every node")
+            raise StateError(
+                f"Ray workers run different models (sha256 {fp['model_digest']} and {digest}): "
+                "the model path must hold the same files on every node"
+            )
         # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
         fresh = [record for record in table.to_pylist() if record["id"] not in written]
         for record in fresh:
             written.add(record["id"])
             self.writer.add(record)
-        self.progress.rows(len(fresh), output_tokens=sum(r["output_tokens"] or 0 for r in fresh),
-                           prompt_tokens=sum((r["prompt_tokens"] or 0) - (r["cached_tokens"] or 0) for r in fresh))
+        self.progress.rows(
+            len(fresh),
+            output_tokens=sum(r["output_tokens"] or 0 for r in fresh),
+            prompt_tokens=sum((r["prompt_tokens"] or 0) - (r["cached_tokens"] or 0) for r in fresh),
+        )
 
 
 def connect(spec: RaySpec) -> bool:

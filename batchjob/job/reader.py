@@ -2,15 +2,17 @@
 
 A row that cannot be used (bad JSON, bad UTF-8, an unreadable Parquet page) comes out with `error` set, so the job
 writes it as a failed row and goes on; an input that cannot be opened at all raises InputError before any work."""
+
 from __future__ import annotations
 
 import glob
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -52,8 +54,9 @@ class InputSource:
             self.prompt_columns: list[str] = []
             self.passthrough = ["url", *[c for c in spec.passthrough if c != "url"]]
         else:
-            self.prompt_columns = ([spec.messages_column] if spec.messages_column
-                                   else sorted(set(job.prompt.fields) | {spec.text_column}))
+            self.prompt_columns = (
+                [spec.messages_column] if spec.messages_column else sorted(set(job.prompt.fields) | {spec.text_column})
+            )
             self.passthrough = list(spec.passthrough)
         self._parquet = {path: self._open_parquet(path) for path in self.files} if self.format == "parquet" else {}
         for path in self.files:
@@ -65,11 +68,13 @@ class InputSource:
             pf = pq.ParquetFile(path)
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"cannot read {path} as Parquet: {e}") from None
-        missing = [c for c in [self.spec.id_column, *self.prompt_columns, *self.passthrough]
-                   if c not in pf.schema_arrow.names]
+        missing = [
+            c for c in [self.spec.id_column, *self.prompt_columns, *self.passthrough] if c not in pf.schema_arrow.names
+        ]
         if missing:
-            raise InputError(f"{path}: no column {', '.join(map(repr, missing))}; "
-                             f"it has {', '.join(pf.schema_arrow.names)}")
+            raise InputError(
+                f"{path}: no column {', '.join(map(repr, missing))}; it has {', '.join(pf.schema_arrow.names)}"
+            )
         return pf
 
     def identity(self) -> list[dict]:
@@ -95,8 +100,9 @@ class InputSource:
                 for rg in range(pf.num_row_groups):
                     counts.update(self._row_group_ids(path, pf, rg, total))
                     total += pf.metadata.row_group(rg).num_rows
-            schema = pa.unify_schemas([pa.schema([pf.schema_arrow.field(c) for c in self.passthrough])
-                                       for pf in self._parquet.values()])
+            schema = pa.unify_schemas(
+                [pa.schema([pf.schema_arrow.field(c) for c in self.passthrough]) for pf in self._parquet.values()]
+            )
         else:
             for path in self.files:
                 try:
@@ -125,8 +131,9 @@ class InputSource:
                 index += self._parquet[path].metadata.num_rows
             else:
                 for row in self._json_rows(path, index):
-                    row.passthrough = {c: _normalize(v, self.passthrough_schema.field(c).type)
-                                       for c, v in row.passthrough.items()}
+                    row.passthrough = {
+                        c: _normalize(v, self.passthrough_schema.field(c).type) for c, v in row.passthrough.items()
+                    }
                     yield row
                     index += 1
 
@@ -152,8 +159,10 @@ class InputSource:
         ids: list[str] = []
         try:
             for batch in pf.iter_batches(self.spec.batch_rows, row_groups=[rg], columns=[self.spec.id_column]):
-                ids += [_synthetic_id(path, index + len(ids) + k) if v is None else str(v)
-                        for k, v in enumerate(batch.column(0).to_pylist())]
+                ids += [
+                    _synthetic_id(path, index + len(ids) + k) if v is None else str(v)
+                    for k, v in enumerate(batch.column(0).to_pylist())
+                ]
         except (OSError, pa.ArrowException):
             pass
         n = pf.metadata.row_group(rg).num_rows
@@ -165,17 +174,19 @@ class InputSource:
         values = {c: _decode_column(batch.column(c), c, errors) for c in self.prompt_columns}
         passthrough = {c: batch.column(c).to_pylist() for c in self.passthrough}
         for i, raw_id in enumerate(ids):
-            yield Row(index + i, _synthetic_id(path, index + i) if raw_id is None else str(raw_id),
-                      {c: v[i] for c, v in values.items()}, {c: v[i] for c, v in passthrough.items()},
-                      error="the id is null" if raw_id is None else errors.get(i))
+            yield Row(
+                index + i,
+                _synthetic_id(path, index + i) if raw_id is None else str(raw_id),
+                {c: v[i] for c, v in values.items()},
+                {c: v[i] for c, v in passthrough.items()},
+                error="the id is null" if raw_id is None else errors.get(i),
+            )
 
     # --- JSONL and OpenAI Batch
 
     def _json_rows(self, path: str, index: int) -> Iterator[Row]:
         with open(path, "rb") as f:
-            lineno = 0
-            for raw in f:
-                lineno += 1
+            for lineno, raw in enumerate(f, start=1):
                 if raw.strip():
                     yield self._json_row(path, lineno, raw, index)
                     index += 1

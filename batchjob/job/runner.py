@@ -2,6 +2,7 @@
 
 Exit codes (README): 0 all rows done; 2 usage, job-file or input error; 3 finished but some rows failed (with
 fail_on_row_errors); 75 another run holds the output folder; 130 / 143 interrupted by SIGINT / SIGTERM, resumable."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +10,9 @@ import hashlib
 import json
 import signal
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
+from batchjob.engine.outputs import RequestOutput, StepMetrics
 from batchjob.job.lock import describe
 from batchjob.job.planner import Planner, Work
 from batchjob.job.progress import Progress
@@ -20,30 +22,41 @@ from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import METRICS, OPENAI_OUTPUT, STAGED, TIMELINE, Committed, OutputDir, now_iso
 from batchjob.job.timeline import Timeline
-from batchjob.job.writer import (PartWriter, failed_row, result_rows, sort_parts, write_atomic,
-                                 write_openai_output)
-from batchjob.outputs import RequestOutput, StepMetrics
+from batchjob.job.writer import PartWriter, failed_row, result_rows, sort_parts, write_atomic, write_openai_output
 
 EXIT_OK, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_LOCKED = 0, 2, 3, 75
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # Truncation (max_model_len), output lengths (elastic_*), sampling draws (seed) and numbers by design (dtypes).
-RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed", "dtype",
-                          "kv_cache_dtype"}
+RESULT_ENGINE_SETTINGS = {
+    "max_model_len",
+    "elastic_compression",
+    "elastic_max_tokens_floor",
+    "seed",
+    "dtype",
+    "kv_cache_dtype",
+}
 
 
 def load_engine(job: JobSpec):
-    from batchjob.engine import Engine  # here, not at import: torch and the weights are slow to load
+    from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
+
     return Engine(job.model, **job.engine.model_dump(exclude_unset=True))
 
 
 def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> dict:
     """What makes two runs' results belong to one dataset. Engine tuning (batch sizes, memory, preemption) may change
     between runs; the engine settings that change what is computed may not."""
-    fp = {"model": job.model, "model_digest": model_digest,
-          "prompt": job.prompt.model_dump(), "sampling": job.sampling.model_dump(),
-          "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
-          "input": {**job.input.model_dump(include={"format", "id_column", "text_column", "messages_column",
-                                                    "passthrough"}), "files": source.identity()}}
+    fp = {
+        "model": job.model,
+        "model_digest": model_digest,
+        "prompt": job.prompt.model_dump(),
+        "sampling": job.sampling.model_dump(),
+        "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
+        "input": {
+            **job.input.model_dump(include={"format", "id_column", "text_column", "messages_column", "passthrough"}),
+            "files": source.identity(),
+        },
+    }
     return json.loads(json.dumps(fp))  # as it reads back from _job.json, for comparing
 
 
@@ -62,7 +75,7 @@ class Stopper:
         self.since = 0.0
         self.interrupt = False
 
-    def __enter__(self) -> "Stopper":
+    def __enter__(self) -> Stopper:
         self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
         return self
 
@@ -93,12 +106,19 @@ class Stopper:
         return self.count > 1 or (self.signum is not None and time.monotonic() - self.since >= self.grace)
 
 
-def run_job(job: JobSpec, progress: Progress, *, restart: bool = False, grace: float = 10.0,
-            engine_factory: Callable[[JobSpec], object] = load_engine) -> int:
+def run_job(
+    job: JobSpec,
+    progress: Progress,
+    *,
+    restart: bool = False,
+    grace: float = 10.0,
+    engine_factory: Callable[[JobSpec], object] = load_engine,
+) -> int:
     """The exit code of a run that got going; LockHeld, InputError, StateError and JobFileError when it cannot."""
     run_class = JobRun
     if job.executor == "ray":
         from batchjob.job.ray_executor import RayJobRun  # Ray is an optional extra, imported only when asked for
+
         run_class = RayJobRun
     out = OutputDir(job.output.path)
     with out.lock() as lock, Stopper(grace) as stopper:
@@ -151,10 +171,21 @@ class JobRun:
         self._write_job(fp, scan)
         if self.stopper.signum is not None:  # stopped during the model load: nothing started, nothing to commit
             return
-        self.writer = PartWriter(out.data, scan.passthrough_schema, checkpoint_rows=job.output.checkpoint_rows,
-                                 checkpoint_seconds=job.output.checkpoint_seconds, next_part=out.next_part_number())
-        planner = Planner(builder, job.sampling, sort_window=job.schedule.sort_window, dedupe=job.schedule.dedupe,
-                          block_size=self.engine.config.block_size, on_error=self._row_failed)
+        self.writer = PartWriter(
+            out.data,
+            scan.passthrough_schema,
+            checkpoint_rows=job.output.checkpoint_rows,
+            checkpoint_seconds=job.output.checkpoint_seconds,
+            next_part=out.next_part_number(),
+        )
+        planner = Planner(
+            builder,
+            job.sampling,
+            sort_window=job.schedule.sort_window,
+            dedupe=job.schedule.dedupe,
+            block_size=self.engine.config.block_size,
+            on_error=self._row_failed,
+        )
         rows = (row for row in source.rows() if row.id not in committed.ids)
         self.progress.start(scan.total, committed.rows)
         self.timeline = Timeline(out.path / TIMELINE)
@@ -174,12 +205,19 @@ class JobRun:
     def _write_job(self, fp: dict, scan: Scan) -> None:
         """Record the job before its first part is committed, so that every part belongs to a known job."""
         meta = self.out.read_job() or {"created": now_iso()}
-        self.out.write_job({**meta, "fingerprint": fp, "rows_total": scan.total,
-                            "job": self.job.model_dump(mode="json"),
-                            "fingerprint_sha256": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()})
+        self.out.write_job(
+            {
+                **meta,
+                "fingerprint": fp,
+                "rows_total": scan.total,
+                "job": self.job.model_dump(mode="json"),
+                "fingerprint_sha256": hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest(),
+            }
+        )
 
     def _requests(self, works: Iterable[Work]) -> Iterator:
-        from batchjob.engine import Request
+        from batchjob.engine.engine import Request
+
         for work in works:
             if self.stopper.signum is not None:
                 return
@@ -194,8 +232,10 @@ class JobRun:
             self.stop_committed = True
             self.engine.abort_waiting()  # the grace is for requests already running, not the queue
             self.writer.flush()  # commit what is finished now, in case a kill -9 follows the signal
-            self.progress.message(f"stopping: {len(self.in_flight)} requests in flight get up to "
-                                  f"{self.stopper.grace:g} s to finish (signal again to drop them now)")
+            self.progress.message(
+                f"stopping: {len(self.in_flight)} requests in flight get up to "
+                f"{self.stopper.grace:g} s to finish (signal again to drop them now)"
+            )
         if self.stopper.drop_in_flight and not self.aborted:
             self.aborted = True
             self.engine.abort_all()
@@ -206,8 +246,11 @@ class JobRun:
             return  # not committed, so it runs again on resume
         for record in result_rows(work, output):
             self.writer.add(record)
-        self.progress.rows(len(work.rows), output_tokens=len(output.token_ids),
-                           prompt_tokens=len(work.token_ids) - output.num_cached_tokens)
+        self.progress.rows(
+            len(work.rows),
+            output_tokens=len(output.token_ids),
+            prompt_tokens=len(work.token_ids) - output.num_cached_tokens,
+        )
 
     def _row_failed(self, row: Row, error: str) -> None:
         self.writer.add(failed_row(row, error))
@@ -226,33 +269,50 @@ class JobRun:
             write_openai_output(out.parts(), out.path / OPENAI_OUTPUT, job.model)
         stats = self.progress.stats
         generating = time.monotonic() - stats.started  # the rates leave out the model load
-        summary = {"rows_total": total, "rows_ok": committed.rows - committed.failed,
-                   "rows_failed": committed.failed, "prompt_tokens": committed.prompt_tokens,
-                   "output_tokens": committed.output_tokens, "cached_tokens": committed.cached_tokens,
-                   "this_run": {"rows": stats.rows, "wall_time_s": round(wall_time, 3),
-                                "output_tokens_per_s": round(stats.output_tokens / generating, 2),
-                                "total_tokens_per_s": round((stats.output_tokens + stats.prompt_tokens) /
-                                                            generating, 2),
-                                "preemptions": stats.preemptions},
-                   "finished": now_iso()}
+        summary = {
+            "rows_total": total,
+            "rows_ok": committed.rows - committed.failed,
+            "rows_failed": committed.failed,
+            "prompt_tokens": committed.prompt_tokens,
+            "output_tokens": committed.output_tokens,
+            "cached_tokens": committed.cached_tokens,
+            "this_run": {
+                "rows": stats.rows,
+                "wall_time_s": round(wall_time, 3),
+                "output_tokens_per_s": round(stats.output_tokens / generating, 2),
+                "total_tokens_per_s": round((stats.output_tokens + stats.prompt_tokens) / generating, 2),
+                "preemptions": stats.preemptions,
+            },
+            "finished": now_iso(),
+        }
         if self.engine is not None:
             summary["this_run"]["token_budget"] = self.engine.token_budget
             if self.engine.auto_budget is not None:
                 tuned = summary["this_run"]["token_budget_auto"] = self.engine.auto_budget.summary()
                 rates = ", ".join(f"{b}: {r:,.0f}" for b, r in tuned["tokens_per_s_by_budget"].items())
-                self.progress.message(f"max_num_batched_tokens auto: chose {tuned['budget']} (tokens/s by budget: "
-                                      f"{rates or 'no step filled a budget'})")
+                self.progress.message(
+                    f"max_num_batched_tokens auto: chose {tuned['budget']} (tokens/s by budget: "
+                    f"{rates or 'no step filled a budget'})"
+                )
         out.write_success(summary)
-        self.progress.message(f"done: {summary['rows_ok']} rows ok, {summary['rows_failed']} failed; "
-                              f"results in {out.data}")
+        self.progress.message(
+            f"done: {summary['rows_ok']} rows ok, {summary['rows_failed']} failed; results in {out.data}"
+        )
         return self._write_metrics(committed, total, self._exit_code(committed.failed))
 
     def _write_metrics(self, committed: Committed, total: int, code: int) -> int:
         """metrics.prom at the end of a run that got to generate; returns `code`."""
         t, labels = self.timeline, {"model_name": self.job.model, "output": str(self.out.path.resolve())}
-        write_metrics(self.out.path / METRICS, labels, committed, total, exit_code=code,
-                      last_success=self.out.success_time(), preemptions=t and t.preemptions,
-                      kv_cache_usage=t and t.kv_cache_usage_mean)
+        write_metrics(
+            self.out.path / METRICS,
+            labels,
+            committed,
+            total,
+            exit_code=code,
+            last_success=self.out.success_time(),
+            preemptions=t and t.preemptions,
+            kv_cache_usage=t and t.kv_cache_usage_mean,
+        )
         return code
 
     def _already_done(self) -> int:

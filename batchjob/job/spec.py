@@ -2,6 +2,7 @@
 
 Every section forbids unknown keys, and an error names the file, the field path and what is allowed there, because a
 typo in a job that runs overnight should fail in the first second, not in the morning."""
+
 from __future__ import annotations
 
 import string
@@ -13,11 +14,10 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from batchjob.config import EngineConfig
+from batchjob.engine.config import EngineConfig
+from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.writer import RESULT_COLUMNS
-from batchjob.models import DEFAULT_MODEL
-from batchjob.sampling_params import SamplingParams
-
+from batchjob.model.builtin import DEFAULT_MODEL
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
@@ -33,7 +33,8 @@ class _Section(BaseModel):
 class InputSpec(_Section):
     path: str = Field(description="a file or a glob; relative paths are taken from the current directory")
     format: Literal["parquet", "jsonl", "openai-batch"] | None = Field(
-        None, description="default: from the extension (.parquet/.pq, .jsonl/.ndjson)")
+        None, description="default: from the extension (.parquet/.pq, .jsonl/.ndjson)"
+    )
     id_column: str = "id"
     text_column: str = "text"
     messages_column: str | None = Field(None, description="a column of chat messages, instead of a text column")
@@ -41,22 +42,28 @@ class InputSpec(_Section):
     batch_rows: int = Field(1024, ge=1, description="rows per Parquet read batch")
 
     @model_validator(mode="after")
-    def _check(self) -> "InputSpec":
+    def _check(self) -> InputSpec:
         if self.format is None:
             suffix = Path(self.path).suffix.lower()
             if suffix not in FORMAT_BY_SUFFIX:
-                raise ValueError(f"cannot tell the format of {self.path!r} from its extension; "
-                                 "set input.format to one of 'parquet', 'jsonl', 'openai-batch'")
+                raise ValueError(
+                    f"cannot tell the format of {self.path!r} from its extension; "
+                    "set input.format to one of 'parquet', 'jsonl', 'openai-batch'"
+                )
             object.__setattr__(self, "format", FORMAT_BY_SUFFIX[suffix])
         clashes = sorted(RESULT_COLUMNS & set(self.passthrough))
         if clashes:
-            raise ValueError(f"passthrough: {', '.join(clashes)} would clash with result columns of that name "
-                             f"({', '.join(sorted(RESULT_COLUMNS))})")
+            raise ValueError(
+                f"passthrough: {', '.join(clashes)} would clash with result columns of that name "
+                f"({', '.join(sorted(RESULT_COLUMNS))})"
+            )
         if self.format == "openai-batch":
             named = {"id_column", "text_column", "messages_column"} & self.model_fields_set
             if named:
-                raise ValueError(f"{', '.join(sorted(named))}: not used with format 'openai-batch' "
-                                 "(ids come from custom_id, prompts from body.messages or body.prompt)")
+                raise ValueError(
+                    f"{', '.join(sorted(named))}: not used with format 'openai-batch' "
+                    "(ids come from custom_id, prompts from body.messages or body.prompt)"
+                )
         return self
 
 
@@ -87,13 +94,21 @@ class OutputSpec(_Section):
 
 class RaySpec(_Section):
     """Where and how wide a run with `executor: ray` goes."""
-    address: str | None = Field(None, description="a running cluster ('auto', 'ray://host:10001'); default: "
-                                                  "$RAY_ADDRESS if set, else a local instance on this machine")
+
+    address: str | None = Field(
+        None,
+        description="a running cluster ('auto', 'ray://host:10001'); default: "
+        "$RAY_ADDRESS if set, else a local instance on this machine",
+    )
     num_workers: int = Field(1, ge=1, description="actors, each loading the model once and holding one engine")
     num_cpus_per_worker: float = Field(1.0, gt=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
-    shard_rows: int = Field(256, ge=1, description="rows a worker takes at a time: the planner orders within a "
-                                                    "shard, and a shard's results are committed when it is done")
+    shard_rows: int = Field(
+        256,
+        ge=1,
+        description="rows a worker takes at a time: the planner orders within a "
+        "shard, and a shard's results are committed when it is done",
+    )
 
 
 class JobSpec(_Section):
@@ -109,7 +124,7 @@ class JobSpec(_Section):
     fail_on_row_errors: bool = False
 
     @model_validator(mode="after")
-    def _check(self) -> "JobSpec":
+    def _check(self) -> JobSpec:
         inp, prompt = self.input, self.prompt
         if inp.messages_column is not None:
             if prompt.template is not None:
@@ -121,8 +136,10 @@ class JobSpec(_Section):
                 if not name.isidentifier():
                     raise ValueError(f"prompt.template: placeholder {{{name}}} is not a column name")
             if inp.text_column not in prompt.fields:
-                raise ValueError(f"prompt.template: must contain {{{inp.text_column}}} (input.text_column), "
-                                 f"the text that is checked and truncated; it has {prompt.fields}")
+                raise ValueError(
+                    f"prompt.template: must contain {{{inp.text_column}}} (input.text_column), "
+                    f"the text that is checked and truncated; it has {prompt.fields}"
+                )
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self
@@ -156,7 +173,7 @@ def _apply_override(raw: dict, item: str, path: Path) -> tuple[str, ...]:
     for depth, part in enumerate(keys[:-1]):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise JobFileError(f"{path}: --set {item!r}: {'.'.join(keys[:depth + 1])} is not a section")
+            raise JobFileError(f"{path}: --set {item!r}: {'.'.join(keys[: depth + 1])} is not a section")
     # YAML parsing of the value gives 32 an int, true a bool and [a, b] a list, as in the file itself.
     node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
     return keys
@@ -174,7 +191,7 @@ def _describe(err: dict, set_paths: list[tuple[str, ...]]) -> str:
         message = err["msg"].removeprefix("Value error, ")
         if "input" in err and not isinstance(err["input"], (dict, list)):
             message += f" (got {err['input']!r})"
-    if any(loc[:len(p)] == p for p in set_paths):
+    if any(loc[: len(p)] == p for p in set_paths):
         message += " [set on the command line]"
     return f"{where}: {message}"
 

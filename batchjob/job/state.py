@@ -1,13 +1,14 @@
 """The output folder and what state it is in, read from the files themselves.
 
-    OUT/_job.json       the job's fingerprint and its row count, written before the first part
-    OUT/_lock           who runs on this folder now (see lock.py)
-    OUT/data/*.parquet  the results: committed parts, which are also the only record of progress
-    OUT/_sorted/        `order: input` results being staged; `_COMPLETE` in it means ready to replace the parts
-    OUT/output.jsonl    OpenAI Batch output lines, when output.format is openai-batch
-    OUT/_timeline.parquet   the engine's steps over time (timeline.py), for `batchjob report`
-    OUT/metrics.prom    the last run's figures for Prometheus (prom.py)
-    OUT/_summary.json, OUT/_SUCCESS   written last, only when every row is done"""
+OUT/_job.json       the job's fingerprint and its row count, written before the first part
+OUT/_lock           who runs on this folder now (see lock.py)
+OUT/data/*.parquet  the results: committed parts, which are also the only record of progress
+OUT/_sorted/        `order: input` results being staged; `_COMPLETE` in it means ready to replace the parts
+OUT/output.jsonl    OpenAI Batch output lines, when output.format is openai-batch
+OUT/_timeline.parquet   the engine's steps over time (timeline.py), for `batchjob report`
+OUT/metrics.prom    the last run's figures for Prometheus (prom.py)
+OUT/_summary.json, OUT/_SUCCESS   written last, only when every row is done"""
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,7 @@ class OutputDir:
         done = Committed()
         for part in self.parts():
             try:
-                table = pq.read_table(part, columns=["id", "error", "prompt_tokens", "output_tokens",
-                                                     "cached_tokens"])
+                table = pq.read_table(part, columns=["id", "error", "prompt_tokens", "output_tokens", "cached_tokens"])
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
                 raise StateError(f"cannot read the committed part {part}: {e}") from None
             if with_ids:
@@ -101,15 +101,19 @@ class OutputDir:
         meta = self.read_job()
         if meta is None:
             if self.parts():
-                raise StateError(f"{self.path} has result parts but no {JOB_FILE}, so they cannot be trusted to "
-                                 "belong to this job; use --restart to discard them, or another output.path")
+                raise StateError(
+                    f"{self.path} has result parts but no {JOB_FILE}, so they cannot be trusted to "
+                    "belong to this job; use --restart to discard them, or another output.path"
+                )
             return
         stored = meta.get("fingerprint", {})
         changed = [k for k in keys if stored.get(k) != fingerprint[k]]
         if changed:
-            raise StateError(f"{self.path} holds results of a different job (started {meta.get('created')}): "
-                             f"{', '.join(changed)} changed since. Use --restart to discard them and start over, "
-                             "or choose another output.path")
+            raise StateError(
+                f"{self.path} holds results of a different job (started {meta.get('created')}): "
+                f"{', '.join(changed)} changed since. Use --restart to discard them and start over, "
+                "or choose another output.path"
+            )
 
     @property
     def succeeded(self) -> bool:
@@ -166,12 +170,19 @@ class OutputDir:
             state = "not started"
         committed = self.committed(with_ids=False) if self.data.exists() else Committed()
         parts = self.parts() if self.data.exists() else []
-        return {"folder": str(self.path), "state": state, "holder": holder if state.startswith("running") else None,
-                "rows_total": meta.get("rows_total") if meta else None, "rows_done": committed.rows,
-                "rows_failed": committed.failed, "prompt_tokens": committed.prompt_tokens,
-                "output_tokens": committed.output_tokens, "parts": len(parts),
-                "last_commit_s_ago": round(time.time() - max(p.stat().st_mtime for p in parts)) if parts else None,
-                "summary": self.read_summary() if self.succeeded else None}
+        return {
+            "folder": str(self.path),
+            "state": state,
+            "holder": holder if state.startswith("running") else None,
+            "rows_total": meta.get("rows_total") if meta else None,
+            "rows_done": committed.rows,
+            "rows_failed": committed.failed,
+            "prompt_tokens": committed.prompt_tokens,
+            "output_tokens": committed.output_tokens,
+            "parts": len(parts),
+            "last_commit_s_ago": round(time.time() - max(p.stat().st_mtime for p in parts)) if parts else None,
+            "summary": self.read_summary() if self.succeeded else None,
+        }
 
 
 def now_iso() -> str:

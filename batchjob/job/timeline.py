@@ -5,6 +5,7 @@ pairs and the span doubles. So a run of any length keeps between MAX_ROWS / 2 an
 the totals (tokens, preemptions, busy time) stay exact however coarse the rows get. A resumed run appends its rows
 under the next `run` number; the file is rewritten every WRITE_INTERVAL_S and at the end of the run, so a report can
 be drawn while a long job runs and a killed run loses at most that much of it."""
+
 from __future__ import annotations
 
 import time
@@ -13,31 +14,33 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchjob.engine.outputs import StepMetrics
 from batchjob.job.writer import write_table
-from batchjob.outputs import StepMetrics
 
 MAX_ROWS = 2048
 WRITE_INTERVAL_S = 60.0
 
-SCHEMA = pa.schema([
-    ("run", pa.int32()),  # 0 for a job's first run, then one more for each resume
-    ("step", pa.int64()),  # the row's first engine step
-    ("steps", pa.int32()),  # engine steps summed into the row
-    ("time", pa.float64()),  # unix time at the end of the row's last step
-    ("busy_s", pa.float64()),  # the steps' own time (the rest of the wall time is reading, writing, planning)
-    ("num_seqs", pa.float64()),  # mean sequences per step
-    ("num_seqs_max", pa.int32()),
-    ("prefill_tokens", pa.int64()),
-    ("decode_tokens", pa.int64()),
-    ("kv_cache_usage", pa.float64()),  # mean share of KV blocks in use
-    ("kv_cache_usage_max", pa.float64()),
-    ("preemptions", pa.int32()),
-    ("prefix_cache_queries", pa.int64()),  # cumulative prompt tokens looked up in the prefix cache, this run
-    ("prefix_cache_hits", pa.int64()),  # cumulative prompt tokens found there, this run
-    ("num_waiting", pa.int32()),  # at the row's last step
-    ("num_running", pa.int32()),
-    ("token_budget", pa.float64()),  # mean step token budget (it moves under `max_num_batched_tokens: auto`)
-])
+SCHEMA = pa.schema(
+    [
+        ("run", pa.int32()),  # 0 for a job's first run, then one more for each resume
+        ("step", pa.int64()),  # the row's first engine step
+        ("steps", pa.int32()),  # engine steps summed into the row
+        ("time", pa.float64()),  # unix time at the end of the row's last step
+        ("busy_s", pa.float64()),  # the steps' own time (the rest of the wall time is reading, writing, planning)
+        ("num_seqs", pa.float64()),  # mean sequences per step
+        ("num_seqs_max", pa.int32()),
+        ("prefill_tokens", pa.int64()),
+        ("decode_tokens", pa.int64()),
+        ("kv_cache_usage", pa.float64()),  # mean share of KV blocks in use
+        ("kv_cache_usage_max", pa.float64()),
+        ("preemptions", pa.int32()),
+        ("prefix_cache_queries", pa.int64()),  # cumulative prompt tokens looked up in the prefix cache, this run
+        ("prefix_cache_hits", pa.int64()),  # cumulative prompt tokens found there, this run
+        ("num_waiting", pa.int32()),  # at the row's last step
+        ("num_running", pa.int32()),
+        ("token_budget", pa.float64()),  # mean step token budget (it moves under `max_num_batched_tokens: auto`)
+    ]
+)
 _SUMS = ("steps", "busy_s", "prefill_tokens", "decode_tokens", "preemptions")
 _MAXES = ("num_seqs_max", "kv_cache_usage_max")
 _MEANS = ("num_seqs", "kv_cache_usage", "token_budget")  # weighted by steps
@@ -73,13 +76,25 @@ class Timeline:
         return self.kv_time / self.busy if self.busy else None
 
     def add(self, m: StepMetrics) -> None:
-        row = {"run": self.run, "step": m.step, "steps": 1, "time": m.time, "busy_s": m.step_time,
-               "num_seqs": m.num_seqs, "num_seqs_max": m.num_seqs, "prefill_tokens": m.num_prefill_tokens,
-               "decode_tokens": m.num_decode_tokens, "kv_cache_usage": m.kv_cache_usage_perc,
-               "kv_cache_usage_max": m.kv_cache_usage_perc, "preemptions": m.num_preemptions,
-               "prefix_cache_queries": m.prefix_cache_queries, "prefix_cache_hits": m.prefix_cache_hits,
-               "num_waiting": m.num_waiting, "num_running": m.num_running,
-               "token_budget": m.extra.get("token_budget", 0)}
+        row = {
+            "run": self.run,
+            "step": m.step,
+            "steps": 1,
+            "time": m.time,
+            "busy_s": m.step_time,
+            "num_seqs": m.num_seqs,
+            "num_seqs_max": m.num_seqs,
+            "prefill_tokens": m.num_prefill_tokens,
+            "decode_tokens": m.num_decode_tokens,
+            "kv_cache_usage": m.kv_cache_usage_perc,
+            "kv_cache_usage_max": m.kv_cache_usage_perc,
+            "preemptions": m.num_preemptions,
+            "prefix_cache_queries": m.prefix_cache_queries,
+            "prefix_cache_hits": m.prefix_cache_hits,
+            "num_waiting": m.num_waiting,
+            "num_running": m.num_running,
+            "token_budget": m.extra.get("token_budget", 0),
+        }
         self.kv_time += m.kv_cache_usage_perc * m.step_time
         self.busy += m.step_time
         self.preemptions += m.num_preemptions
@@ -88,8 +103,10 @@ class Timeline:
             self.rows.append(self.bucket)
             self.bucket = None
             if len(self.rows) >= self.max_rows:
-                self.rows = [merge(*self.rows[i:i + 2]) if i + 1 < len(self.rows) else self.rows[i]
-                             for i in range(0, len(self.rows), 2)]
+                self.rows = [
+                    merge(*self.rows[i : i + 2]) if i + 1 < len(self.rows) else self.rows[i]
+                    for i in range(0, len(self.rows), 2)
+                ]
                 self.span *= 2
         if time.monotonic() - self.last_write >= WRITE_INTERVAL_S:
             self.write()

@@ -2,13 +2,15 @@
 
 A part is written under a hidden temporary name, fsynced, renamed into place and its folder fsynced, so after a
 crash at any instant the folder holds only complete parts; the parts are the only record of which rows are done."""
+
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,33 +18,47 @@ import pyarrow.parquet as pq
 
 from batchjob.job.openai_batch import format_response
 
-RESULT_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("output", pa.string()),
-    ("finish_reason", pa.string()),
-    ("prompt_tokens", pa.int32()),
-    ("output_tokens", pa.int32()),
-    ("cached_tokens", pa.int32()),
-    ("truncated", pa.bool_()),
-    ("error", pa.string()),
-    ("queue_time_s", pa.float64()),
-    ("ttft_s", pa.float64()),
-    ("total_time_s", pa.float64()),
-    ("row_index", pa.int64()),  # the row's position in the input, for `order: input`
-])
+RESULT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("output", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("output_tokens", pa.int32()),
+        ("cached_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+        ("error", pa.string()),
+        ("queue_time_s", pa.float64()),
+        ("ttft_s", pa.float64()),
+        ("total_time_s", pa.float64()),
+        ("row_index", pa.int64()),  # the row's position in the input, for `order: input`
+    ]
+)
 RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
 
 
 def result_rows(work, output) -> list[dict]:
     """The output rows of a finished planner Work: one per input row it stands for, duplicates included."""
     m = output.metrics
-    return [{**row.passthrough, "id": row.id, "output": output.text, "finish_reason": output.finish_reason,
-             "prompt_tokens": len(work.token_ids), "output_tokens": len(output.token_ids),
-             # A duplicate reuses the whole computed result, its prompt included.
-             "cached_tokens": len(work.token_ids) if k else output.num_cached_tokens,
-             "truncated": work.truncated, "error": output.error, "row_index": row.index,
-             "queue_time_s": m and m.queue_time, "ttft_s": m and m.ttft, "total_time_s": m and m.total_time}
-            for k, row in enumerate(work.rows)]
+    return [
+        {
+            **row.passthrough,
+            "id": row.id,
+            "output": output.text,
+            "finish_reason": output.finish_reason,
+            "prompt_tokens": len(work.token_ids),
+            "output_tokens": len(output.token_ids),
+            # A duplicate reuses the whole computed result, its prompt included.
+            "cached_tokens": len(work.token_ids) if k else output.num_cached_tokens,
+            "truncated": work.truncated,
+            "error": output.error,
+            "row_index": row.index,
+            "queue_time_s": m and m.queue_time,
+            "ttft_s": m and m.ttft,
+            "total_time_s": m and m.total_time,
+        }
+        for k, row in enumerate(work.rows)
+    ]
 
 
 def failed_row(row, error: str) -> dict:
@@ -83,8 +99,9 @@ def write_table(path: Path, table: pa.Table) -> None:
 class PartWriter:
     """Buffers result rows and commits them as a part every `checkpoint_rows` rows or `checkpoint_seconds`."""
 
-    def __init__(self, folder: Path, passthrough: pa.Schema, *, checkpoint_rows: int, checkpoint_seconds: float,
-                 next_part: int):
+    def __init__(
+        self, folder: Path, passthrough: pa.Schema, *, checkpoint_rows: int, checkpoint_seconds: float, next_part: int
+    ):
         self.folder, self.schema = folder, result_schema(passthrough)
         self.checkpoint_rows, self.checkpoint_seconds = checkpoint_rows, checkpoint_seconds
         self.next_part = next_part
@@ -156,4 +173,5 @@ def write_openai_output(files: list[Path], path: Path, model: str) -> None:
     def write(f: BinaryIO) -> None:
         for row in iter_rows(files):
             f.write(json.dumps(format_response(row, model), ensure_ascii=False).encode() + b"\n")
+
     write_atomic(path, write)

@@ -1,0 +1,17 @@
+"""The engine layer: continuous batching over a paged KV cache (scheduler, block manager, sampler, model runner).
+
+It imports only `batchjob.model` and `batchjob.kernels`. `Engine` is loaded on first use, so the job layer can
+import `SamplingParams` and the output types without importing torch."""
+
+from batchjob.engine.outputs import RequestOutput
+from batchjob.engine.sampling_params import SamplingParams
+
+__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from batchjob.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'batchjob.engine' has no attribute {name!r}")

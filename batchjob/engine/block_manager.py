@@ -1,0 +1,120 @@
+"""Paged KV-cache blocks: allocation, reference counts, and prefix caching by chained block hashes.
+
+A full block is keyed by hash(parent block's hash, its token ids). When its last user frees it, a hashed block
+stays cached in LRU order and is reused by a later request with the same prefix, until evicted for space."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from batchjob.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # to verify a hash hit
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # never hashed, or evicted
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, oldest first
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def _take_free_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.hash_to_block[self.block_hash[block]]
+            self.block_hash[block] = self.block_tokens[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Blocks for `num_new_tokens` more tokens of `seq`; the caller has checked can_allocate."""
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free_block())
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """On admission of a sequence that holds no blocks: reuse cached full blocks of its prefix. The last token
+        is never taken from the cache (its logits are needed). Returns the number of tokens found."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = seq.token_ids
+        parent = None
+        hits = 0
+        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+            chunk = tuple(tokens[start : start + self.block_size])
+            h = hash((parent, chunk))
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != chunk:
+                break
+            if self.ref_count[block] == 0:
+                del self.evictable[block]
+            self.ref_count[block] += 1
+            seq.block_table.append(block)
+            parent = h
+            hits += self.block_size
+        seq.num_computed_tokens = hits
+        seq.num_hashed_blocks, seq.last_block_hash = len(seq.block_table), parent
+        return hits
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """After a step: key every newly completed block of `seq` so that later requests can share it."""
+        if not self.enable_prefix_caching:
+            return
+        parent = seq.last_block_hash
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+            block = seq.block_table[i]
+            chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = hash((parent, chunk))
+            if parent not in self.hash_to_block:  # a twin computed in the same step keeps the first as the key
+                self.hash_to_block[parent] = block
+                self.block_hash[block], self.block_tokens[block] = parent, chunk
+            seq.num_hashed_blocks, seq.last_block_hash = i + 1, parent
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks that no sequence holds, as vLLM's reset_prefix_cache: so that a benchmark's next
+        run over the same prompts computes them again."""
+        for block in self.evictable:
+            del self.hash_to_block[self.block_hash[block]]
+            self.block_hash[block] = self.block_tokens[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+
+    def free(self, seq: Sequence) -> None:
+        # Reverse order: a sequence's tail blocks are the least likely to be shared, so they are evicted first.
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, f"block {block} freed twice"
+            if self.ref_count[block] == 0:
+                if self.block_hash[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.last_block_hash = None

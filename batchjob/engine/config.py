@@ -1,0 +1,58 @@
+"""Engine settings, validated at construction; a bad value names its field."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Presets: offline throughput admits until KV is nearly full; latency keeps headroom and smaller steps.
+PROFILES = {
+    "throughput": {"kv_watermark": 0.95, "max_num_batched_tokens": 2048, "max_num_seqs": 256},
+    "latency": {"kv_watermark": 0.75, "max_num_batched_tokens": 512, "max_num_seqs": 64},
+}
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    profile: Literal["throughput", "latency"] = "throughput"
+    max_num_seqs: int | None = Field(None, ge=1, description="upper bound on sequences per step")
+    max_num_batched_tokens: int | Literal["auto"] | None = Field(
+        None, description="token budget of one step, or 'auto' to tune it while running (token_budget.py)"
+    )
+    max_model_len: int | None = Field(None, ge=16, description="context limit; default the model's")
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV pool on a CPU; default 2 GiB")
+    kv_cache_memory_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory for weights+KV")
+    num_kv_blocks: int | None = Field(None, ge=1, description="overrides the memory-derived pool size")
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    kv_watermark: float | None = Field(None, gt=0, le=1, description="stop admitting prefills above this KV usage")
+    enable_prefix_caching: bool = True
+    preemption_policy: Literal["newest", "longest_remaining"] = "newest"
+    preemption_rate_threshold: float = Field(5.0, ge=0, description="preemptions per 100 steps that throttle admission")
+    max_bypass: int = Field(16, ge=0, description="later requests admitted ahead of one that does not fit")
+    elastic_compression: bool = False
+    elastic_max_tokens_floor: int = Field(16, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    ops_backend: Literal["auto", "torch", "triton"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    num_threads: int | None = Field(None, ge=1)
+    seed: int = 0
+
+    @field_validator("max_num_batched_tokens", mode="before")
+    @classmethod
+    def _budget(cls, value):
+        # One plain message instead of pydantic's error per member of the union.
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 16):
+            return value
+        raise ValueError("expected a whole number >= 16 or 'auto'")
+
+    @model_validator(mode="after")
+    def _apply_profile(self) -> EngineConfig:
+        for key, value in PROFILES[self.profile].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        return self

@@ -1,0 +1,253 @@
+"""The public API: Engine(model, **config).generate(...) and .stream(...), as a vLLM user expects."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.config import PROFILES, EngineConfig
+from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.outputs import RequestOutput, StepMetrics
+from batchjob.engine.sampler import Sampler
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.engine.scheduler import Scheduler
+from batchjob.engine.sequence import Request, Sequence
+from batchjob.engine.token_budget import AutoTokenBudget, budget_cap
+from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.model.loader import load_model
+
+__all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput"]
+
+
+class Engine:
+    def __init__(self, model: str = DEFAULT_MODEL, **config):
+        self.config = EngineConfig(**config)
+        loaded = load_model(model)
+        self.model_config, self.tokenizer, self.model_digest = loaded.config, loaded.tokenizer, loaded.digest
+        # Within a sliding window attention is plain causal attention, so capping the context keeps results exact.
+        self.max_model_len = min(
+            self.config.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+            loaded.config.sliding_window or 1 << 30,
+        )
+        auto = self.config.max_num_batched_tokens == "auto"
+        # With "auto" the runner leaves activation memory for the largest budget the tuner may pick.
+        cap = budget_cap(self.config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(
+            self.config.model_copy(update={"max_num_batched_tokens": cap}) if auto else self.config, loaded
+        )
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.num_kv_blocks = self.runner.num_blocks
+        self.budget_cap = budget_cap(
+            self.config.max_num_seqs, self.max_model_len, self.num_kv_blocks * self.config.block_size
+        )
+        self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager, self._auto_budget() if auto else None)
+        self.sampler = Sampler(self.config.seed)
+        self.eos_token_ids = set(loaded.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._step_callbacks: list[Callable[[StepMetrics], None]] = []
+        self._arrivals = itertools.count()
+        self._aborting = False
+        self._aborting_waiting = False
+        self.step_count = 0
+        self.last_step: StepMetrics | None = None
+
+    # -- public API ---------------------------------------------------------------------------------------------
+    def add_step_callback(self, fn: Callable[[StepMetrics], None]) -> None:
+        self._step_callbacks.append(fn)
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Outputs in input order. Text prompts are tokenized as they are (no chat template)."""
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [
+            Request(str(i), self.tokenizer.encode(p) if isinstance(p, str) else list(p), sp)
+            for i, (p, sp) in enumerate(zip(prompts, plist))
+        ]
+        done = {o.request_id: o for o in self.stream(requests)}
+        return [done[r.request_id] for r in requests]
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """Pulls requests lazily while there is room for them and yields each output as soon as it finishes."""
+        source = iter(requests)
+        exhausted = False
+        self._aborting = False
+        while True:
+            while not exhausted and not self._aborting and self._wants_more():
+                req = next(source, None)
+                if req is None:
+                    exhausted = True
+                else:
+                    rejected = self._add(req)
+                    if rejected is not None:
+                        yield rejected
+            if self._aborting:
+                yield from self._abort_in_flight()
+                return
+            if self._aborting_waiting:
+                self._aborting_waiting = False
+                yield from self._abort_waiting()
+            if not self.scheduler.has_work():
+                if exhausted:
+                    return
+                continue
+            yield from self.step()
+
+    @property
+    def token_budget(self) -> int:
+        """The step token budget: the configured one, or the one the tuner holds best so far."""
+        return self.auto_budget.chosen if self.auto_budget else self.config.max_num_batched_tokens
+
+    @property
+    def auto_budget(self) -> AutoTokenBudget | None:
+        """The tuner of `max_num_batched_tokens: auto` (its summary() says what it measured); None if fixed."""
+        return self.scheduler.auto_budget
+
+    def set_token_budget(self, budget: int | str) -> None:
+        """A fixed budget, or "auto" to tune it afresh (as at the start of a run)."""
+        self.config.max_num_batched_tokens = budget
+        self.scheduler.auto_budget = self._auto_budget() if budget == "auto" else None
+
+    def abort_all(self) -> None:
+        """Ends the current stream: in-flight requests come out with finish_reason "abort"."""
+        self._aborting = True
+
+    def abort_waiting(self) -> None:
+        """Queued requests that hold no KV blocks come out with finish_reason "abort"; running ones go on."""
+        self._aborting_waiting = True
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _auto_budget(self) -> AutoTokenBudget:
+        # Tuning starts from the profile's fixed budget: "auto" begins where the untuned default would stay.
+        return AutoTokenBudget(self.budget_cap, start=PROFILES[self.config.profile]["max_num_batched_tokens"])
+
+    def _wants_more(self) -> bool:
+        # Enough queued to fill the next steps; the rest stays in the caller's iterator (bounded memory).
+        return len(self.scheduler.waiting) < max(2 * self.config.max_num_seqs, 64)
+
+    def _add(self, req: Request) -> RequestOutput | None:
+        seq = Sequence(req, next(self._arrivals))
+        n = seq.num_prompt_tokens
+        error = None
+        if n == 0:
+            error = "empty prompt"
+        elif n >= self.max_model_len:
+            error = f"prompt has {n} tokens; the model's context is {self.max_model_len}"
+        elif -(-min(n + seq.max_tokens, self.max_model_len) // self.config.block_size) > self.num_kv_blocks:
+            error = (
+                f"prompt of {n} tokens plus max_tokens {seq.max_tokens} needs more KV blocks than the pool's "
+                f"{self.num_kv_blocks}"
+            )
+        elif max(req.prompt_token_ids) >= self.model_config.vocab_size or min(req.prompt_token_ids) < 0:
+            error = "prompt holds token ids outside the vocabulary"
+        if error:
+            seq.finish_reason = "error"
+            seq.metrics.finished_time = time.time()
+            return self._output(seq, error)
+        self.scheduler.add(seq)
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        finished = []
+        if sched.scheduled:
+            logits = self.runner.execute(sched)
+            to_sample = self.scheduler.advance(sched)
+            tokens, logprobs = self.sampler(logits, to_sample) if to_sample else ([], None)
+            now = time.time()
+            for i, (seq, token) in enumerate(zip(to_sample, tokens)):
+                seq.token_ids.append(token)
+                if logprobs is not None and seq.logprobs is not None:
+                    seq.logprobs.append(logprobs[i])
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                reason = self._check_stop(seq, token)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    finished.append(self._output(seq))
+        self.step_count += 1
+        self._report(sched, time.perf_counter() - t0)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        self._detokenize(seq)
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            return "stop"
+        for s in p.stop:
+            # Only the tail can hold a new match: the last token's text plus a stop string's length.
+            idx = seq.text.find(s, max(0, len(seq.text) - len(s) - 32))
+            if idx >= 0:
+                seq.text = seq.text[:idx]
+                return "stop"
+        if seq.num_output_tokens >= seq.max_tokens:
+            return "length_capped" if seq.length_capped else "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Incremental, safe across multi-byte characters split over tokens: text is only emitted once the
+        bytes decode without a replacement character."""
+        ids = seq.token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+        full = self.tokenizer.decode(ids[seq.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    def _abort_in_flight(self) -> Iterator[RequestOutput]:
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq, "abort")
+            yield self._output(seq)
+        yield from self._abort_waiting()
+
+    def _abort_waiting(self) -> Iterator[RequestOutput]:
+        while self.scheduler.waiting:
+            seq = self.scheduler.waiting.popleft()
+            seq.finish_reason = "abort"
+            yield self._output(seq)
+
+    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=seq.logprobs,
+            error=error,
+            metrics=seq.metrics,
+        )
+
+    def _report(self, sched, step_time: float) -> None:
+        s = self.scheduler
+        budget = s.token_budget  # before the tuner sees this step and perhaps moves
+        if s.auto_budget:
+            s.auto_budget.observe(sched.num_batched_tokens, sched.num_prefill_tokens, step_time)
+        m = StepMetrics(
+            step=self.step_count,
+            time=time.time(),
+            step_time=step_time,
+            num_seqs=len(sched.scheduled),
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            kv_cache_usage_perc=self.block_manager.usage,
+            num_preemptions=sched.num_preempted,
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            extra={"preemption_rate": s.preemption_rate, "watermark": s.effective_watermark, "token_budget": budget},
+        )
+        self.last_step = m
+        for fn in self._step_callbacks:
+            fn(m)

@@ -1,0 +1,149 @@
+"""Owns the model and its paged KV cache; turns a scheduled step into one forward pass and the logits of the
+rows that need a token."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import torch
+
+from batchjob.engine.config import EngineConfig
+from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.llama import LlamaModel
+from batchjob.model.loader import LoadedModel
+from batchjob.model.ops import FP8_DTYPE
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_GB = 2.0
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for, but torch sees no CUDA device")
+    return torch.device(config.device)
+
+
+def pick_ops(config: EngineConfig, device: torch.device):
+    """Triton kernels on a CUDA device (or when asked for, e.g. under TRITON_INTERPRET=1); torch otherwise."""
+    backend = config.ops_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.ops")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        self.config = config
+        self.device = pick_device(config)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        # bf16 matmul is ~30x slower than fp32 on AVX2 CPUs: fp32 there, bf16 on a GPU.
+        default = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = _DTYPES.get(config.dtype, default)
+        self.model = LlamaModel(
+            loaded.config,
+            {k: v.to(self.dtype) for k, v in loaded.weights.items()},
+            pick_ops(config, self.device),
+            loaded.rope_freqs,
+            self.device,
+        )
+        self.block_size = config.block_size
+        c = loaded.config
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
+        per_slot = c.num_key_value_heads * c.head_dim * self.kv_dtype.itemsize
+        if config.kv_cache_dtype == "fp8":
+            per_slot += c.num_key_value_heads * 4  # the fp32 scale of each (slot, head)
+        self.kv_bytes_per_token = 2 * c.num_hidden_layers * per_slot
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        self.kv_caches = self._make_caches(self.num_blocks)
+
+    def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer: K and V [num_blocks, block_size, KVH, D], plus their scales when stored as fp8."""
+        c = self.model.config
+        shape = (num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        caches = []
+        for _ in range(c.num_hidden_layers):
+            layer = [self._zeros(shape, self.kv_dtype) for _ in range(2)]
+            if self.kv_dtype == FP8_DTYPE:
+                layer += [self._zeros(shape[:3], torch.float32) for _ in range(2)]
+            caches.append(tuple(layer))
+        return caches
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        # numpy's calloc maps zero pages lazily; torch.zeros writes all of a GiB-sized pool up front.
+        raw = np.zeros((*shape[:-1], shape[-1] * dtype.itemsize), dtype=np.uint8)
+        return torch.from_numpy(raw).view(dtype)
+
+    def _blocks_from_memory(self) -> int:
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = (self.config.kv_cache_memory_gb or DEFAULT_CPU_KV_GB) * 2**30
+        return max(1, int(budget // block_bytes))
+
+    def _cuda_kv_budget(self) -> float:
+        """What is left of kv_cache_memory_fraction of the GPU after the weights and a measured activation peak
+        (a forward pass over a full token budget, with a scratch cache)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n, bs = self.config.max_num_batched_tokens, self.block_size
+        blocks = -(-n // bs)
+        probe = self._make_caches(blocks)
+        meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), self.device)
+        with torch.inference_mode():
+            self.model.compute_logits(
+                self.model.forward(
+                    torch.zeros(n, dtype=torch.long, device=self.device),
+                    torch.arange(n, device=self.device),
+                    meta,
+                    probe,
+                )
+            )
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del probe
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return total * self.config.kv_cache_memory_fraction - peak
+
+    def prepare(self, out: SchedulerOutput):
+        input_ids, positions, slots, qlens, seq_lens, sample_rows = [], [], [], [], [], []
+        bs = self.block_size
+        for seq, n in out.scheduled:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            qlens.append(n)
+            seq_lens.append(start + n)
+            if start + n == seq.num_tokens:  # all its tokens computed: it needs the next one
+                sample_rows.append(len(input_ids) - 1)
+        max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
+        tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq, _ in out.scheduled]
+        dev = self.device
+        meta = AttentionMetadata.build(qlens, seq_lens, tables, slots, dev)
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            sample_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order."""
+        input_ids, positions, meta, sample_rows = self.prepare(out)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).cpu()

@@ -1,0 +1,71 @@
+"""What the engine hands back for each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "length_capped" | "abort" | "error"
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tpot(self) -> float | None:
+        m = self.metrics
+        if m is None or m.first_token_time is None or m.finished_time is None or len(self.token_ids) < 2:
+            return None
+        return (m.finished_time - m.first_token_time) / (len(self.token_ids) - 1)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    time: float  # wall-clock at the end of the step
+    step_time: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv_cache_usage_perc: float
+    num_preemptions: int  # in this step
+    prefix_cache_queries: int  # cumulative, in tokens
+    prefix_cache_hits: int  # cumulative, in tokens
+    num_waiting: int
+    num_running: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,67 @@
+"""Turns the logits of the rows that need a token into tokens.
+
+Greedy rows take a batched argmax. Random rows sample by the exponential race (argmax of p / E, E ~ Exp(1)),
+drawing E from the request's own generator when it has a seed, so that its tokens do not depend on the batch."""
+
+from __future__ import annotations
+
+import torch
+
+from batchjob.engine.sequence import Sequence
+
+
+def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = seq.output_token_ids
+        if out:
+            ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
+            logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    return logits
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask out what top-k, top-p and min-p exclude (logits already divided by temperature)."""
+    if top_k and top_k < logits.numel():
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0 or min_p > 0.0:
+        probs = logits.softmax(-1)
+        if min_p > 0.0:
+            logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep each token whose preceding mass is below top_p (the first is always kept).
+            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+            logits = logits.index_fill(0, order[drop], float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
+        """logits [N, V] float32 on the CPU, row i for seqs[i]. Returns tokens and, when any row asks, the
+        log-probabilities of the chosen tokens under the model's distribution."""
+        tokens = logits.argmax(-1).tolist()
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and p.greedy:
+                continue
+            row = _apply_penalties(logits[i].clone(), seq)
+            if p.greedy:
+                tokens[i] = int(row.argmax())
+                continue
+            row = _filter(row / p.temperature, p.top_k, p.top_p, p.min_p)
+            race = torch.empty_like(row).exponential_(generator=seq.generator or self.generator)
+            tokens[i] = int((row.softmax(-1) / race).argmax())
+        logprobs = None
+        if any(seq.params.logprobs for seq in seqs):
+            chosen = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
+            logprobs = logits.log_softmax(-1).gather(1, chosen).squeeze(1).tolist()
+        return tokens, logprobs

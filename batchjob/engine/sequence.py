@@ -1,0 +1,88 @@
+"""One request's state as the scheduler and runner see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from batchjob.engine.outputs import RequestMetrics
+from batchjob.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: Request, arrival_index: int):
+        self.request_id = request.request_id
+        self.params = request.params
+        self.prompt_token_ids = list(request.prompt_token_ids)
+        self.token_ids = list(request.prompt_token_ids)  # prompt + output
+        self.arrival_index = arrival_index  # admission order, for FCFS and the `newest` preemption victim
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks already keyed in the prefix cache
+        self.last_block_hash: int | None = None
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.max_tokens = self.params.max_tokens  # may be lowered by elastic compression
+        self.length_capped = False
+        self.finish_reason: str | None = None
+        self.logprobs: list[float] | None = [] if self.params.logprobs else None
+        self.metrics = RequestMetrics(arrival_time=time.time())
+        self.skipped = 0  # times a later request was admitted ahead of this one (bounded bypass)
+        self.generator: torch.Generator | None = None
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        # Incremental detokenization state.
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token to compute: a (possibly resumed) prompt, not a decode."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_tokens - self.num_output_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,8 +1,0 @@
-import pytest
-
-from batchjob.job.tests.helpers import Messages
-
-
-@pytest.fixture
-def progress() -> Messages:
-    return Messages()

@@ -1,0 +1,56 @@
+"""Shared bits of the Triton kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# triton.jit picks the interpreter when the function is defined, from this variable: read it the same way, once.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def tl_dtype(dtype: torch.dtype):
+    try:
+        return _TL_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype for the Triton kernels: {dtype}") from None
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Triton runs CUDA tensors, or CPU tensors in the interpreter only."""
+    for t in tensors:
+        if t is not None and t.device.type == "cpu" and not INTERPRET:
+            raise RuntimeError(
+                "batchjob.kernels.ops got CPU tensors but the Triton interpreter is off: set TRITON_INTERPRET=1 "
+                "before importing batchjob.kernels.ops, or use batchjob.model.ops on a CPU"
+            )
+
+
+@triton.jit
+def fp32_to_e4m3_bits(x):
+    """fp32 -> float8_e4m3fn bit pattern (uint8), round to nearest even, saturating at +-448 as torch does.
+    Used in the interpreter, whose own fp8 cast does not carry a mantissa round-up into the exponent."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = tl.minimum(tl.abs(x), 448.0)
+    abits = a.to(tl.uint32, bitcast=True)
+    # normal range (a >= 2^-6): keep 3 of fp32's 23 mantissa bits, round half to even; a carry bumps the exponent
+    r = (abits + 0x7FFFF + ((abits >> 20) & 1)) & 0xFFF00000
+    exp8 = (r >> 23).to(tl.int32) - 127 + 7
+    normal = (exp8 << 3) | ((r >> 20) & 7).to(tl.int32)
+    # subnormal range: multiples of 2^-9; adding 2^14 (whose fp32 ulp is 2^-9) rounds half to even
+    sub = ((a + 16384.0) - 16384.0) * 512.0
+    code = tl.where(a >= 0.015625, normal, sub.to(tl.int32))
+    return (code | (sign.to(tl.int32) << 7)).to(tl.uint8)

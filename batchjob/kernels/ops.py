@@ -1,0 +1,15 @@
+"""Triton forms of batchjob.model.ops: same names, arguments and results. The model runner picks this module on a CUDA
+device; on a CPU it runs only in Triton's interpreter (TRITON_INTERPRET=1 set before this module is imported).
+
+FP8 caches (float8_e4m3fn, per-(slot, head) scales) need sm_89 or newer (H100/H200/L40/RTX 40xx)."""
+
+from __future__ import annotations
+
+from batchjob.kernels.attention import paged_attention
+from batchjob.kernels.elementwise import rms_norm, rotary, silu_and_mul
+from batchjob.kernels.kv_cache import store_kv
+
+# constants and the torch quantizer, so that either module serves callers that allocate or inspect fp8 caches
+from batchjob.model.ops import FP8_DTYPE, FP8_MAX, quantize_fp8
+
+__all__ = ["rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "FP8_DTYPE", "FP8_MAX", "quantize_fp8"]

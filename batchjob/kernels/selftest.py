@@ -1,0 +1,375 @@
+"""Every Triton kernel against its torch reference (batchjob.model.ops) on realistic shapes, with timings.
+
+    from batchjob.kernels.selftest import run_selftest, format_table
+    print(format_table(run_selftest("cuda")))
+
+On a CPU it runs in Triton's interpreter with small=True (tiny shapes); the interpreter is switched on here if no
+kernel module has been imported yet. Each row: kernel, case, dtype, shape, max_abs_err, tol, passed, triton_ms,
+torch_ms, speedup (torch_ms / triton_ms), and error (a message when the kernel raised).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+# (name, heads, kv_heads, head_dim, hidden, intermediate)
+CONFIGS = [
+    ("smollm2-135m", 9, 3, 64, 576, 1536),
+    ("llama-8b", 32, 8, 128, 4096, 14336),
+]
+SMALL_CONFIGS = [
+    ("h9-kv3-d64", 9, 3, 64, 96, 80),
+    ("h8-kv2-d128", 8, 2, 128, 128, 72),
+]
+
+# allclose-style: |a - b| <= atol + rtol * |b|
+TOLS = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def _ensure_interpreter(device: str) -> None:
+    if device != "cpu":
+        return
+    loaded = [
+        m
+        for m in ("batchjob.kernels.attention", "batchjob.kernels.elementwise", "batchjob.kernels.kv_cache")
+        if m in sys.modules
+    ]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if loaded:
+            raise RuntimeError("kernels were imported without TRITON_INTERPRET=1; on a CPU set it before importing")
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn: Callable, device: str, reps: int) -> float:
+    fn()  # warm-up (and Triton compile)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1000 / reps
+
+
+def _err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, bool]:
+    a, b = a.float(), b.float()
+    diff = (a - b).abs()
+    ok = bool((diff <= atol + rtol * b.abs()).all()) and not bool(a.isnan().any())
+    return float(diff.max()) if diff.numel() else 0.0, ok
+
+
+def _row(
+    kernel: str,
+    case: str,
+    dtype,
+    shape: str,
+    check: Callable,
+    fast: Callable,
+    slow: Callable,
+    tol: str,
+    device: str,
+    reps: int,
+) -> dict:
+    """reps=0: check only, no timing."""
+    row = dict(
+        kernel=kernel,
+        case=case,
+        dtype=str(dtype).replace("torch.", ""),
+        shape=shape,
+        max_abs_err=None,
+        tol=tol,
+        passed=False,
+        triton_ms=None,
+        torch_ms=None,
+        speedup=None,
+        error=None,
+    )
+    try:
+        row["max_abs_err"], row["passed"] = check()
+        if reps:
+            row["triton_ms"] = _time_ms(fast, device, reps)
+            row["torch_ms"] = _time_ms(slow, device, reps)
+            row["speedup"] = row["torch_ms"] / row["triton_ms"] if row["triton_ms"] else None
+    except Exception as e:  # a failing kernel is a failed row, not a failed self-test run
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+        row["passed"] = False
+    return row
+
+
+def run_selftest(
+    device: str = "cuda", small: bool = False, dtype: torch.dtype | None = None, reps: int | None = None
+) -> list[dict]:
+    """Run every kernel against batchjob.model.ops; see the module docstring for the row fields.
+    small: tiny shapes (for the interpreter on a CPU). dtype: activations (default bf16 on CUDA, fp32 on a CPU).
+    reps: timed repetitions after one warm-up call (default 10 on CUDA, 1 on a CPU); 0 checks without timing."""
+    _ensure_interpreter(device)
+    from batchjob.kernels import ops as kops
+    from batchjob.kernels.attention import SPLIT_SIZE
+    from batchjob.kernels.testing import make_attention_case
+    from batchjob.model import ops as ref
+
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if reps is None:
+        reps = 1 if device == "cpu" else 10
+    rtol, atol = TOLS[dtype]
+    tol = f"rtol={rtol:g} atol={atol:g}"
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, device=device)).to(dtype)
+
+    rows: list[dict] = []
+    for name, H, KVH, D, hidden, inter in SMALL_CONFIGS if small else CONFIGS:
+        T = 64 if small else 4096
+        page = 16
+
+        # RMSNorm with the fused residual add
+        x, res, w = randn(T, hidden), randn(T, hidden), (1 + 0.1 * randn(hidden)).to(dtype)
+
+        def check_rms():
+            out, new_res = kops.rms_norm(x, w, 1e-5, res)
+            r_out, r_res = ref.rms_norm(x, w, 1e-5, res)
+            e1, ok1 = _err(out, r_out, rtol, atol)
+            e2, ok2 = _err(new_res, r_res, 0.0, 0.0)
+            return max(e1, e2), ok1 and ok2
+
+        rows.append(
+            _row(
+                "rms_norm",
+                f"{name} +residual",
+                dtype,
+                f"[{T}, {hidden}]",
+                check_rms,
+                lambda: kops.rms_norm(x, w, 1e-5, res),
+                lambda: ref.rms_norm(x, w, 1e-5, res),
+                tol,
+                device,
+                reps,
+            )
+        )
+
+        # rotary on views of a fused qkv, as the model passes them
+        qkv = randn(T, (H + 2 * KVH) * D)
+        q, k, _ = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        q, k = q.view(T, H, D), k.view(T, KVH, D)
+        inv = 1.0 / (500000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+        freqs = torch.outer(torch.arange(8192, dtype=torch.float64), inv)
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+        positions = torch.randint(0, 8192, (T,), generator=g, device=device)
+
+        def check_rotary():
+            (a, b), (c, d) = kops.rotary(q, k, positions, cos_sin), ref.rotary(q, k, positions, cos_sin)
+            (e1, ok1), (e2, ok2) = _err(a, c, rtol, atol), _err(b, d, rtol, atol)
+            return max(e1, e2), ok1 and ok2
+
+        rows.append(
+            _row(
+                "rotary",
+                name,
+                dtype,
+                f"q[{T}, {H}, {D}] k[{T}, {KVH}, {D}]",
+                check_rotary,
+                lambda: kops.rotary(q, k, positions, cos_sin),
+                lambda: ref.rotary(q, k, positions, cos_sin),
+                tol,
+                device,
+                reps,
+            )
+        )
+
+        # SiLU-and-mul
+        gu = randn(T, 2 * inter, scale=3.0)
+        rows.append(
+            _row(
+                "silu_and_mul",
+                name,
+                dtype,
+                f"[{T}, {2 * inter}]",
+                lambda: _err(kops.silu_and_mul(gu), ref.silu_and_mul(gu), rtol, atol),
+                lambda: kops.silu_and_mul(gu),
+                lambda: ref.silu_and_mul(gu),
+                tol,
+                device,
+                reps,
+            )
+        )
+
+        # KV store, plain and fp8
+        num_blocks = T // page * 2
+        slots = torch.randperm(num_blocks * page, generator=torch.Generator().manual_seed(1))[:T].to(device)
+        slots[::7] = -1
+        kk, vv = randn(T, KVH, D, scale=2.0), randn(T, KVH, D, scale=2.0)
+        for fp8 in (False, True):
+            cdt = ref.FP8_DTYPE if fp8 else dtype
+
+            def caches():
+                shape = (num_blocks, page, KVH, D)
+                c = [
+                    torch.zeros(shape, dtype=torch.uint8, device=device).view(cdt)
+                    if fp8
+                    else torch.zeros(shape, dtype=cdt, device=device)
+                    for _ in range(2)
+                ]
+                if fp8:
+                    c += [torch.zeros(shape[:3], device=device) for _ in range(2)]
+                return c
+
+            mine, theirs = caches(), caches()
+
+            def check_store(mine=mine, theirs=theirs, fp8=fp8):
+                kops.store_kv(kk, vv, mine[0], mine[1], slots, *mine[2:])
+                ref.store_kv(kk, vv, theirs[0], theirs[1], slots, *theirs[2:])
+                if not fp8:
+                    return max(_err(a, b, 0.0, 0.0)[0] for a, b in zip(mine, theirs)), all(
+                        torch.equal(a, b) for a, b in zip(mine, theirs)
+                    )
+                err, ok = 0.0, True
+                for c in range(2):  # dequantized values; pass: scales equal, codes at most one step apart
+                    da = mine[c].float() * mine[2 + c].unsqueeze(-1)
+                    db = theirs[c].float() * theirs[2 + c].unsqueeze(-1)
+                    err = max(err, float((da - db).abs().max()))
+                    step = (mine[c].view(torch.uint8).int() - theirs[c].view(torch.uint8).int()).abs()
+                    ok = ok and int(step.max()) <= 1 and torch.allclose(mine[2 + c], theirs[2 + c], rtol=1e-6, atol=0)
+                return err, ok
+
+            rows.append(
+                _row(
+                    "store_kv",
+                    f"{name} {'fp8' if fp8 else 'plain'}",
+                    dtype,
+                    f"[{T}, {KVH}, {D}] -> {'fp8' if fp8 else str(cdt).replace('torch.', '')}",
+                    check_store,
+                    lambda m=mine: kops.store_kv(kk, vv, m[0], m[1], slots, *m[2:]),
+                    lambda t=theirs: ref.store_kv(kk, vv, t[0], t[1], slots, *t[2:]),
+                    "codes +-1, scales" if fp8 else "exact",
+                    device,
+                    reps,
+                )
+            )
+
+        # paged attention: prefill chunks with prefix hits, long decodes, and a mix
+        gen = torch.Generator().manual_seed(2)
+
+        def ri(lo, hi):
+            return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+        if small:
+            prefill = [(0, 16), (ri(1, 40), 16), (32, 16), (ri(1, 20), 16)]
+            decode = [(ri(10, 120), 1) for _ in range(7)] + [(SPLIT_SIZE + 20, 1)]
+            mixed = prefill[:2] + decode[:4]
+        else:
+            prefill = [(0 if i % 2 == 0 else ri(16, 1024), 256) for i in range(16)]  # T = 4096
+            decode = [(ri(1792, 2304), 1) for _ in range(256)]
+            mixed = prefill[:8] + decode[:128]
+        cases = [
+            ("prefill", prefill, None),
+            ("decode", decode, None),
+            ("mixed", mixed, None),
+            ("decode fp8", decode, ref.FP8_DTYPE),
+        ]
+        for case_name, specs, cache_dtype in cases:
+            row_tol = tol if cache_dtype is None else f"rtol={rtol:g} atol={2 * atol:g}"
+            try:
+                c = make_attention_case(
+                    specs,
+                    heads=H,
+                    kv_heads=KVH,
+                    head_dim=D,
+                    page=page,
+                    dtype=dtype,
+                    cache_dtype=cache_dtype,
+                    device=device,
+                    seed=len(specs),
+                )
+            except Exception as e:
+                rows.append(
+                    dict(kernel="paged_attention", case=f"{name} {case_name}", error=f"setup: {e}"[:300], passed=False)
+                )
+                continue
+            n_tok = sum(n for _, n in specs)
+            shape = f"{len(specs)} seqs, {n_tok} rows, ctx<={max(p + n for p, n in specs)}, H={H}/KVH={KVH}/D={D}"
+
+            def check_attn(c=c, fp8=cache_dtype is not None):
+                out = kops.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, c.scale, *c.scales)
+                return _err(out, c.reference(), rtol, 2 * atol if fp8 else atol)
+
+            rows.append(
+                _row(
+                    "paged_attention",
+                    f"{name} {case_name}",
+                    dtype,
+                    shape,
+                    check_attn,
+                    lambda c=c: kops.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, c.scale, *c.scales),
+                    lambda c=c: ref.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, c.scale, *c.scales),
+                    row_tol,
+                    device,
+                    reps,
+                )
+            )
+            del c
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table of run_selftest's rows, with a pass count at the end."""
+    cols = [
+        ("kernel", "kernel"),
+        ("case", "case"),
+        ("dtype", "dtype"),
+        ("shape", "shape"),
+        ("max_abs_err", "max err"),
+        ("tol", "tol"),
+        ("passed", "ok"),
+        ("triton_ms", "triton ms"),
+        ("torch_ms", "torch ms"),
+        ("speedup", "speedup"),
+    ]
+
+    def cell(row, key):
+        v = row.get(key)
+        if v is None:
+            return "-"
+        if key == "passed":
+            return "PASS" if v else "FAIL"
+        if key == "max_abs_err":
+            return f"{v:.2e}"
+        if key in ("triton_ms", "torch_ms"):
+            return f"{v:.3f}"
+        if key == "speedup":
+            return f"{v:.2f}x"
+        return str(v)
+
+    table = [[title for _, title in cols]] + [[cell(r, key) for key, _ in cols] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"error in {r.get('kernel')} / {r.get('case')}: {r['error']}")
+    passed = sum(1 for r in rows if r.get("passed"))
+    lines.append(f"{passed}/{len(rows)} passed")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    dev = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+    result = run_selftest(dev, small=dev == "cpu")
+    print(format_table(result))
+    sys.exit(0 if all(r.get("passed") for r in result) else 1)

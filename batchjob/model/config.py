@@ -1,0 +1,98 @@
+"""The architecture facts the runner needs, read from an HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# GGUF's general.architecture -> HF's name. Mistral GGUFs say "llama".
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict | None = None
+    sliding_window: int | None = None  # Mistral v0.1; the engine caps the context to it
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        arch = (cfg.get("architectures") or ["?"])[0]
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        rope_theta = cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama says so in its config.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=rope_scaling,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )
+
+    def inv_freq(self) -> torch.Tensor:
+        d = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        rs = self.rope_scaling
+        if not rs:
+            return inv
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind == "linear":
+            return inv / rs["factor"]
+        if kind == "llama3":
+            factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+            old = rs["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv
+            smooth = (old / wavelen - low) / (high - low)
+            scaled = torch.where(wavelen > old / low, inv / factor, inv)
+            mid = (wavelen <= old / low) & (wavelen >= old / high)
+            return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+
+    def cos_sin_cache(self, max_positions: int, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+        """[max_positions, head_dim]: cos then sin, in fp32. `rope_freqs` is GGUF's per-frequency divisor."""
+        inv = self.inv_freq()
+        if rope_freqs is not None:
+            inv = inv / rope_freqs.double()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()

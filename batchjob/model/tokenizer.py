@@ -1,0 +1,159 @@
+"""Tokenizer built with the `tokenizers` library from GGUF metadata or tokenizer.json, and the chat template
+rendered with jinja2 the way transformers renders it."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+# The split llama.cpp applies before byte-level BPE, by `tokenizer.ggml.pre`; absent means GPT-2's own regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+# Pre-tokenizers that split every digit before GPT-2's regex (llama.cpp's "smollm", "starcoder", ...).
+_DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell"}
+_CONTROL = 3  # llama.cpp token type
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        add_bos_token: bool = False,
+    ):
+        self.backend = backend
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+        self.chat_template = chat_template
+        if add_bos_token and self.bos_token_id is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos_token} $A",
+                pair=f"{bos_token} $A {bos_token} $B",
+                special_tokens=[(bos_token, self.bos_token_id)],
+            )
+        self._template = _compile(chat_template) if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template; set the job's prompt.chat_template to false")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes any BOS itself, as transformers' apply_chat_template(tokenize=True) assumes.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def save(self, folder: Path) -> None:
+        """As tokenizer.json + tokenizer_config.json, which from_folder reads back."""
+        self.backend.save(str(folder / "tokenizer.json"))
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+    @classmethod
+    def from_gguf(cls, reader, meta: dict) -> Tokenizer:
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is); "
+                "use the model's Hugging Face folder with tokenizer.json instead"
+            )
+        field = lambda name: reader.fields[name].contents()  # noqa: E731
+        tokens, merges = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.merges")
+        types = field("tokenizer.ggml.token_type") if "tokenizer.ggml.token_type" in reader.fields else []
+        backend = HFTokenizer(
+            models.BPE(
+                vocab={t: i for i, t in enumerate(tokens)},
+                merges=[tuple(m.split(" ", 1)) for m in merges],
+                fuse_unk=False,
+            )
+        )
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+        if pre in _SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(_SPLITS[pre]), "isolated"), byte_level]
+            )
+        elif pre in _DIGIT_SPLIT:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+        )
+        tok = lambda key: tokens[meta[key]] if key in meta else None  # noqa: E731
+        return cls(
+            backend,
+            bos_token=tok("tokenizer.ggml.bos_token_id"),
+            eos_token=tok("tokenizer.ggml.eos_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_folder(cls, path: Path) -> Tokenizer:
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: use "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        token = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
+        # tokenizer.json's post-processor already adds BOS where the model wants it.
+        return cls(
+            backend,
+            bos_token=token(cfg.get("bos_token")),
+            eos_token=token(cfg.get("eos_token")),
+            chat_template=template,
+        )
+
+
+def _compile(source: str) -> jinja2.Template:
+    """As transformers does: sandboxed, trim_blocks + lstrip_blocks, with raise_exception and strftime_now."""
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

@@ -1,0 +1,125 @@
+"""A small deterministic engine with the real Engine's contract, for fast tests of the job runner.
+
+Tokens are UTF-8 bytes; the answer is the user text's words reversed, cut to max_tokens bytes. Requests finish
+shortest prompt first, so completion order differs from admission order as with the real engine. Each finished
+request takes `steps_per_output` engine steps (a long run, for the timeline's sampling)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+from batchjob.engine.outputs import RequestMetrics, RequestOutput, StepMetrics
+
+
+class FakeTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", "ignore")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        model: str = "fake",
+        *,
+        max_num_seqs: int = 4,
+        block_size: int = 16,
+        max_model_len: int = 512,
+        signal_at: tuple[int, ...] = (),
+        steps_per_output: int = 1,
+    ):
+        self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
+        self.max_model_len = max_model_len
+        self.model_config = SimpleNamespace(max_position_embeddings=max_model_len)
+        self.tokenizer = FakeTokenizer()
+        self.model_digest = f"digest-of-{model}"
+        self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
+        self.token_budget, self.auto_budget = 64, None
+        self.signal_at = signal_at  # send SIGTERM to this process after these numbers of outputs, as a scheduler would
+        self.steps_per_output = steps_per_output
+        self.callbacks = []
+        self.prompts_seen: list[list[int]] = []
+        self._aborting = False
+        self._step = 0
+
+    def add_step_callback(self, fn) -> None:
+        self.callbacks.append(fn)
+
+    def abort_all(self) -> None:
+        self._aborting = True
+
+    def abort_waiting(self) -> None:
+        """Every request this fake has pulled is running: none waits."""
+
+    def stream(self, requests):
+        source, running, exhausted, emitted = iter(requests), [], False, 0
+        self._aborting = False
+        while True:
+            while not exhausted and not self._aborting and len(running) < self.config.max_num_seqs:
+                request = next(source, None)
+                if request is None:
+                    exhausted = True
+                else:
+                    self.prompts_seen.append(request.prompt_token_ids)
+                    running.append((request, RequestMetrics(arrival_time=time.time())))
+            if self._aborting:
+                for request, metrics in running:
+                    yield RequestOutput(request.request_id, request.prompt_token_ids, [], "", "abort", metrics=metrics)
+                return
+            if not running:
+                return
+            for _ in range(self.steps_per_output):
+                self._step += 1
+                for fn in self.callbacks:
+                    fn(
+                        StepMetrics(
+                            step=self._step,
+                            time=time.time(),
+                            step_time=0.001,
+                            num_seqs=len(running),
+                            num_prefill_tokens=0,
+                            num_decode_tokens=len(running),
+                            kv_cache_usage_perc=0.5,
+                            num_preemptions=0,
+                            prefix_cache_queries=10,
+                            prefix_cache_hits=5,
+                            num_waiting=0 if exhausted else 1,
+                            num_running=len(running),
+                        )
+                    )
+            running.sort(key=lambda item: len(item[0].prompt_token_ids))
+            request, metrics = running.pop(0)
+            yield self._answer(request, metrics)
+            emitted += 1
+            if emitted in self.signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def _answer(self, request, metrics: RequestMetrics) -> RequestOutput:
+        prompt = self.tokenizer.decode(request.prompt_token_ids)
+        user = prompt.rsplit("<|user|>", 1)[-1].split("\n<|assistant|>")[0]
+        ids = list(" ".join(reversed(user.split())).encode())
+        cut = ids[: request.params.max_tokens]
+        metrics.first_scheduled_time = metrics.first_token_time = metrics.finished_time = time.time()
+        return RequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            cut,
+            self.tokenizer.decode(cut),
+            "length" if len(cut) < len(ids) else "stop",
+            metrics=metrics,
+        )
+
+    def generate(self, prompts, params):
+        from batchjob.engine.engine import Request
+
+        requests = [Request(str(i), list(p), params) for i, p in enumerate(prompts)]
+        return [self._answer(r, RequestMetrics(arrival_time=time.time())) for r in requests]

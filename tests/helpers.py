@@ -1,0 +1,76 @@
+"""Test helpers: small inputs, job specs, the fake engine and a progress sink that keeps messages."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjob.job.progress import LogProgress
+from batchjob.job.spec import JobSpec
+from tests.fakes import FakeEngine
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_DATA = REPO / "sample_data"
+
+
+def documents(n: int, start: int = 0) -> list[dict]:
+    return [
+        {
+            "id": f"doc-{i:03d}",
+            "title": f"title {i}",
+            "source": "austen" if i % 2 else "python",
+            "text": " ".join(f"w{i}x{k}" for k in range(1 + i % 7)),
+        }
+        for i in range(start, start + n)
+    ]
+
+
+def write_parquet(path: Path, rows: list[dict], row_group_size: int | None = None) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_bytes(b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows))
+    return path
+
+
+def make_job(input_path: Path, out: Path, **sections) -> JobSpec:
+    raw = {
+        "model": "fake",
+        "input": {"path": str(input_path)},
+        "output": {"path": str(out)},
+        "sampling": {"max_tokens": 64},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) else value
+    return JobSpec.model_validate(raw)
+
+
+class Messages(LogProgress):
+    """Log progress into memory, keeping the messages for assertions."""
+
+    def __init__(self):
+        super().__init__(io.StringIO(), interval=3600)
+        self.messages: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+
+def fake_factory(**config):
+    return lambda job: FakeEngine(job.model, **config)
+
+
+def short_documents(folder: Path, rows: int, words: int) -> Path:
+    """The first `rows` sample documents cut to `words` words (short prompts keep prefill cheap on a CPU)."""
+    docs = pq.read_table(SAMPLE_DATA / "documents.parquet").slice(0, rows).to_pylist()
+    for doc in docs:
+        doc["text"] = " ".join(doc["text"].split()[:words])
+    path = folder / "docs.parquet"
+    pq.write_table(pa.Table.from_pylist(docs), path)
+    return path

@@ -1,0 +1,93 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.planner import Planner
+from batchjob.job.prompt import PromptBuilder
+from batchjob.job.reader import Row
+from tests.fakes import FakeTokenizer
+from tests.helpers import make_job
+
+BLOCK = 16
+
+
+def planner(tmp_path, errors, *, window=100, dedupe=True, params=None, **sections):
+    params = params or SamplingParams(max_tokens=8)
+    job = make_job(tmp_path / "in.jsonl", tmp_path / "out", **sections)
+    return Planner(
+        PromptBuilder(job, FakeTokenizer(), 10_000),
+        params,
+        sort_window=window,
+        dedupe=dedupe,
+        block_size=BLOCK,
+        on_error=lambda row, error: errors.append((row.id, error)),
+    )
+
+
+def rows(texts) -> list[Row]:
+    return [Row(i, f"r{i}", {"text": t}) for i, t in enumerate(texts)]
+
+
+def test_shared_prefixes_run_together_and_lengths_are_binned(tmp_path):
+    head_a, head_b = "A" * 20, "B" * 20  # each longer than a block
+    texts = [
+        head_a + "x" * 50,
+        "short",
+        head_b + "y",
+        head_a + "z",
+        "a much longer unshared text " * 4,
+        head_b + "w" * 90,
+        head_a + "q" * 5,
+    ]
+    works = list(planner(tmp_path, [], prompt={"chat_template": False}).works(rows(texts)))
+    order = [w.rows[0].id for w in works]
+    assert order[:3] == ["r3", "r6", "r0"]  # head A, shortest first
+    assert order[3:5] == ["r2", "r5"]  # head B
+    assert order[5:] == ["r1", "r4"]  # nothing shared: binned by length
+
+
+def test_identical_deterministic_requests_are_computed_once(tmp_path):
+    texts = ["same", "other", "same", "same"]
+    works = list(planner(tmp_path, []).works(rows(texts)))
+    by_text = {w.rows[0].values["text"]: [r.id for r in w.rows] for w in works}
+    assert by_text == {"same": ["r0", "r2", "r3"], "other": ["r1"]}
+    sampled = planner(tmp_path, [], params=SamplingParams(max_tokens=8, temperature=0.7))
+    assert len(list(sampled.works(rows(texts)))) == 4
+    seeded = planner(tmp_path, [], params=SamplingParams(max_tokens=8, temperature=0.7, seed=1))
+    assert len(list(seeded.works(rows(texts)))) == 2
+    assert len(list(planner(tmp_path, [], dedupe=False).works(rows(texts)))) == 4
+
+
+def test_bad_rows_are_reported_and_skipped(tmp_path):
+    errors = []
+    input_rows = rows(["fine", None, "ok"])
+    input_rows[2].error = "malformed JSON"
+    works = list(planner(tmp_path, errors).works(input_rows))
+    assert [w.rows[0].id for w in works] == ["r0"]
+    assert errors == [("r1", "missing prompt: text is missing or null"), ("r2", "malformed JSON")]
+
+
+def test_per_row_sampling_overrides_are_validated(tmp_path):
+    errors = []
+    good, bad = (
+        Row(0, "g", {"text": "x"}, overrides={"max_tokens": 3}),
+        Row(1, "b", {"text": "x"}, overrides={"temperature": -1}),
+    )
+    works = list(planner(tmp_path, errors).works([good, bad]))
+    assert works[0].params.max_tokens == 3 and works[0].params.temperature == 0.0
+    assert errors[0][0] == "b" and errors[0][1].startswith("temperature: Input should be greater than or equal")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    texts=st.lists(st.text(alphabet="ab ", min_size=1, max_size=40).filter(str.strip), max_size=60),
+    window=st.integers(1, 12),
+)
+def test_ordering_stays_inside_its_window_and_loses_nothing(tmp_path_factory, texts, window):
+    tmp_path = tmp_path_factory.mktemp("plan")
+    works = list(planner(tmp_path, [], window=window).works(rows(texts)))
+    emitted = [r.index for w in works for r in w.rows]
+    assert sorted(emitted) == list(range(len(texts)))
+    # Every row comes out with the rest of its window: windows never mix.
+    windows_in_order = [i // window for w in works for i in [w.rows[0].index]]
+    assert windows_in_order == sorted(windows_in_order)

@@ -1,0 +1,235 @@
+"""The runner end to end on the fake engine: fast, so every path of a run is covered here."""
+
+import json
+import os
+import signal
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob.job.reader import InputError
+from batchjob.job.runner import EXIT_OK, EXIT_ROW_ERRORS, run_job
+from batchjob.job.spec import JobFileError
+from batchjob.job.state import StateError
+from tests.helpers import SAMPLE_DATA, documents, fake_factory, make_job, write_jsonl, write_parquet
+
+
+def reversed_words(text: str, max_tokens: int = 64) -> str:
+    return " ".join(reversed(text.split())).encode()[:max_tokens].decode()
+
+
+def results(out) -> dict:
+    if not list((out / "data").glob("*.parquet")):
+        return {}
+    table = pq.read_table(out / "data")
+    assert len(set(table.column("id").to_pylist())) == table.num_rows, "an id was written twice"
+    return {r["id"]: r for r in table.to_pylist()}
+
+
+@pytest.fixture
+def docs(tmp_path):
+    return write_parquet(tmp_path / "docs.parquet", documents(23), row_group_size=8)
+
+
+def test_a_run_writes_every_row_with_its_columns(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out", input={"passthrough": ["title", "source"]}, output={"checkpoint_rows": 5})
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    rows = results(tmp_path / "out")
+    assert sorted(rows) == [d["id"] for d in documents(23)]
+    doc = documents(23)[6]
+    row = rows[doc["id"]]
+    assert row["output"] == reversed_words(doc["text"]) and row["finish_reason"] == "stop"
+    assert row["title"] == doc["title"] and row["source"] == doc["source"] and row["error"] is None
+    assert row["prompt_tokens"] > 0 and row["output_tokens"] == len(row["output"]) and row["row_index"] == 6
+    assert row["total_time_s"] is not None
+    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
+    assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"]) == (23, 23, 0)
+    assert (tmp_path / "out" / "_SUCCESS").exists() and len(list((tmp_path / "out" / "data").iterdir())) == 5
+
+
+def test_sigterm_commits_finished_rows_and_a_rerun_resumes_to_the_same_dataset(tmp_path, docs, progress):
+    reference = tmp_path / "reference"
+    run_job(make_job(docs, reference), progress, engine_factory=fake_factory())
+    job = make_job(docs, tmp_path / "out", output={"checkpoint_rows": 4}, schedule={"sort_window": 6})
+    assert run_job(job, progress, engine_factory=fake_factory(signal_at=(5,))) == 143
+    assert any(m.startswith("stopping: ") and "to finish" in m for m in progress.messages)
+    assert progress.messages[-1].startswith("interrupted:") and "run again to resume" in progress.messages[-1]
+    partial = results(tmp_path / "out")
+    assert 5 <= len(partial) < 23 and not (tmp_path / "out" / "_SUCCESS").exists()
+
+    engine_runs = []
+
+    def counting_factory(job):
+        engine_runs.append(fake_factory()(job))
+        return engine_runs[-1]
+
+    assert run_job(job, progress, engine_factory=counting_factory) == EXIT_OK
+    assert f"resuming: {len(partial)} of 23 rows already done" in progress.messages
+    assert len(engine_runs[0].prompts_seen) == 23 - len(partial)  # finished rows are not computed again
+    final = results(tmp_path / "out")
+    assert {k: v["output"] for k, v in final.items()} == {k: v["output"] for k, v in results(reference).items()}
+
+
+def test_a_second_signal_drops_the_requests_in_flight(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out", output={"checkpoint_rows": 100})
+    assert run_job(job, progress, engine_factory=fake_factory(max_num_seqs=4, signal_at=(3, 4))) == 143
+    # 3 finished before the first signal, the fourth brought the second; of the 4 then in flight only the one
+    # finished in the step that called abort_all is kept, the others are not written and run on resume.
+    committed = results(tmp_path / "out")
+    assert len(committed) == 5 and {r["finish_reason"] for r in committed.values()} == {"stop"}
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    assert len(results(tmp_path / "out")) == 23
+
+
+def test_a_signal_during_the_model_load_stops_before_any_work(tmp_path, docs, progress):
+    def interrupted_load(job):
+        os.kill(os.getpid(), signal.SIGINT)
+        return fake_factory()(job)
+
+    assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=interrupted_load) == 130
+    assert results(tmp_path / "out") == {} and progress.messages[-1].startswith("interrupted: 0 of 23")
+
+
+def test_at_the_end_of_the_grace_the_requests_in_flight_are_dropped(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out", output={"checkpoint_rows": 100})
+    assert run_job(job, progress, grace=0, engine_factory=fake_factory(max_num_seqs=4, signal_at=(3,))) == 143
+    assert len(results(tmp_path / "out")) == 4  # the step that saw the signal still finished one
+
+
+def test_a_run_that_finishes_while_stopping_is_complete(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out")
+    assert run_job(job, progress, engine_factory=fake_factory(max_num_seqs=64, signal_at=(3,))) == EXIT_OK
+    assert (tmp_path / "out" / "_SUCCESS").exists() and len(results(tmp_path / "out")) == 23
+
+
+def test_input_order_output(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out", output={"order": "input", "checkpoint_rows": 3, "rows_per_file": 10})
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    files = sorted((tmp_path / "out" / "data").iterdir())
+    assert [f.name for f in files] == [f"sorted-{i:06d}.parquet" for i in range(3)]
+    assert pq.read_table(tmp_path / "out" / "data").column("id").to_pylist() == [d["id"] for d in documents(23)]
+
+
+def test_identical_requests_are_computed_once_and_written_for_every_row(tmp_path, progress):
+    rows = [{"id": f"r{i}", "text": "same words here" if i % 2 else f"unique {i}"} for i in range(8)]
+    engines = []
+
+    def factory(job):
+        engines.append(fake_factory()(job))
+        return engines[-1]
+
+    job = make_job(write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "out")
+    assert run_job(job, progress, engine_factory=factory) == EXIT_OK
+    assert len(engines[0].prompts_seen) == 5
+    out = results(tmp_path / "out")
+    dupes = [out[f"r{i}"] for i in (1, 3, 5, 7)]
+    assert {d["output"] for d in dupes} == {"here words same"}
+    assert sorted(d["cached_tokens"] == d["prompt_tokens"] for d in dupes) == [False, True, True, True]
+
+
+def test_bad_rows_fail_alone_and_the_job_goes_on(tmp_path, progress):
+    job = make_job(
+        SAMPLE_DATA / "bad_rows.jsonl", tmp_path / "out", input={"passthrough": ["title"]}, fail_on_row_errors=True
+    )
+    assert run_job(job, progress, engine_factory=fake_factory(max_model_len=16384)) == EXIT_ROW_ERRORS
+    rows = results(tmp_path / "out")
+    assert len(rows) == 11
+    errors = {k: v["error"] for k, v in rows.items()}
+    assert [k for k, e in errors.items() if e is None] == ["bad-ok-1", "bad-ok-2", "bad-ok-3"]
+    assert errors["bad-missing-text"] == errors["bad-null-text"] == "missing prompt: text is missing or null"
+    assert errors["bad-number-text"] == "text must be text, got int"
+    assert errors["bad-list-text"] == "text must be text, got list"
+    assert errors["bad-empty-text"] == "missing prompt: text is empty"
+    assert errors["bad-invalid-utf8"].startswith("line 8 is not valid UTF-8")
+    assert errors["bad-too-long"].startswith("prompt is ") and "context of 16384" in errors["bad-too-long"]
+    malformed = [k for k in errors if k.endswith("bad_rows.jsonl:6")]
+    assert len(malformed) == 1 and errors[malformed[0]].startswith("malformed JSON on line 6")
+    assert rows["bad-null-text"]["title"] == "row with null text"
+    assert json.loads((tmp_path / "out" / "_summary.json").read_text())["rows_failed"] == 8
+
+
+def test_too_long_rows_are_truncated_when_asked(tmp_path, progress):
+    job = make_job(SAMPLE_DATA / "bad_rows.jsonl", tmp_path / "out", prompt={"on_too_long": "truncate_right"})
+    assert run_job(job, progress, engine_factory=fake_factory(max_model_len=16384)) == EXIT_OK
+    row = results(tmp_path / "out")["bad-too-long"]
+    assert row["error"] is None and row["truncated"] and row["prompt_tokens"] <= 16384 - 64
+
+
+def test_a_finished_folder_is_left_alone_unless_the_job_changed(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out")
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "out" / "data").iterdir())
+
+    def no_engine(job):
+        raise AssertionError("a finished job must not load the model")
+
+    assert run_job(job, progress, engine_factory=no_engine) == EXIT_OK
+    assert "already complete" in progress.messages[-1]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "out" / "data").iterdir()) == before
+
+    changed = make_job(docs, tmp_path / "out", sampling={"max_tokens": 5})
+    with pytest.raises(StateError, match="sampling changed"):
+        run_job(changed, progress, engine_factory=no_engine)
+    assert run_job(changed, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
+    assert {len(r["output"].encode()) <= 5 for r in results(tmp_path / "out").values()} == {True}
+
+
+def test_a_changed_model_refuses_to_resume(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out")
+    run_job(job, progress, engine_factory=fake_factory(signal_at=(3,)))
+
+    def other_weights(job):
+        engine = fake_factory()(job)
+        engine.model_digest = "other"
+        return engine
+
+    with pytest.raises(StateError, match="model_digest changed"):
+        run_job(job, progress, engine_factory=other_weights)
+
+
+def test_duplicate_ids_stop_the_job_before_the_model_loads(tmp_path, progress):
+    job = make_job(write_jsonl(tmp_path / "d.jsonl", documents(3) + documents(1)), tmp_path / "out")
+    with pytest.raises(InputError, match="1 duplicate ids"):
+        run_job(job, progress, engine_factory=lambda job: pytest.fail("loaded the model"))
+
+
+def test_openai_batch_round_trip(tmp_path, progress):
+    lines = [
+        {
+            "custom_id": "chat-1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "x", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 7},
+        },
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "four five"}},
+        {"custom_id": "bad-1", "method": "POST", "url": "/v1/completions", "body": {"prompt": None}},
+    ]
+    job = make_job(
+        write_jsonl(tmp_path / "b.jsonl", lines),
+        tmp_path / "out",
+        input={"format": "openai-batch"},
+        output={"format": "openai-batch"},
+    )
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    out = {o["custom_id"]: o for o in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
+    chat = out["chat-1"]["response"]
+    assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
+    assert chat["body"]["choices"][0]["message"] == {"role": "assistant", "content": "three t"}
+    assert chat["body"]["choices"][0]["finish_reason"] == "length" and chat["body"]["usage"]["completion_tokens"] == 7
+    assert out["cmpl-1"]["response"]["body"]["choices"][0]["text"] == "five four"
+    assert out["bad-1"]["response"] is None and out["bad-1"]["error"]["message"].startswith("missing prompt")
+
+
+def test_a_model_without_a_chat_template_fails_before_any_work(tmp_path, docs, progress):
+    def no_template(job):
+        engine = fake_factory()(job)
+
+        def refuse(messages, add_generation_prompt=True):
+            raise ValueError("this model has no chat template; set the job's prompt.chat_template to false")
+
+        engine.tokenizer.apply_chat_template = refuse
+        return engine
+
+    with pytest.raises(JobFileError, match="prompt.chat_template: this model has no chat template"):
+        run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=no_template)
+    assert not list((tmp_path / "out" / "data").iterdir())

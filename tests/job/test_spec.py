@@ -1,0 +1,81 @@
+import pytest
+
+from batchjob.job.spec import JobFileError, load_job
+from tests.helpers import REPO
+
+MINIMAL = "input: {path: docs.parquet}\noutput: {path: out}\n"
+
+
+def load(tmp_path, text, overrides=()):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return load_job(path, overrides)
+
+
+def error_of(tmp_path, text, overrides=()) -> str:
+    with pytest.raises(JobFileError) as e:
+        load(tmp_path, text, overrides)
+    return str(e.value)
+
+
+def test_the_shipped_job_is_valid():
+    job = load_job(REPO / "jobs" / "summarize.yaml")
+    assert job.input.path == "sample_data/documents.parquet" and job.input.format == "parquet"
+    assert job.sampling.greedy and job.prompt.chat_template and job.prompt.system
+    assert job.output.path == "out/summarize"
+
+
+def test_defaults_and_format_inference(tmp_path):
+    job = load(tmp_path, MINIMAL)
+    assert job.input.format == "parquet" and job.input.id_column == "id" and job.input.text_column == "text"
+    assert job.engine.profile == "throughput" and job.output.order == "completion"
+    assert load(tmp_path, "input: {path: a.ndjson}\noutput: {path: out}\n").input.format == "jsonl"
+
+
+def test_unknown_keys_name_the_file_the_path_and_the_allowed_keys(tmp_path):
+    message = error_of(tmp_path, MINIMAL + "engine: {max_num_seqz: 3}\nprompt: {sytem: hi}\n")
+    assert str(tmp_path / "job.yaml") in message
+    assert "engine.max_num_seqz: unknown key; allowed:" in message and "max_num_seqs" in message
+    assert "prompt.sytem: unknown key; allowed: chat_template, on_too_long, system, template" in message
+
+
+def test_bad_values_say_what_is_allowed(tmp_path):
+    message = error_of(
+        tmp_path, MINIMAL + "prompt: {on_too_long: cut}\nengine: {profile: fast}\nsampling: {temperature: -1}\n"
+    )
+    assert "prompt.on_too_long: Input should be 'error', 'truncate_left' or 'truncate_right' (got 'cut')" in message
+    assert "engine.profile: Input should be 'throughput' or 'latency' (got 'fast')" in message
+    assert "sampling.temperature: Input should be greater than or equal to 0 (got -1)" in message
+
+
+def test_missing_sections_and_unclear_formats(tmp_path):
+    assert "output: required" in error_of(tmp_path, "input: {path: a.parquet}\n")
+    assert "cannot tell the format of 'a.csv'" in error_of(tmp_path, "input: {path: a.csv}\noutput: {path: o}\n")
+    assert "not valid YAML" in error_of(tmp_path, "input: [\n")
+    assert "must be a mapping" in error_of(tmp_path, "- a\n")
+
+
+def test_template_must_use_the_text_column_and_fit_the_input_kind(tmp_path):
+    assert "must contain {text}" in error_of(tmp_path, MINIMAL + "prompt: {template: 'Say {title}'}\n")
+    both = MINIMAL.replace("docs.parquet}", "docs.parquet, messages_column: chat}")
+    assert "not used with input.messages_column" in error_of(tmp_path, both + "prompt: {template: '{text}'}\n")
+    openai = "input: {path: b.jsonl, format: openai-batch, text_column: body}\noutput: {path: o}\n"
+    assert "text_column: not used with format 'openai-batch'" in error_of(tmp_path, openai)
+    assert "needs input.format 'openai-batch'" in error_of(
+        tmp_path, MINIMAL.replace("out}", "out, format: openai-batch}")
+    )
+
+
+def test_passthrough_columns_must_not_shadow_result_columns(tmp_path):
+    text = MINIMAL.replace("docs.parquet}", "docs.parquet, passthrough: [title, error]}")
+    assert "input: passthrough: error would clash with result columns" in error_of(tmp_path, text)
+
+
+def test_set_overrides_are_parsed_as_yaml_and_validated(tmp_path):
+    job = load(tmp_path, MINIMAL, ["engine.max_num_seqs=32", "sampling.stop=[END, STOP]", "prompt.system=Be brief"])
+    assert job.engine.max_num_seqs == 32 and job.sampling.stop == ["END", "STOP"]
+    assert job.prompt.system == "Be brief"
+    message = error_of(tmp_path, MINIMAL, ["engine.block_size=big"])
+    assert "engine.block_size:" in message and "[set on the command line]" in message
+    assert "expected KEY=VALUE" in error_of(tmp_path, MINIMAL, ["engine.block_size"])
+    assert "input.path is not a section" in error_of(tmp_path, MINIMAL, ["input.path.x=1"])

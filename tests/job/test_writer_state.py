@@ -1,0 +1,163 @@
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchjob.job.lock import LockHeld
+from batchjob.job.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
+from batchjob.job.writer import PartWriter, sort_parts, write_atomic
+
+PASSTHROUGH = pa.schema([("title", pa.string())])
+
+
+def record(i: int, error: str | None = None) -> dict:
+    return {
+        "id": f"r{i}",
+        "output": f"out {i}",
+        "finish_reason": "stop",
+        "prompt_tokens": 3,
+        "output_tokens": 2,
+        "cached_tokens": 0,
+        "error": error,
+        "row_index": i,
+        "title": f"t{i}",
+    }
+
+
+def writer(folder, rows=3, seconds=3600.0, next_part=0) -> PartWriter:
+    return PartWriter(folder, PASSTHROUGH, checkpoint_rows=rows, checkpoint_seconds=seconds, next_part=next_part)
+
+
+def test_parts_commit_every_n_rows_and_on_flush(tmp_path):
+    w = writer(tmp_path)
+    for i in range(7):
+        w.add(record(i))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-000000.parquet", "part-000001.parquet"]
+    w.flush()
+    table = pq.read_table(tmp_path)
+    assert table.num_rows == 7 and table.schema.names[-1] == "title" and table.column("output")[6].as_py() == "out 6"
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_parts_commit_after_checkpoint_seconds(tmp_path):
+    w = writer(tmp_path, rows=1000, seconds=0.05)
+    w.add(record(0))
+    assert not list(tmp_path.iterdir())
+    time.sleep(0.06)
+    w.flush_if_due()
+    assert [p.name for p in tmp_path.iterdir()] == ["part-000000.parquet"]
+
+
+def test_a_crash_while_writing_leaves_no_part_and_recover_cleans_up(tmp_path, monkeypatch):
+    out = OutputDir(tmp_path)
+    out.recover()
+    w = writer(out.data, rows=2)
+
+    def crash(src, dst):
+        raise KeyboardInterrupt  # the process dies between fsync and rename
+
+    monkeypatch.setattr(os, "replace", crash)
+    w.add(record(0))
+    with pytest.raises(KeyboardInterrupt):
+        w.add(record(1))
+    monkeypatch.undo()
+    assert out.parts() == [] and list(out.data.glob(".*.tmp"))
+    out.recover()
+    assert not list(out.data.glob(".*.tmp")) and out.committed().rows == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 80), rows_per_file=st.integers(1, 30), part_size=st.integers(1, 20), seed=st.integers())
+def test_sorting_parts_gives_every_row_once_in_input_order(tmp_path_factory, n, rows_per_file, part_size, seed):
+    tmp = tmp_path_factory.mktemp("sort")
+    (tmp / "data").mkdir()
+    (tmp / "staging").mkdir()
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    w = writer(tmp / "data", rows=part_size)
+    for i in order:
+        w.add(record(i))
+    w.flush()
+    sort_parts(sorted((tmp / "data").glob("*.parquet")), tmp / "staging", rows_per_file)
+    files = sorted((tmp / "staging").glob("*.parquet"))
+    tables = [pq.read_table(f) for f in files]
+    assert all(t.num_rows <= rows_per_file for t in tables)
+    assert [i for t in tables for i in t.column("row_index").to_pylist()] == list(range(n))
+
+
+def test_staged_sorted_files_replace_the_parts_once_complete(tmp_path):
+    out = OutputDir(tmp_path)
+    out.recover()
+    w = writer(out.data, rows=2)
+    for i in (3, 1, 2, 0):
+        w.add(record(i))
+    out.staging.mkdir()
+    sort_parts(out.parts(), out.staging, 10)
+    out.recover()  # not marked complete: a killed finish, so the staging is dropped and the parts stay
+    assert not out.staging.exists() and [p.name for p in out.parts()] == ["part-000000.parquet", "part-000001.parquet"]
+    out.staging.mkdir()
+    sort_parts(out.parts(), out.staging, 10)
+    write_atomic(out.staging / STAGED, lambda f: None)
+    out.recover()  # complete: the swap finishes, as it would after a kill in the middle of it
+    assert [p.name for p in out.parts()] == ["sorted-000000.parquet"]
+    assert pq.read_table(out.data).column("id").to_pylist() == ["r0", "r1", "r2", "r3"]
+
+
+def test_committed_rows_come_from_the_parts(tmp_path):
+    out = OutputDir(tmp_path)
+    out.recover()
+    w = writer(out.data, rows=2)
+    for i in range(5):
+        w.add(record(i, error="bad" if i == 4 else None))
+    w.flush()
+    done = out.committed()
+    assert done.ids == {f"r{i}" for i in range(5)} and (done.rows, done.failed) == (5, 1)
+    assert (done.prompt_tokens, done.output_tokens) == (15, 10) and out.next_part_number() == 3
+
+
+def test_a_second_holder_is_refused_and_named(tmp_path):
+    out = OutputDir(tmp_path)
+    with out.lock():
+        with pytest.raises(LockHeld) as e, out.lock():
+            pass
+        assert e.value.holder["pid"] == os.getpid()
+        assert f"pid {os.getpid()}" in str(e.value) and "started" in str(e.value)
+        assert out.status()["state"] == "running"
+    with out.lock():  # released on exit
+        pass
+
+
+def test_a_dead_holders_lock_is_taken_over(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (tmp_path / LOCK).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "earlier"}))
+    out = OutputDir(tmp_path)
+    out.write_job({"fingerprint": {}, "rows_total": 3})
+    assert out.status()["state"] == "stopped (killed; resumable)"
+    with out.lock() as lock:
+        assert lock.stale["pid"] == pid
+
+
+def test_fingerprint_changes_are_refused_naming_what_changed(tmp_path):
+    out = OutputDir(tmp_path)
+    out.recover()
+    fp = {"model": "m", "prompt": {"template": "a"}, "sampling": {"max_tokens": 8}}
+    out.check_fingerprint(fp, keys=list(fp))  # a new folder: nothing to compare
+    out.write_job({"fingerprint": fp, "created": "yesterday"})
+    out.check_fingerprint(fp, keys=list(fp))
+    changed = {**fp, "prompt": {"template": "b"}}
+    with pytest.raises(StateError, match="different job \\(started yesterday\\): prompt changed.*--restart"):
+        out.check_fingerprint(changed, keys=list(fp))
+    (tmp_path / JOB_FILE).unlink()
+    writer(out.data, rows=1).add(record(0))
+    with pytest.raises(StateError, match="has result parts but no _job.json"):
+        out.check_fingerprint(fp, keys=list(fp))

@@ -1,0 +1,38 @@
+"""The GPU self-test's CPU form: tiny shapes in the interpreter, checks only (no timing)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from batchjob.kernels.selftest import format_table, run_selftest
+
+pytestmark = pytest.mark.triton
+
+
+def test_selftest_small(device):
+    rows = run_selftest(device, small=True, dtype=torch.float16, reps=0)
+    table = format_table(rows)
+    assert {r["kernel"] for r in rows} == {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention"}
+    assert all(r["passed"] for r in rows), table
+    assert table.splitlines()[-1] == f"{len(rows)}/{len(rows)} passed"
+
+
+def test_format_table_reports_errors():
+    rows = [
+        dict(
+            kernel="rotary",
+            case="x",
+            dtype="float16",
+            shape="[1]",
+            max_abs_err=None,
+            tol="exact",
+            passed=False,
+            triton_ms=None,
+            torch_ms=None,
+            speedup=None,
+            error="ValueError: boom",
+        )
+    ]
+    table = format_table(rows)
+    assert "FAIL" in table and "ValueError: boom" in table and table.endswith("0/1 passed")

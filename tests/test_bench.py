@@ -1,0 +1,39 @@
+"""bench: a job file's rows as the workload, and the token-budget sweep (tiny, on the real model)."""
+
+from batchjob.bench import job_workload, run_sweep, synthetic
+from batchjob.engine.engine import Engine
+from batchjob.job.prompt import PromptBuilder
+from batchjob.job.reader import InputSource
+from tests.fakes import FakeEngine
+from tests.helpers import documents, make_job, write_jsonl
+
+
+def test_a_job_workload_is_its_rows_as_the_runner_sends_them(tmp_path):
+    rows = documents(10) + [{"id": "bad", "title": "t", "source": "s", "text": None}]
+    job = make_job(
+        write_jsonl(tmp_path / "docs.jsonl", rows),
+        tmp_path / "out",
+        sampling={"max_tokens": 7},
+        prompt={"system": "Be brief.", "template": "Reverse: {text}"},
+    )
+    engine = FakeEngine()
+    workload = job_workload(job, engine)
+    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
+    expected = sorted(builder.build(row, 7)[0] for row in InputSource(job).rows() if row.values.get("text"))
+    assert sorted(r.prompt_token_ids for r in workload.requests) == expected and len(expected) == 10
+    assert {r.params.max_tokens for r in workload.requests} == {7}
+    assert "11 rows, 10 requests (1 rows fail before the model)" in workload.name
+    assert len(job_workload(job, engine, num_rows=4).requests) == 4
+
+
+def test_the_sweep_runs_each_fixed_budget_and_auto_from_a_cold_cache():
+    engine = Engine("smollm2-135m-instruct", max_num_batched_tokens="auto", num_kv_blocks=64)
+    workload = synthetic(engine.model_config.vocab_size, 4, 48, 3)
+    report = run_sweep(engine, workload, [64, 128], repeats=1)
+    rows = {r["system"]: r for r in report["systems"]}
+    assert list(rows) == ["budget 64", "budget 128", "budget auto"]
+    assert rows["budget 64"]["token_budget"] == 64 and rows["budget auto"]["token_budget"] in (128, 256)
+    assert max(r["ratio_to_best_fixed"] for r in report["systems"][:2]) == 1.0
+    assert report["auto_ratio"] == rows["budget auto"]["ratio_to_best_fixed"] and len(report["auto_tuner"]) == 1
+    # Every run computes its prompts: none is served from the previous run's prefix cache.
+    assert all(r["prefix_hit_rate"] == 0 and r["prefill_tokens"] >= workload.prompt_tokens for r in rows.values())
