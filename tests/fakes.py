@@ -42,6 +42,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(max_position_embeddings=max_model_len)
         self.tokenizer = FakeTokenizer()
         self.model_digest = f"digest-of-{model}"
+        self.model_revision = None
         self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
         self.token_budget, self.auto_budget = 64, None
         self.signal_at = signal_at  # send SIGTERM to this process after these numbers of outputs, as a scheduler would

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -74,3 +76,22 @@ def short_documents(folder: Path, rows: int, words: int) -> Path:
     path = folder / "docs.parquet"
     pq.write_table(pa.Table.from_pylist(docs), path)
     return path
+
+
+def hub_cache(home: Path, repo: str, files: dict[str, Path], revision: str = "main") -> str:
+    """A Hugging Face Hub cache under `home` (as HF_HOME) holding `files` as one commit of `repo`, laid out as
+    huggingface_hub lays out its downloads (blobs, refs, snapshots of links); returns the commit hash."""
+    root = home / "hub" / f"models--{repo.replace('/', '--')}"
+    commit = hashlib.sha1(repr(sorted((n, os.path.getsize(p)) for n, p in files.items())).encode()).hexdigest()
+    for name, path in files.items():
+        with open(path, "rb") as f:
+            blob = root / "blobs" / hashlib.file_digest(f, "sha256").hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            blob.symlink_to(Path(path).resolve())
+        link = root / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / revision).write_text(commit)
+    return commit

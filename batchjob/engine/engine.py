@@ -26,6 +26,7 @@ class Engine:
         self.config = EngineConfig(**config)
         loaded = load_model(model)
         self.model_config, self.tokenizer, self.model_digest = loaded.config, loaded.tokenizer, loaded.digest
+        self.model_revision = loaded.revision  # the Hub commit of a model named by Hub id, else None
         # Within a sliding window attention is plain causal attention, so capping the context keeps results exact.
         self.max_model_len = min(
             self.config.max_model_len or loaded.config.max_position_embeddings,

@@ -31,7 +31,8 @@ except ImportError:
     ) from None
 
 ROW = "row"  # the one column of an input shard: each Row pickled as the local reader made it
-DIGEST = b"model_digest"  # result schema metadata: the model a worker ran, for the job's fingerprint
+# Result schema metadata: the model a worker ran, for the job's fingerprint.
+DIGEST, REVISION = b"model_digest", b"model_revision"
 
 
 class EngineWorker:
@@ -42,7 +43,9 @@ class EngineWorker:
         self.engine = engine_factory(job)
         self.builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
         self.builder.check()
-        self.schema = result_schema(passthrough).with_metadata({DIGEST: self.engine.model_digest})
+        self.schema = result_schema(passthrough).with_metadata(
+            {DIGEST: self.engine.model_digest, REVISION: self.engine.model_revision or ""}
+        )
 
     def __call__(self, shard: pa.Table) -> pa.Table:
         from batchjob.engine.engine import Request
@@ -126,7 +129,7 @@ class RayJobRun(JobRun):
     def _commit(self, table: pa.Table, scan: Scan, written: set[str], fp: dict) -> None:
         digest = table.schema.metadata[DIGEST].decode()
         if fp["model_digest"] is None:  # the first results: now the model is known, and so is the whole job
-            self._check_model(fp, digest)
+            self._check_model(fp, digest, table.schema.metadata[REVISION].decode() or None)
             self._write_job(fp, scan)
         elif digest != fp["model_digest"]:
             raise StateError(

@@ -26,6 +26,7 @@ from batchjob.job.writer import PartWriter, failed_row, result_rows, sort_parts,
 
 EXIT_OK, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_LOCKED = 0, 2, 3, 75
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+MODEL_KEYS = ("model_digest", "model_revision")  # the fingerprint's parts known only once the model is loaded
 # Truncation (max_model_len), output lengths (elastic_*), sampling draws (seed) and numbers by design (dtypes).
 RESULT_ENGINE_SETTINGS = {
     "max_model_len",
@@ -49,6 +50,7 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
     fp = {
         "model": job.model,
         "model_digest": model_digest,
+        "model_revision": None,  # the Hub commit, known with the digest
         "prompt": job.prompt.model_dump(),
         "sampling": job.sampling.model_dump(),
         "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
@@ -147,7 +149,7 @@ class JobRun:
             self.progress.message(f"--restart: discarding earlier results in {out.path}")
             out.reset()
         # Everything but the model digest is known before the slow model load, so a mismatch fails at once.
-        out.check_fingerprint(fp, keys=[k for k in fp if k != "model_digest"])
+        out.check_fingerprint(fp, keys=[k for k in fp if k not in MODEL_KEYS])
         if out.succeeded:
             return self._already_done()
         scan = source.scan()
@@ -165,7 +167,7 @@ class JobRun:
     def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
         job, out = self.job, self.out
         self.engine = self.engine_factory(job)
-        self._check_model(fp, self.engine.model_digest)
+        self._check_model(fp, self.engine.model_digest, self.engine.model_revision)
         builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
         builder.check()
         self._write_job(fp, scan)
@@ -198,9 +200,9 @@ class JobRun:
             self.timeline.write()
             self.progress.close()
 
-    def _check_model(self, fp: dict, model_digest: str) -> None:
-        fp["model_digest"] = model_digest
-        self.out.check_fingerprint(fp, keys=["model_digest"])
+    def _check_model(self, fp: dict, model_digest: str, model_revision: str | None) -> None:
+        fp["model_digest"], fp["model_revision"] = model_digest, model_revision
+        self.out.check_fingerprint(fp, keys=list(MODEL_KEYS))
 
     def _write_job(self, fp: dict, scan: Scan) -> None:
         """Record the job before its first part is committed, so that every part belongs to a known job."""

@@ -1,4 +1,4 @@
-"""Find a model by name or path and load its config and weights (HF names, compute dtype).
+"""Find a model by path, built-in name or Hugging Face Hub id and load its config and weights (HF names, dtype).
 
 GGUF files are dequantized once and cached as safetensors keyed by the file's digest, so a repeat load is an mmap."""
 
@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -34,17 +35,60 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob"))
 
 
+# org/name, org/name@revision, or org/name/file.gguf (one GGUF file of the repo), as the Hub spells repo ids.
+_HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:/(?P<file>[^@]+\.gguf))?(?:@(?P<revision>[\w./-]+))?$")
+# What a Llama-family safetensors repo needs here; the Hub's other files (READMEs, other formats) are not fetched.
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    path: Path  # a GGUF file or a Hugging Face model folder
+    revision: str | None = None  # the Hub commit it was resolved to; None for a local path or a built-in name
+
+
 def resolve_model(model: str) -> Path:
-    """A GGUF file or HF folder path for a model name or path."""
+    """A GGUF file or HF folder path for a model name, path or Hub id."""
+    return locate_model(model).path
+
+
+def locate_model(model: str) -> ModelLocation:
     tried = []
     path = Path(model).expanduser()
     if path.exists():
-        return path
+        return ModelLocation(path)
     tried.append(f"path {path} (does not exist)")
     if model not in BUILTIN_MODELS:
+        hub = _HUB_ID.match(model)
+        if hub:
+            return _hub_model(model, hub, tried)
         raise ModelNotFoundError(
-            f"model {model!r} not found; tried: {'; '.join(tried)}; built-in names: {sorted(BUILTIN_MODELS)}"
+            f"model {model!r} not found; tried: {'; '.join(tried)}; built-in names: {sorted(BUILTIN_MODELS)}; "
+            "or a Hugging Face Hub id (org/name, org/name@revision, org/name/file.gguf)"
         )
+    return ModelLocation(_builtin_model(model, tried))
+
+
+def _hub_model(model: str, hub: re.Match, tried: list[str]) -> ModelLocation:
+    """Through huggingface_hub, so its cache, HF_HOME, HF_HUB_OFFLINE and HF_TOKEN work as everywhere else."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    repo, filename, revision = hub["repo"], hub["file"], hub["revision"]
+    try:
+        if filename:
+            path = Path(hf_hub_download(repo, filename, revision=revision))
+        else:
+            path = Path(snapshot_download(repo, revision=revision, allow_patterns=_HUB_FILES))
+    except (OSError, ValueError, HFValidationError) as e:  # hub errors derive from these; offline misses too
+        tried.append(f"Hugging Face Hub {repo}{f' file {filename}' if filename else ''} ({type(e).__name__}: {e})")
+        raise ModelNotFoundError(f"model {model!r} not found; tried: {'; '.join(tried)}") from None
+    # The cache keeps each commit in snapshots/<commit>/, so the folder names the revision actually used.
+    snapshot = path.parents[len(Path(filename).parts) - 1] if filename else path
+    return ModelLocation(path, snapshot.name)
+
+
+def _builtin_model(model: str, tried: list[str]) -> Path:
     dist, package, filename = BUILTIN_MODELS[model]
     # find_spec, not import: the package's __init__ imports llama_cpp, which we do not install.
     spec = importlib.util.find_spec(package)
@@ -94,15 +138,19 @@ class LoadedModel:
     path: Path
     digest: str
     rope_freqs: torch.Tensor | None = None
+    revision: str | None = None  # the Hub commit, for a model named by Hub id
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    path = resolve_model(model)
+    where = locate_model(model)
+    path = where.path
     if path.is_dir():
-        return _load_hf(path, dtype)
-    if path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
-    raise ModelNotFoundError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+        loaded = _load_hf(path, dtype)
+    elif path.suffix == ".gguf":
+        loaded = _load_gguf(path, dtype)
+    else:
+        raise ModelNotFoundError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+    return dataclasses.replace(loaded, revision=where.revision)
 
 
 def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
