@@ -18,6 +18,9 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.encode(t, add_special_tokens) for t in texts]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", "ignore")
 

@@ -22,6 +22,7 @@ from batchjob.job.reader import Row
 
 # Quarter-octave length bins: lengths within ~19% of each other count as similar.
 BINS_PER_OCTAVE = 4
+TOKENIZE_CHUNK = 512  # rows tokenized in one batch call
 
 
 @dataclass
@@ -53,13 +54,10 @@ class Planner:
         window: list[Work] = []
         by_key: dict[bytes, Work] = {}
         size = 0
-        for row in rows:
-            work = self._work(row)
-            if work is None:
-                continue
+        for work in self._works(rows):
             key = _request_key(work) if self.dedupe and work.params.deterministic else None
             if key is not None and key in by_key:
-                by_key[key].rows.append(row)
+                by_key[key].rows.append(work.rows[0])
             else:
                 window.append(work)
                 if key is not None:
@@ -70,17 +68,27 @@ class Planner:
                 window, by_key, size = [], {}, 0
         yield from order(window, self.block_size)
 
-    def _work(self, row: Row) -> Work | None:
-        if row.error is not None:
-            self.on_error(row, row.error)
-            return None
-        try:
-            params = self._row_params(row)
-            token_ids, truncated = self.builder.build(row, params.max_tokens)
-        except RowError as e:
-            self.on_error(row, str(e))
-            return None
-        return Work(str(next(self._ids)), token_ids, params, truncated, [row])
+    def _works(self, rows: Iterable[Row]) -> Iterator[Work]:
+        """Rows to Works in input order, tokenized a chunk at a time; failing rows go to on_error, in order too."""
+        rows = iter(rows)
+        while chunk := list(itertools.islice(rows, TOKENIZE_CHUNK)):
+            results: list[RowError | SamplingParams] = []
+            for row in chunk:
+                try:
+                    if row.error is not None:
+                        raise RowError(row.error)
+                    results.append(self._row_params(row))
+                except RowError as e:
+                    results.append(e)
+            usable = [i for i, r in enumerate(results) if isinstance(r, SamplingParams)]
+            built = self.builder.build_many([chunk[i] for i in usable], [results[i].max_tokens for i in usable])
+            prompts = dict(zip(usable, built))
+            for i, row in enumerate(chunk):
+                result = prompts.get(i, results[i])
+                if isinstance(result, RowError):
+                    self.on_error(row, str(result))
+                else:
+                    yield Work(str(next(self._ids)), result[0], results[i], result[1], [row])
 
     def _row_params(self, row: Row) -> SamplingParams:
         if not row.overrides:
