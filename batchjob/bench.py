@@ -21,10 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.engine.engine import Engine
-from batchjob.engine.outputs import StepMetrics
+from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import SchedulerOutput
-from batchjob.engine.sequence import Request, Sequence
+from batchjob.engine.sequence import Sequence
+from batchjob.job.planner import job_planner
+from batchjob.job.reader import InputSource
 
 
 @dataclass
@@ -63,23 +65,10 @@ def synthetic(
 def job_workload(job, engine: Engine, num_rows: int | None = None) -> Workload:
     """A job's first `num_rows` input rows (all by default) as the job runner would send them: its reader, prompt
     builder and planner (order, dedupe, per-row sampling overrides); rows that fail before the model are left out."""
-    from batchjob.job.planner import Planner
-    from batchjob.job.prompt import PromptBuilder
-    from batchjob.job.reader import InputSource
-
-    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
-    builder.check()
     failed = []
-    planner = Planner(
-        builder,
-        job.sampling,
-        sort_window=job.schedule.sort_window,
-        dedupe=job.schedule.dedupe,
-        block_size=engine.config.block_size,
-        on_error=lambda row, error: failed.append(row),
-    )
+    planner = job_planner(job, engine, lambda row, error: failed.append(row))
     rows = list(itertools.islice(InputSource(job).rows(), num_rows))
-    reqs = [Request(w.request_id, w.token_ids, w.params) for w in planner.works(rows)]
+    reqs = [w.request for w in planner.works(rows)]
     if not reqs:
         raise ValueError(f"{job.input.path}: none of its first {len(rows)} rows makes a request")
     name = (

@@ -11,7 +11,7 @@ import signal
 import time
 from types import SimpleNamespace
 
-from batchjob.engine.outputs import RequestMetrics, RequestOutput, StepMetrics
+from batchjob.engine.outputs import Request, RequestMetrics, RequestOutput, StepMetrics
 
 
 class FakeTokenizer:
@@ -123,7 +123,5 @@ class FakeEngine:
         )
 
     def generate(self, prompts, params):
-        from batchjob.engine.engine import Request
-
         requests = [Request(str(i), list(p), params) for i, p in enumerate(prompts)]
         return [self._answer(r, RequestMetrics(arrival_time=time.time())) for r in requests]

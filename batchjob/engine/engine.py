@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterable, Iterator
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import PROFILES, EngineConfig
 from batchjob.engine.model_runner import ModelRunner
-from batchjob.engine.outputs import RequestOutput, StepMetrics
+from batchjob.engine.outputs import Request, RequestOutput, StepMetrics
 from batchjob.engine.sampler import Sampler
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import Scheduler
-from batchjob.engine.sequence import Request, Sequence
+from batchjob.engine.sequence import Sequence
 from batchjob.engine.token_budget import AutoTokenBudget, budget_cap
 from batchjob.model.builtin import DEFAULT_MODEL
 from batchjob.model.loader import load_model

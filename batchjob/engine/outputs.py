@@ -1,8 +1,19 @@
-"""What the engine hands back for each request."""
+"""What goes into the engine (Request) and what it hands back (RequestOutput, StepMetrics).
+
+Torch-free, so the job layer imports these at the top without loading the engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from batchjob.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass

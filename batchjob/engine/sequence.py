@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from batchjob.engine.outputs import RequestMetrics
-from batchjob.engine.sampling_params import SamplingParams
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
+from batchjob.engine.outputs import Request, RequestMetrics
 
 
 class SequenceStatus(enum.Enum):

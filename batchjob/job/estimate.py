@@ -7,11 +7,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from batchjob.engine.outputs import StepMetrics
-from batchjob.job.planner import Planner, Work
-from batchjob.job.prompt import PromptBuilder
-from batchjob.job.reader import InputSource
+from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.job.runner import load_engine
+from batchjob.job.planner import Work, job_planner
+from batchjob.job.reader import InputSource
 from batchjob.job.spec import JobSpec
 
 CALIBRATION_REQUESTS = 8
@@ -23,22 +22,13 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
     scan = source.scan()
     engine = engine_factory(job)
     block_size = engine.config.block_size
-    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
-    builder.check()
     failed = 0
 
     def count_failure(row, error) -> None:
         nonlocal failed
         failed += 1
 
-    planner = Planner(
-        builder,
-        job.sampling,
-        sort_window=job.schedule.sort_window,
-        dedupe=job.schedule.dedupe,
-        block_size=block_size,
-        on_error=count_failure,
-    )
+    planner = job_planner(job, engine, count_failure)
     cache = PrefixCacheModel(engine.num_kv_blocks, block_size)
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
@@ -94,8 +84,6 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
 
 
 def measure(engine, sample: list[Work]) -> dict:
-    from batchjob.engine.engine import Request
-
     steps: list[StepMetrics] = []
     engine.generate([sample[0].token_ids[:8]], sample[0].params.model_copy(update={"max_tokens": 2}))  # warm-up
     engine.add_step_callback(steps.append)

@@ -3,7 +3,10 @@
 Within a window, prompts are sorted by their token ids, which puts prompts sharing a prefix (same system text and
 template head) next to each other, so their KV blocks are reused while still cached; each such group, and the pool
 of prompts that share nothing, is then binned by length so that similar lengths run in the same batches. Identical
-requests under deterministic sampling become one piece of work whose result is written for every row."""
+requests under deterministic sampling become one piece of work whose result is written for every row.
+
+`job_planner` is the one place a job's rows become engine requests (PromptBuilder, its check, Planner); the local
+and Ray executors, `batchjob plan` and `batchjob bench --job` all use it."""
 
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ from dataclasses import dataclass, field
 
 import pydantic
 
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.prompt import PromptBuilder, RowError
 from batchjob.job.reader import Row
+from batchjob.job.spec import JobSpec
 
 # Quarter-octave length bins: lengths within ~19% of each other count as similar.
 BINS_PER_OCTAVE = 4
@@ -32,6 +37,32 @@ class Work:
     params: SamplingParams
     truncated: bool
     rows: list[Row] = field(default_factory=list)  # the first is computed, the rest are its duplicates
+
+    @property
+    def request(self) -> Request:
+        return Request(self.request_id, self.token_ids, self.params)
+
+
+def job_planner(job: JobSpec, engine, on_error: Callable[[Row, str], None]) -> Planner:
+    """The job's planner for this engine's tokenizer, context and block size; JobFileError at once when the job asks
+    for a chat template that the model lacks."""
+    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
+    builder.check()
+    return Planner(
+        builder,
+        job.sampling,
+        sort_window=job.schedule.sort_window,
+        dedupe=job.schedule.dedupe,
+        block_size=engine.config.block_size,
+        on_error=on_error,
+    )
+
+
+def requests(works: Iterable[Work], in_flight: dict[str, Work]) -> Iterator[Request]:
+    """Each work's request, keeping the work in `in_flight` under its id until the caller pops it with the output."""
+    for work in works:
+        in_flight[work.request_id] = work
+        yield work.request
 
 
 class Planner:

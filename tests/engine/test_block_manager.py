@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 
 from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.engine.sequence import Request, Sequence
+from batchjob.engine.sequence import Sequence
 
 
 def seq(tokens, i=0):

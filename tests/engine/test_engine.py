@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.engine.engine import Engine
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.engine.sequence import Request
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

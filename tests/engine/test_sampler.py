@@ -5,9 +5,10 @@ import torch
 from pydantic import ValidationError
 
 from batchjob.engine.config import EngineConfig
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampler import Sampler
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.engine.sequence import Request, Sequence
+from batchjob.engine.sequence import Sequence
 
 
 def seqs(*params, prompt=(1, 2, 3)):

@@ -6,9 +6,10 @@ import pytest
 
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import EngineConfig
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import _MAX_LOOKAHEAD, Scheduler
-from batchjob.engine.sequence import Request, Sequence
+from batchjob.engine.sequence import Sequence
 
 
 def make(num_blocks: int, block_size: int = 4, **cfg) -> Scheduler:

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import EngineConfig
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import Scheduler
-from batchjob.engine.sequence import Request, Sequence
+from batchjob.engine.sequence import Sequence
 
 
 def check_blocks(bm: BlockManager, seqs: list[Sequence]) -> None:

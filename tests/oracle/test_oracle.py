@@ -69,7 +69,8 @@ def test_logits_and_greedy_continuation_match_transformers(loaded, engine, hf_or
 def test_incremental_detokenization_handles_multibyte(engine, text):
     """Stream a multi-byte text's tokens through the engine's incremental detokenizer: the result must equal a
     full decode, with no replacement characters from split byte sequences."""
-    from batchjob.engine.sequence import Request, Sequence
+    from batchjob.engine.outputs import Request
+    from batchjob.engine.sequence import Sequence
 
     ids = engine.tokenizer.encode(text)
     seq = Sequence(Request("x", [1], SamplingParams()), 0)
