@@ -12,9 +12,9 @@ import torch
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import LoadedModel
-from batchjob.model.ops import FP8_DTYPE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_GB = 2.0

@@ -11,9 +11,6 @@ import triton.language as tl
 # triton.jit picks the interpreter when the function is defined, from this variable: read it the same way, once.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 

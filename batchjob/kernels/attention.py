@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.kernels._common import FP8_DTYPE, INTERPRET, check_device, next_pow2
+from batchjob.kernels._common import INTERPRET, check_device, next_pow2
 from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.fp8 import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 SPLIT_SIZE = 512  # keys per split of the decode kernel: fixed, so that a row's result is batch-independent

@@ -8,8 +8,6 @@ from __future__ import annotations
 from batchjob.kernels.attention import paged_attention
 from batchjob.kernels.elementwise import rms_norm, rotary, silu_and_mul
 from batchjob.kernels.kv_cache import store_kv
+from batchjob.model.fp8 import FP8_DTYPE  # either ops module names the fp8 cache dtype it writes
 
-# constants and the torch quantizer, so that either module serves callers that allocate or inspect fp8 caches
-from batchjob.model.ops import FP8_DTYPE, FP8_MAX, quantize_fp8
-
-__all__ = ["rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "FP8_DTYPE", "FP8_MAX", "quantize_fp8"]
+__all__ = ["rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "FP8_DTYPE"]

@@ -9,9 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from batchjob.model.fp8 import FP8_DTYPE, quantize_fp8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -40,12 +38,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] holds gate then up; returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(token, head) scale: x [T, KVH, D] -> (fp8 values, scale [T, KVH])."""
-    scale = x.float().abs().amax(dim=-1).clamp(min=1e-6) / FP8_MAX
-    return (x.float() / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
