@@ -8,10 +8,11 @@ import sys
 import click
 
 from batchjob.job.estimate import plan_job
+from batchjob.job.exit_codes import EXIT_LOCKED, EXIT_USAGE
 from batchjob.job.lock import LockHeld, describe
 from batchjob.job.progress import LogProgress, RichProgress
 from batchjob.job.reader import InputError
-from batchjob.job.runner import EXIT_LOCKED, EXIT_USAGE, run_job
+from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.state import OutputDir, StateError
 from batchjob.model.builtin import DEFAULT_MODEL

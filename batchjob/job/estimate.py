@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
-from batchjob.job.runner import load_engine
+from batchjob.job.executor import load_engine
 from batchjob.job.planner import Work, job_planner
 from batchjob.job.reader import InputSource
 from batchjob.job.spec import JobSpec

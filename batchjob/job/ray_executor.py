@@ -10,17 +10,18 @@ from __future__ import annotations
 import itertools
 import logging
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import pyarrow as pa
 
-from batchjob.job.planner import Planner
-from batchjob.job.prompt import PromptBuilder
-from batchjob.job.reader import InputSource, Row, Scan
-from batchjob.job.runner import Interrupted, JobRun
+from batchjob.job.executor import Pending
+from batchjob.job.planner import job_planner, requests
+from batchjob.job.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
-from batchjob.job.state import Committed, StateError
-from batchjob.job.writer import PartWriter, failed_row, result_rows, result_schema
+from batchjob.job.state import StateError
+from batchjob.job.stopper import Interrupted
+from batchjob.job.timeline import Timeline
+from batchjob.job.writer import failed_row, result_rows, result_schema
 
 try:
     import ray
@@ -39,58 +40,50 @@ class EngineWorker:
     """A Ray Data actor: loads the model once, then turns shards of rows into result rows, in the planner's order."""
 
     def __init__(self, job: JobSpec, passthrough: pa.Schema, engine_factory):
-        self.job = job
         self.engine = engine_factory(job)
-        self.builder = PromptBuilder(job, self.engine.tokenizer, self.engine.max_model_len)
-        self.builder.check()
+        self.records: list[dict] = []  # the result rows of the shard in hand
+        self.planner = job_planner(job, self.engine, lambda row, error: self.records.append(failed_row(row, error)))
         self.schema = result_schema(passthrough).with_metadata(
             {DIGEST: self.engine.model_digest, REVISION: self.engine.model_revision or ""}
         )
 
     def __call__(self, shard: pa.Table) -> pa.Table:
-        from batchjob.engine.engine import Request
-
-        job, records, works = self.job, [], {}
-        planner = Planner(
-            self.builder,
-            job.sampling,
-            sort_window=job.schedule.sort_window,
-            dedupe=job.schedule.dedupe,
-            block_size=self.engine.config.block_size,
-            on_error=lambda row, error: records.append(failed_row(row, error)),
-        )
-
-        def requests() -> Iterator[Request]:
-            for work in planner.works(pickle.loads(b) for b in shard.column(ROW).to_pylist()):
-                works[work.request_id] = work
-                yield Request(work.request_id, work.token_ids, work.params)
-
-        for output in self.engine.stream(requests()):
-            records += result_rows(works.pop(output.request_id), output)
-        return pa.Table.from_pylist(records, schema=self.schema)
+        self.records, works = [], {}
+        rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
+        for output in self.engine.stream(requests(self.planner.works(rows), works)):
+            self.records += result_rows(works.pop(output.request_id), output)
+        return pa.Table.from_pylist(self.records, schema=self.schema)
 
 
-class RayJobRun(JobRun):
-    """A run whose generation is spread over Ray workers; everything before and after it is the local run's."""
+class RayExecutor:
+    """Generation spread over Ray workers; the driver commits each shard's results as a local run's parts."""
 
-    def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
-        started = connect(self.job.ray)
+    timeline: Timeline | None = None  # the steps happen on the workers
+
+    def __init__(self, spec: RaySpec, engine_factory):
+        self.spec, self.engine_factory = spec, engine_factory
+        self.digest: str | None = None
+
+    def execute(self, pending: Pending) -> None:
+        started = connect(self.spec)
         try:
-            self._run_shards(source, scan, committed, fp)
+            self._run_shards(pending)
         finally:
             if started:
                 ray.shutdown()
 
-    def _run_shards(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
-        job, spec = self.job, self.job.ray
-        shards = to_shards((row for row in source.rows() if row.id not in committed.ids), spec.shard_rows)
+    def engine_summary(self) -> dict:
+        return {}
+
+    def _run_shards(self, pending: Pending) -> None:
+        spec = self.spec
         results = iter(
-            ray.data.from_arrow_refs(shards)
+            ray.data.from_arrow_refs(to_shards(pending.rows, spec.shard_rows))
             .map_batches(
                 EngineWorker,
                 fn_constructor_kwargs={
-                    "job": job,
-                    "passthrough": scan.passthrough_schema,
+                    "job": pending.job,
+                    "passthrough": pending.scan.passthrough_schema,
                     "engine_factory": self.engine_factory,
                 },
                 batch_size=spec.shard_rows,
@@ -101,47 +94,39 @@ class RayJobRun(JobRun):
             )
             .iter_batches(batch_size=None, batch_format="pyarrow")
         )
-        self.writer = PartWriter(
-            self.out.data,
-            scan.passthrough_schema,
-            checkpoint_rows=job.output.checkpoint_rows,
-            checkpoint_seconds=job.output.checkpoint_seconds,
-            next_part=self.out.next_part_number(),
-        )
-        self.progress.start(scan.total, committed.rows)
+        pending.start()
         try:
             while True:
                 try:
                     # Waiting on Ray can take a shard's time; a signal ends the wait, and the shards in flight
                     # (uncommitted) run again on resume.
-                    with self.stopper.interruptible():
+                    with pending.stopper.interruptible():
                         table = next(results, None)
                 except Interrupted:
                     return
                 if table is None:
                     return
-                self._commit(table, scan, committed.ids, fp)
+                self._commit(table, pending)
         finally:
             results.close()  # stops the dataset's execution, and so its workers, when the run ends early
-            self.writer.flush()
-            self.progress.close()
 
-    def _commit(self, table: pa.Table, scan: Scan, written: set[str], fp: dict) -> None:
+    def _commit(self, table: pa.Table, pending: Pending) -> None:
         digest = table.schema.metadata[DIGEST].decode()
-        if fp["model_digest"] is None:  # the first results: now the model is known, and so is the whole job
-            self._check_model(fp, digest, table.schema.metadata[REVISION].decode() or None)
-            self._write_job(fp, scan)
-        elif digest != fp["model_digest"]:
+        if self.digest is None:  # the first results: now the model is known, and so is the whole job
+            pending.model_known(digest, table.schema.metadata[REVISION].decode() or None)
+            self.digest = digest
+        elif digest != self.digest:
             raise StateError(
-                f"Ray workers run different models (sha256 {fp['model_digest']} and {digest}): "
+                f"Ray workers run different models (sha256 {self.digest} and {digest}): "
                 "the model path must hold the same files on every node"
             )
         # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
+        written = pending.committed.ids
         fresh = [record for record in table.to_pylist() if record["id"] not in written]
         for record in fresh:
             written.add(record["id"])
-            self.writer.add(record)
-        self.progress.rows(
+            pending.writer.add(record)
+        pending.progress.rows(
             len(fresh),
             output_tokens=sum(r["output_tokens"] or 0 for r in fresh),
             prompt_tokens=sum((r["prompt_tokens"] or 0) - (r["cached_tokens"] or 0) for r in fresh),

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchjob.job.runner import EXIT_OK, EXIT_ROW_ERRORS, load_engine, run_job
+from batchjob.job.executor import load_engine
+from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, load_job
 from batchjob.job.state import OutputDir
 from tests.fakes import FakeEngine

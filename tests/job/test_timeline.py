@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.engine.outputs import StepMetrics
-from batchjob.job.runner import EXIT_OK, run_job
+from batchjob.job.exit_codes import EXIT_OK
+from batchjob.job.runner import run_job
 from batchjob.job.state import TIMELINE
 from batchjob.job.timeline import SCHEMA, Timeline
 from tests.helpers import documents, fake_factory, make_job, write_parquet

@@ -1,0 +1,126 @@
+"""Where a run's pending rows are computed. The run (runner.py) hands an Executor its Pending work: the rows still
+to compute and where their results go. LocalExecutor runs one engine in this process; ray_executor.RayExecutor
+spreads shards over Ray workers. Both commit through the same PartWriter, so the output folder is the same."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from batchjob.engine.outputs import RequestOutput, StepMetrics
+from batchjob.job.planner import Work, job_planner, requests
+from batchjob.job.progress import Progress
+from batchjob.job.reader import Row, Scan
+from batchjob.job.spec import JobSpec
+from batchjob.job.state import Committed
+from batchjob.job.stopper import Stopper
+from batchjob.job.timeline import Timeline
+from batchjob.job.writer import PartWriter, failed_row, result_rows
+
+
+def load_engine(job: JobSpec):
+    from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
+
+    return Engine(job.model, **job.engine.model_dump(exclude_unset=True))
+
+
+@dataclass
+class Pending:
+    """What a run hands its executor: the rows still to compute and where their results go."""
+
+    job: JobSpec
+    rows: Iterable[Row]  # in input order, without the rows earlier runs committed
+    scan: Scan
+    committed: Committed  # by earlier runs
+    writer: PartWriter
+    progress: Progress
+    stopper: Stopper
+    # the model's digest and Hub revision, once known and before the first result is committed
+    model_known: Callable[[str, str | None], None]
+
+    def start(self) -> None:
+        """Generation begins (after the model load, which the run's rates leave out)."""
+        self.progress.start(self.scan.total, self.committed.rows)
+
+    def row_failed(self, row: Row, error: str) -> None:
+        self.writer.add(failed_row(row, error))
+        self.progress.rows(1)
+
+
+class Executor(Protocol):
+    timeline: Timeline | None  # the engine's steps, where the executor sees them
+
+    def execute(self, pending: Pending) -> None:
+        """Compute the pending rows and commit their results; return early once the stopper says stop."""
+
+    def engine_summary(self) -> dict:
+        """What the engine settled on (token budget), for _SUCCESS's `this_run`; empty where unknown."""
+
+
+class LocalExecutor:
+    """One engine in this process. Its step callbacks drive checkpoints, progress, the timeline and the stop."""
+
+    def __init__(self, engine_factory: Callable, timeline_path: Path):
+        self.engine_factory, self.timeline_path = engine_factory, timeline_path
+        self.timeline: Timeline | None = None
+        self.engine = None
+        self.pending: Pending | None = None
+        self.in_flight: dict[str, Work] = {}
+        self.stop_committed = self.aborted = False
+
+    def execute(self, pending: Pending) -> None:
+        self.pending = pending
+        self.engine = self.engine_factory(pending.job)
+        planner = job_planner(pending.job, self.engine, pending.row_failed)
+        pending.model_known(self.engine.model_digest, self.engine.model_revision)
+        if pending.stopper.stopping:  # stopped during the model load: nothing started, nothing to commit
+            return
+        pending.start()
+        self.timeline = Timeline(self.timeline_path)
+        self.engine.add_step_callback(self.on_step)
+        works = itertools.takewhile(lambda _: not pending.stopper.stopping, planner.works(pending.rows))
+        try:
+            for output in self.engine.stream(requests(works, self.in_flight)):
+                self.commit(output)
+        finally:
+            self.timeline.write()
+
+    def on_step(self, metrics: StepMetrics) -> None:
+        p = self.pending
+        p.progress.step(metrics)
+        self.timeline.add(metrics)
+        p.writer.flush_if_due()
+        if p.stopper.stopping and not self.stop_committed:
+            self.stop_committed = True
+            self.engine.abort_waiting()  # the grace is for requests already running, not the queue
+            p.writer.flush()  # commit what is finished now, in case a kill -9 follows the signal
+            p.progress.message(
+                f"stopping: {len(self.in_flight)} requests in flight get up to "
+                f"{p.stopper.grace:g} s to finish (signal again to drop them now)"
+            )
+        if p.stopper.drop_in_flight and not self.aborted:
+            self.aborted = True
+            self.engine.abort_all()
+
+    def commit(self, output: RequestOutput) -> None:
+        work = self.in_flight.pop(output.request_id)
+        if output.finish_reason == "abort":
+            return  # not committed, so it runs again on resume
+        for record in result_rows(work, output):
+            self.pending.writer.add(record)
+        self.pending.progress.rows(
+            len(work.rows),
+            output_tokens=len(output.token_ids),
+            prompt_tokens=len(work.token_ids) - output.num_cached_tokens,
+        )
+
+    def engine_summary(self) -> dict:
+        if self.engine is None:
+            return {}
+        summary = {"token_budget": self.engine.token_budget}
+        if self.engine.auto_budget is not None:
+            summary["token_budget_auto"] = self.engine.auto_budget.summary()
+        return summary

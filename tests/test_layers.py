@@ -1,0 +1,102 @@
+"""The package's import graph, read from the source: no cycle, and no import upward between layers.
+
+Layers, top to bottom: cli/bench (and the `batchjob` facade) -> job -> engine -> model and kernels. Lazy imports inside
+functions count too. The kernels are checked against the torch reference ops (`batchjob.model.ops`) only in their
+testing and self-test modules; otherwise they share the model's data types (attention metadata, the fp8 format),
+and the model never imports the kernels (the engine hands it an ops backend)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "batchjob"
+RANK = {"cli": 3, "bench": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0}
+KERNELS_MAY_USE_REFERENCE = {"batchjob.kernels.testing", "batchjob.kernels.selftest", "batchjob.kernels.compile_check"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}: a relative import; the package imports by absolute names"
+                base = node.module
+                # `from pkg import sub` imports the submodule pkg.sub where there is one
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+        graph[name] = {t for t in targets if t in known and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path that starts and ends at the same module, or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "cli"  # the `batchjob` facade sits with the applications
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for source, targets in graph.items():
+        for target in targets:
+            a, b = layer(source), layer(target)
+            if RANK[b] > RANK[a]:
+                wrong.append(f"{source} imports {target} ({a} is below {b})")
+            elif a == "model" and b == "kernels":
+                wrong.append(f"{source} imports {target} (the model takes its ops from the engine)")
+            elif a == "kernels" and target == "batchjob.model.ops" and source not in KERNELS_MAY_USE_REFERENCE:
+                wrong.append(f"{source} imports {target} (the reference ops are for kernels' tests only)")
+    return sorted(wrong)
+
+
+def test_the_package_has_no_import_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_no_layer_imports_a_layer_above_it():
+    graph = import_graph()
+    assert {layer(m) for m in graph} == set(RANK)  # every module is in a known layer
+    assert upward_imports(graph) == []
+
+
+def test_the_checks_see_cycles_and_upward_imports():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    assert upward_imports({"batchjob.engine.x": {"batchjob.job.y"}, "batchjob.job.y": {"batchjob.engine.x"}}) == [
+        "batchjob.engine.x imports batchjob.job.y (engine is below job)"
+    ]
+    graph = import_graph()  # a top-level and a lazy import, as the checks read them
+    assert {"batchjob.job.executor", "batchjob.job.ray_executor"} <= graph["batchjob.job.runner"]
