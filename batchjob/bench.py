@@ -208,14 +208,30 @@ def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
     return _summarize("static", time.perf_counter() - t0, wl, output_tokens, steps)
 
 
-def run_hf(model_path, wl: Workload, batch_size: int, hf_model=None) -> Result:
-    """transformers generate over fixed, left-padded batches (fp32, greedy, every row to its batch's longest)."""
-    from transformers import AutoModelForCausalLM
+def load_hf_model(engine: Engine, model_path):
+    """transformers' model of the engine's weights: from the files, or with load_format dummy the same seeded draw
+    (same config, seed and device give the same weights). fp32 on a CPU, the engine's dtype on a GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if hf_model is None:
-        kw = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
-        folder = model_path.parent if model_path.suffix == ".gguf" else model_path
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+    device = engine.runner.device
+    dtype = engine.runner.dtype if device.type == "cuda" else torch.float32
+    if engine.config.load_format == "dummy":
+        from batchjob.model.dummy import dummy_weights
+
+        cfg = AutoConfig.from_pretrained(str(model_path))
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        std = getattr(cfg, "initializer_range", 0.02)
+        model.load_state_dict(dummy_weights(engine.model_config, engine.config.seed, std, device, dtype), strict=False)
+        return model.eval()
+    kw = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
+    folder = model_path.parent if model_path.suffix == ".gguf" else model_path
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).to(device).eval()
+
+
+def run_hf(wl: Workload, batch_size: int, hf_model) -> Result:
+    """transformers generate over fixed, left-padded batches (greedy, every row to its batch's longest)."""
+    device = hf_model.device
     output_tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(wl.requests), batch_size):
@@ -230,9 +246,16 @@ def run_hf(model_path, wl: Workload, batch_size: int, hf_model=None) -> Result:
         new = max(r.params.max_tokens for r in batch)
         with torch.inference_mode():
             hf_model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
             )
         output_tokens += sum(r.params.max_tokens for r in batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     r = Result(
         "hf", time.perf_counter() - t0, wl.prompt_tokens, output_tokens, len(wl.requests), float(batch_size), batch_size
     )
@@ -343,12 +366,8 @@ def run_bench(
                 runs[system].append(run_static(engine, wl, batch_size))
             elif system == "hf":
                 if hf_model is None:
-                    from transformers import AutoModelForCausalLM
-
-                    kw = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
-                    folder = model_path.parent if model_path.suffix == ".gguf" else model_path
-                    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
-                runs[system].append(run_hf(model_path, wl, batch_size, hf_model))
+                    hf_model = load_hf_model(engine, model_path)
+                runs[system].append(run_hf(wl, batch_size, hf_model))
             elif system == "vllm":
                 runs[system].append(run_vllm(model_path, wl))
             elif system == "llama-cpp":

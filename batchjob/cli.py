@@ -259,6 +259,12 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     callback=_budgets,
     help="instead of --systems: this engine at each fixed token budget and at 'auto', on the workload",
 )
+@click.option(
+    "--load-format",
+    default=None,
+    type=click.Choice(["auto", "dummy"]),
+    help="dummy: random weights with the model's config (a built-in or shipped name, or a config.json)",
+)
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(
     model,
@@ -274,6 +280,7 @@ def bench(
     max_num_seqs,
     max_num_batched_tokens,
     budgets,
+    load_format,
     json_path,
 ) -> None:
     """Throughput of this engine against baselines on one workload, in one process."""
@@ -284,11 +291,14 @@ def bench(
     from batchjob.bench import format_report, format_sweep, job_workload, run_bench, run_sweep, synthetic
     from batchjob.engine.engine import Engine
     from batchjob.job.spec import JobFileError, load_job
-    from batchjob.model.loader import resolve_model
 
     overrides = {
         k: v
-        for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+        for k, v in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("load_format", load_format),
+        )
         if v is not None
     }
     if budgets:
@@ -319,7 +329,7 @@ def bench(
 
         report = run_bench(
             engine,
-            resolve_model(model),
+            engine.model_path,
             wl,
             [s.strip() for s in systems.split(",") if s.strip()],
             batch_size,
@@ -353,7 +363,8 @@ def report(folder, output_dir) -> None:
 @click.option("--small", is_flag=True, help="tiny shapes (implied on a CPU, where the Triton interpreter runs)")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--num-prompts", default=512, show_default=True, type=click.IntRange(min=1))
-def selftest(device, small, model, num_prompts) -> None:
+@click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]))
+def selftest(device, small, model, num_prompts, load_format) -> None:
     """Every Triton kernel against its torch reference, then an engine throughput run with the kernels."""
     import os
     import sys
@@ -363,14 +374,13 @@ def selftest(device, small, model, num_prompts) -> None:
     from batchjob.bench import format_report, run_bench, synthetic
     from batchjob.engine.engine import Engine
     from batchjob.kernels.selftest import format_table, run_selftest
-    from batchjob.model.loader import resolve_model
 
     rows = run_selftest(device, small=small or device == "cpu")
     click.echo(format_table(rows))
-    engine = Engine(model, device=device, ops_backend="triton")
+    engine = Engine(model, device=device, ops_backend="triton", load_format=load_format)
     n = num_prompts if device == "cuda" else 4
     wl = synthetic(engine.model_config.vocab_size, n, 256 if device == "cuda" else 16, 64 if device == "cuda" else 4)
-    click.echo(format_report(run_bench(engine, resolve_model(model), wl, ["engine"], 1, 1, 1)))
+    click.echo(format_report(run_bench(engine, engine.model_path, wl, ["engine"], 1, 1, 1)))
     sys.exit(0 if all(r["passed"] for r in rows) else 1)
 
 

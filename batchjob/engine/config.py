@@ -37,6 +37,9 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     ops_backend: Literal["auto", "torch", "triton"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="dummy: random weights (seeded by `seed`) with the named model's config, nothing read"
+    )
     num_threads: int | None = Field(None, ge=1)
     seed: int = 0
 

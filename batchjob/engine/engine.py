@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import PROFILES, EngineConfig
-from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.model_runner import ModelRunner, pick_device, pick_dtype
 from batchjob.engine.outputs import Request, RequestOutput, StepMetrics
 from batchjob.engine.sampler import Sampler
 from batchjob.engine.sampling_params import SamplingParams
@@ -16,6 +16,7 @@ from batchjob.engine.scheduler import Scheduler
 from batchjob.engine.sequence import Sequence
 from batchjob.engine.token_budget import AutoTokenBudget, budget_cap
 from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.model.dummy import load_dummy
 from batchjob.model.loader import load_model
 
 __all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput"]
@@ -24,8 +25,13 @@ __all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput
 class Engine:
     def __init__(self, model: str = DEFAULT_MODEL, **config):
         self.config = EngineConfig(**config)
-        loaded = load_model(model)
+        if self.config.load_format == "dummy":
+            device = pick_device(self.config)
+            loaded = load_dummy(model, self.config.seed, device, pick_dtype(self.config, device))
+        else:
+            loaded = load_model(model)
         self.model_config, self.tokenizer, self.model_digest = loaded.config, loaded.tokenizer, loaded.digest
+        self.model_path = loaded.path  # the GGUF file or HF folder (with load_format dummy, the config.json)
         self.model_revision = loaded.revision  # the Hub commit of a model named by Hub id, else None
         # Within a sliding window attention is plain causal attention, so capping the context keeps results exact.
         self.max_model_len = min(

@@ -36,15 +36,18 @@ def pick_ops(config: EngineConfig, device: torch.device):
     return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.ops")
 
 
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    # bf16 matmul is ~30x slower than fp32 on AVX2 CPUs: fp32 there, bf16 on a GPU.
+    return _DTYPES.get(config.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         self.config = config
         self.device = pick_device(config)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        # bf16 matmul is ~30x slower than fp32 on AVX2 CPUs: fp32 there, bf16 on a GPU.
-        default = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.dtype = _DTYPES.get(config.dtype, default)
+        self.dtype = pick_dtype(config, self.device)
         self.model = LlamaModel(
             loaded.config,
             {k: v.to(self.dtype) for k, v in loaded.weights.items()},

@@ -1,0 +1,115 @@
+"""`load_format: dummy` (vLLM's name): random weights with a real model's architecture, so that speed and memory can
+be measured without weights on disk.
+
+The architecture comes from an HF config.json (a file, or a folder holding one) or from a config shipped here:
+`smollm2-135m-instruct` (the built-in model's) and `llama-3-8b`. Weights are drawn from a seeded generator in a
+fixed order, so the same seed on the same device gives the same model; projections are N(0, initializer_range) as
+HF initialises them, norms are ones, so that the residual stream keeps a sensible scale and greedy decoding does
+not collapse to one token."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.model.config import ModelConfig
+from batchjob.model.loader import LoadedModel, ModelNotFoundError, load_model
+from batchjob.model.tokenizer import Tokenizer
+
+CONFIGS_DIR = Path(__file__).parent / "configs"
+
+
+def dummy_config_path(model: str) -> Path:
+    """The config.json behind a dummy model name or path."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return path
+    shipped = CONFIGS_DIR / f"{model}.json"
+    if shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+    raise ModelNotFoundError(
+        f"load_format dummy: no config for {model!r}; give an HF config.json (or its folder) or one of {names}"
+    )
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of a Llama-family model."""
+    h, q, kv, inter = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if c.attention_bias:
+            shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
+    return shapes
+
+
+def dummy_weights(
+    c: ModelConfig, seed: int, std: float = 0.02, device: torch.device | str = "cpu", dtype=torch.float32
+) -> dict[str, torch.Tensor]:
+    """Drawn on `device` in fp32 one tensor at a time (then cast), so an 8B model never sits in fp32 at once."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, shape in weight_shapes(c).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(".bias"):
+            weights[name] = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            weights[name] = (std * torch.randn(shape, generator=g, device=device)).to(dtype)
+    return weights
+
+
+def synthetic_tokenizer() -> Tokenizer:
+    """Byte-level with no merges: any text encodes to byte ids 0..255; generated ids above 255 decode to nothing."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = HFTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=None)
+
+
+def _tokenizer(vocab_size: int) -> Tokenizer:
+    """The built-in model's tokenizer where it loads (from the local cache) and fits the vocabulary, else bytes."""
+    try:
+        tok = load_model(DEFAULT_MODEL).tokenizer
+    except (ModelNotFoundError, OSError):
+        return synthetic_tokenizer()
+    return tok if tok.vocab_size <= vocab_size else synthetic_tokenizer()
+
+
+def load_dummy(
+    model: str, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    path = dummy_config_path(model)
+    raw = json.loads(path.read_text())
+    config = ModelConfig.from_hf(raw)
+    weights = dummy_weights(config, seed, raw.get("initializer_range", 0.02), device, dtype)
+    digest = hashlib.sha256(f"dummy:{seed}:".encode() + path.read_bytes()).hexdigest()
+    return LoadedModel(config, weights, _tokenizer(config.vocab_size), path, digest)
