@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchjob.engine.block_manager import KVPoolExhausted
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.engine.sampling_params import SamplingParams
@@ -97,6 +98,7 @@ class Result:
     decode_steps: int = 0
     token_budget: int | None = None  # the engine's at the end of the run: what `auto` chose
     cpu_s: float = 0.0  # this process's CPU time: steadier than wall time on a host shared with other work
+    note: str = ""  # how the system was run, where it differs from its defaults or from the others
 
     def row(self) -> dict:
         d = dict(self.__dict__)
@@ -151,16 +153,33 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     return result
 
 
+def _fitting_batches(requests: list[Request], batch_size: int, free_blocks: int, block_size: int):
+    """Fixed batches of `batch_size`; a batch whose padded rows (its longest prompt plus its largest max_tokens
+    each) do not all fit `free_blocks` KV blocks is split into the fewest equal parts that do."""
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch) + max(r.params.max_tokens for r in batch)
+        fit = free_blocks // -(-longest // block_size)
+        if fit == 0:
+            raise KVPoolExhausted(f"one padded row of {longest} tokens needs more than the pool's {free_blocks} blocks")
+        parts = -(-len(batch) // fit)
+        size = -(-len(batch) // parts)
+        for j in range(0, len(batch), size):
+            yield batch[j : j + size]
+
+
 def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
     """Fixed batches through the same model runner and sampler: each batch is one padded prefill step, then decode
-    steps over every row until the longest request has its tokens (finished rows keep computing)."""
+    steps over every row until the longest request has its tokens (finished rows keep computing). A batch that does
+    not fit the KV pool is split (the result's note says to what size)."""
     steps = _collect(engine)
     bm, runner = engine.block_manager, engine.runner
     pad = engine.tokenizer.eos_token_id or 0
     output_tokens = 0
+    largest = 0
     t0 = time.perf_counter()
-    for i in range(0, len(wl.requests), batch_size):
-        batch = wl.requests[i : i + batch_size]
+    for batch in _fitting_batches(wl.requests, batch_size, bm.num_free_blocks, bm.block_size):
+        largest = max(largest, len(batch))
         longest = max(len(r.prompt_token_ids) for r in batch)
         new = max(r.params.max_tokens for r in batch)
         seqs = [
@@ -169,8 +188,6 @@ def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
             )
             for j, r in enumerate(batch)
         ]
-        if not all(bm.can_allocate(s, longest + new) for s in seqs):
-            raise ValueError(f"static batch of {len(seqs)} x {longest + new} tokens does not fit the KV pool")
         for step in range(new):
             ts = time.perf_counter()
             sched = SchedulerOutput()
@@ -205,7 +222,10 @@ def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
         output_tokens += sum(r.params.max_tokens for r in batch)  # only the requested tokens count
         for s in seqs:
             bm.free(s)
-    return _summarize("static", time.perf_counter() - t0, wl, output_tokens, steps)
+    result = _summarize("static", time.perf_counter() - t0, wl, output_tokens, steps)
+    if largest < min(batch_size, len(wl.requests)):
+        result.note = f"batch {batch_size} split to <= {largest} rows: the KV pool holds no more padded rows"
+    return result
 
 
 def load_hf_model(engine: Engine, model_path):
@@ -505,6 +525,7 @@ def format_report(report: dict) -> str:
         "prefix hit",
     ):
         table.add_column(col, justify="right")
+    table.add_column("how it ran")
     for r in report["systems"]:
         ratio = "" if r["ratio_to_engine"] is None else f"{r['ratio_to_engine']:.2f}x"
         table.add_row(
@@ -518,9 +539,10 @@ def format_report(report: dict) -> str:
             f"{100 * r['mean_kv_usage']:.1f}%",
             str(r["preemptions"]),
             f"{100 * r['prefix_hit_rate']:.1f}%",
+            r["note"],
         )
     buf = StringIO()
-    console = Console(file=buf, width=140)
+    console = Console(file=buf, width=160)
     console.print(table)
     for phase, v in report.get("roofline", {}).items():
         console.print(

@@ -1,6 +1,6 @@
 """bench: a job file's rows as the workload, and the token-budget sweep (tiny, on the real model)."""
 
-from batchjob.bench import job_workload, run_sweep, synthetic
+from batchjob.bench import format_report, job_workload, run_bench, run_sweep, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource
@@ -37,3 +37,15 @@ def test_the_sweep_runs_each_fixed_budget_and_auto_from_a_cold_cache():
     assert report["auto_ratio"] == rows["budget auto"]["ratio_to_best_fixed"] and len(report["auto_tuner"]) == 1
     # Every run computes its prompts: none is served from the previous run's prefix cache.
     assert all(r["prefix_hit_rate"] == 0 and r["prefill_tokens"] >= workload.prompt_tokens for r in rows.values())
+
+
+def test_the_fixed_batch_is_split_to_what_the_kv_pool_holds():
+    # 6 blocks of 16: a padded row of 40 + 3 tokens takes 3 blocks, so a batch of 4 runs as two batches of 2.
+    engine = Engine("smollm2-135m-instruct", num_kv_blocks=6)
+    workload = synthetic(engine.model_config.vocab_size, 4, 40, 3)
+    report = run_bench(engine, None, workload, ["engine", "static"], batch_size=4, repeats=1, threads=1)
+    rows = {r["system"]: r for r in report["systems"]}
+    assert rows["static"]["max_batch"] == 2 and rows["static"]["output_tokens"] == 12
+    assert "batch 4 split to <= 2 rows" in rows["static"]["note"] and rows["engine"]["note"] == ""
+    assert "split to <= 2 rows" in format_report(report)
+    assert engine.block_manager.num_free_blocks == 6

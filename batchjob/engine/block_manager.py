@@ -10,6 +10,11 @@ from collections import OrderedDict
 from batchjob.engine.sequence import Sequence
 
 
+class KVPoolExhausted(RuntimeError):
+    """More blocks were asked for than the pool has free (cached blocks included): the caller should have checked
+    can_allocate, or must split its work."""
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -53,8 +58,15 @@ class BlockManager:
         return block
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Blocks for `num_new_tokens` more tokens of `seq`; the caller has checked can_allocate."""
-        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+        """Blocks for `num_new_tokens` more tokens of `seq`, all or none: raises KVPoolExhausted when the pool has
+        fewer free blocks than that."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > self.num_free_blocks:
+            raise KVPoolExhausted(
+                f"KV pool exhausted: sequence {seq.request_id} needs {needed} more blocks, {self.num_free_blocks} of "
+                f"{self.num_blocks} are free"
+            )
+        for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
     def match_prefix(self, seq: Sequence) -> int:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchjob.engine.block_manager import BlockManager
+from batchjob.engine.block_manager import BlockManager, KVPoolExhausted
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.sequence import Sequence
@@ -63,3 +63,14 @@ def test_prefix_caching_off_shares_nothing():
     a = seq([1, 2, 3, 4, 5])
     run(bm, a)
     assert bm.match_prefix(seq([1, 2, 3, 4, 5], 1)) == 0 and not bm.hash_to_block
+
+
+def test_an_exhausted_pool_is_named_and_nothing_is_taken():
+    bm = BlockManager(4, 2)
+    a = seq([1, 2, 3, 4, 5])
+    run(bm, a)  # 3 of the 4 blocks
+    b = seq([6, 7, 8], 1)
+    assert not bm.can_allocate(b, 3)
+    with pytest.raises(KVPoolExhausted, match="needs 2 more blocks, 1 of 4 are free"):
+        bm.allocate(b, 3)
+    assert b.block_table == [] and bm.num_free_blocks == 1
