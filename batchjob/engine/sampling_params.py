@@ -13,7 +13,8 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0, description="0 disables")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    # torch.Generator.manual_seed takes a signed or unsigned 64-bit value; anything else fails the request up front.
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False

@@ -160,7 +160,10 @@ def _messages(value) -> list[dict]:
             raise RowError(f"messages[{i}] must be an object with a role")
         content = message.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise RowError(f"messages[{i}].content: a text part's text must be text")
+            content = "".join(texts)
         if not isinstance(content, str):
             raise RowError(f"messages[{i}].content must be text")
         out.append({"role": message["role"], "content": content})

@@ -5,6 +5,7 @@ writes it as a failed row and goes on; an input that cannot be opened at all rai
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
@@ -21,6 +22,7 @@ from batchjob.job.openai_batch import RequestLineError, parse_request
 from batchjob.job.spec import InputSpec, JobSpec
 
 MAX_LISTED_DUPLICATES = 5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class InputError(Exception):
@@ -58,24 +60,27 @@ class InputSource:
                 [spec.messages_column] if spec.messages_column else sorted(set(job.prompt.fields) | {spec.text_column})
             )
             self.passthrough = list(spec.passthrough)
-        self._parquet = {path: self._open_parquet(path) for path in self.files} if self.format == "parquet" else {}
         for path in self.files:
             if not Path(path).is_file():
                 raise InputError(f"input.path: {path} is not a readable file")
+        # Metadata only: a file is opened when it is read, so a glob may name more files than the open-file limit.
+        self._parquet: dict[str, pq.FileMetaData] = {}
+        self._passthrough_schemas: list[pa.Schema] = []
+        if self.format == "parquet":
+            for path in self.files:
+                self._check_parquet(path)
 
-    def _open_parquet(self, path: str) -> pq.ParquetFile:
+    def _check_parquet(self, path: str) -> None:
         try:
-            pf = pq.ParquetFile(path)
+            with pq.ParquetFile(path) as pf:
+                metadata, schema = pf.metadata, pf.schema_arrow
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"cannot read {path} as Parquet: {e}") from None
-        missing = [
-            c for c in [self.spec.id_column, *self.prompt_columns, *self.passthrough] if c not in pf.schema_arrow.names
-        ]
+        missing = [c for c in [self.spec.id_column, *self.prompt_columns, *self.passthrough] if c not in schema.names]
         if missing:
-            raise InputError(
-                f"{path}: no column {', '.join(map(repr, missing))}; it has {', '.join(pf.schema_arrow.names)}"
-            )
-        return pf
+            raise InputError(f"{path}: no column {', '.join(map(repr, missing))}; it has {', '.join(schema.names)}")
+        self._parquet[path] = metadata
+        self._passthrough_schemas.append(pa.schema([schema.field(c) for c in self.passthrough]))
 
     def identity(self) -> list[dict]:
         """What the input is, for the job fingerprint: cheap to compute, and a copy or a touch leaves it alone."""
@@ -96,13 +101,12 @@ class InputSource:
         kinds: dict[str, set[type]] = {c: set() for c in self.passthrough}
         total = 0
         if self.format == "parquet":
-            for path, pf in self._parquet.items():
-                for rg in range(pf.num_row_groups):
-                    counts.update(self._row_group_ids(path, pf, rg, total))
-                    total += pf.metadata.row_group(rg).num_rows
-            schema = pa.unify_schemas(
-                [pa.schema([pf.schema_arrow.field(c) for c in self.passthrough]) for pf in self._parquet.values()]
-            )
+            for path, metadata in self._parquet.items():
+                with pq.ParquetFile(path) as pf:
+                    for rg in range(metadata.num_row_groups):
+                        counts.update(self._row_group_ids(path, pf, rg, total))
+                        total += metadata.row_group(rg).num_rows
+            schema = self._parquet_passthrough_schema()
         else:
             for path in self.files:
                 try:
@@ -110,7 +114,7 @@ class InputSource:
                         counts[row.id] += 1
                         for c, v in row.passthrough.items():
                             if v is not None:
-                                kinds[c].add(type(v))
+                                kinds[c].add(_kind(v))
                         total += 1
                 except OSError as e:
                     raise InputError(f"cannot read {path}: {e.strerror or e}") from None
@@ -127,8 +131,9 @@ class InputSource:
         index = 0
         for path in self.files:
             if self.format == "parquet":
-                yield from self._parquet_rows(path, self._parquet[path], index)
-                index += self._parquet[path].metadata.num_rows
+                with pq.ParquetFile(path) as pf:
+                    yield from self._parquet_rows(path, pf, index)
+                index += self._parquet[path].num_rows
             else:
                 for row in self._json_rows(path, index):
                     row.passthrough = {
@@ -138,6 +143,14 @@ class InputSource:
                     index += 1
 
     # --- Parquet
+
+    def _parquet_passthrough_schema(self) -> pa.Schema:
+        try:  # int32 in one file and int64 in another is fine; int64 and text is not
+            return pa.unify_schemas(self._passthrough_schemas, promote_options="permissive")
+        except (pa.ArrowException, ValueError) as e:
+            raise InputError(
+                f"input: the files' pass-through columns have types that do not fit together: {e}"
+            ) from None
 
     def _parquet_rows(self, path: str, pf: pq.ParquetFile, index: int) -> Iterator[Row]:
         columns = list(dict.fromkeys([self.spec.id_column, *self.prompt_columns, *self.passthrough]))
@@ -159,27 +172,24 @@ class InputSource:
         ids: list[str] = []
         try:
             for batch in pf.iter_batches(self.spec.batch_rows, row_groups=[rg], columns=[self.spec.id_column]):
-                ids += [
-                    _synthetic_id(path, index + len(ids) + k) if v is None else str(v)
-                    for k, v in enumerate(batch.column(0).to_pylist())
-                ]
+                ids += _ids(path, batch.column(0), self.spec.id_column, index + len(ids), {})
         except (OSError, pa.ArrowException):
             pass
         n = pf.metadata.row_group(rg).num_rows
         return ids + [_synthetic_id(path, index + k) for k in range(len(ids), n)]
 
     def _batch_rows(self, path: str, batch: pa.RecordBatch, index: int) -> Iterator[Row]:
-        ids = batch.column(self.spec.id_column).to_pylist()
         errors: dict[int, str] = {}
+        ids = _ids(path, batch.column(self.spec.id_column), self.spec.id_column, index, errors)
         values = {c: _decode_column(batch.column(c), c, errors) for c in self.prompt_columns}
-        passthrough = {c: batch.column(c).to_pylist() for c in self.passthrough}
-        for i, raw_id in enumerate(ids):
+        passthrough = {c: _decode_column(batch.column(c), c, errors) for c in self.passthrough}
+        for i, row_id in enumerate(ids):
             yield Row(
                 index + i,
-                _synthetic_id(path, index + i) if raw_id is None else str(raw_id),
+                row_id,
                 {c: v[i] for c, v in values.items()},
                 {c: v[i] for c, v in passthrough.items()},
-                error="the id is null" if raw_id is None else errors.get(i),
+                error=errors.get(i),
             )
 
     # --- JSONL and OpenAI Batch
@@ -187,6 +197,8 @@ class InputSource:
     def _json_rows(self, path: str, index: int) -> Iterator[Row]:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
+                if lineno == 1:
+                    raw = raw.removeprefix(codecs.BOM_UTF8)  # written by some Windows tools; not part of the JSON
                 if raw.strip():
                     yield self._json_row(path, lineno, raw, index)
                     index += 1
@@ -204,12 +216,14 @@ class InputSource:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             return Row(index, synthetic, {}, error=f"malformed JSON on line {lineno}: {e.msg} at column {e.colno}")
+        except (RecursionError, ValueError) as e:  # nested too deep, or an integer with too many digits
+            return Row(index, synthetic, {}, error=f"unusable JSON on line {lineno}: {str(e) or type(e).__name__}")
         if not isinstance(obj, dict):
             return Row(index, synthetic, {}, error=f"line {lineno} is JSON {type(obj).__name__}, not an object")
         id_key = "custom_id" if self.format == "openai-batch" else self.spec.id_column
         raw_id = obj.get(id_key)
-        if raw_id is None or isinstance(raw_id, (dict, list)):
-            return Row(index, synthetic, {}, error=f"line {lineno}: {id_key} is missing, null or not a scalar")
+        if raw_id is None or isinstance(raw_id, (dict, list)) or raw_id != raw_id:  # NaN is not equal to itself
+            return Row(index, synthetic, {}, error=f"line {lineno}: {id_key} is missing, null, NaN or not a scalar")
         row = Row(index, str(raw_id), {}, {c: obj.get(c) for c in self.passthrough if c != "url"}, error=error)
         if self.format == "openai-batch":
             row.passthrough["url"] = obj.get("url")
@@ -227,18 +241,43 @@ def _synthetic_id(path: str, n: int, line: bool = False) -> str:
     return f"{path}:{n}" if line else f"{path}#{n}"
 
 
+def _ids(path: str, column: pa.Array, name: str, index: int, errors: dict[int, str]) -> list[str]:
+    """The ids of a batch as text; a null, NaN or undecodable id gets a synthetic one and fails its row."""
+    ids = []
+    for i, value in enumerate(_decode_column(column, name, errors)):
+        if value is None or value != value:  # NaN is not equal to itself
+            errors.setdefault(i, "the id is null or NaN")
+            ids.append(_synthetic_id(path, index + i))
+        else:
+            ids.append(str(value))
+    return ids
+
+
 def _decode_column(column: pa.Array, name: str, errors: dict[int, str]) -> list:
-    # Strings are decoded here, value by value, so one bad value fails its row and not the batch.
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+    # Values are converted one by one only when the whole column cannot be, so one bad value (invalid UTF-8 from a
+    # writer that skipped validation, also inside a list or struct) fails its row and not the batch.
+    try:
         return column.to_pylist()
+    except UnicodeDecodeError:
+        pass
     out = []
-    for i, value in enumerate(column.cast(pa.large_binary()).to_pylist()):
+    for i in range(len(column)):
         try:
-            out.append(None if value is None else value.decode("utf-8"))
+            out.append(column[i].as_py())
         except UnicodeDecodeError:
             out.append(None)
-            errors[i] = f"column {name!r} is not valid UTF-8"
+            errors.setdefault(i, f"column {name!r} is not valid UTF-8")
     return out
+
+
+class _BigInt:
+    """The kind of a JSON integer that int64 cannot hold: its column becomes text, which keeps every digit."""
+
+
+def _kind(value: Any) -> type:
+    if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+        return _BigInt
+    return type(value)
 
 
 def _json_type(kinds: set[type]) -> pa.DataType:

@@ -78,6 +78,15 @@ def test_per_row_sampling_overrides_are_validated(tmp_path):
     assert errors[0][0] == "b" and errors[0][1].startswith("temperature: Input should be greater than or equal")
 
 
+def test_a_seed_torch_cannot_take_fails_its_row_up_front(tmp_path):
+    errors = []
+    seeds = [2**64 - 1, 2**64, -(2**63) - 1]
+    input_rows = [Row(i, f"s{i}", {"text": "x"}, overrides={"seed": seed}) for i, seed in enumerate(seeds)]
+    works = list(planner(tmp_path, errors).works(input_rows))
+    assert [w.params.seed for w in works] == [2**64 - 1]
+    assert [e[0] for e in errors] == ["s1", "s2"] and all(e[1].startswith("seed: Input should be") for e in errors)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     texts=st.lists(st.text(alphabet="ab ", min_size=1, max_size=40).filter(str.strip), max_size=60),

@@ -97,6 +97,9 @@ def test_messages_get_the_system_text_and_truncate_their_longest_message(tmp_pat
         b.build(Row(0, "a", {"chat": ["hi"]}), 8)
     with pytest.raises(RowError, match="messages must be a non-empty list"):
         b.build(Row(0, "a", {"chat": None}), 8)
+    for text in [None, 5, ["x"]]:  # a content part whose text is not text fails its row (issue 12, item 10)
+        with pytest.raises(RowError, match=r"messages\[0\].content: a text part's text must be text"):
+            b.build(Row(0, "a", {"chat": [{"role": "user", "content": [{"type": "text", "text": text}]}]}), 8)
 
 
 def test_openai_completion_prompts_are_used_as_given(tmp_path):

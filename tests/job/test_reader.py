@@ -1,3 +1,8 @@
+import codecs
+import json
+import os
+import resource
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -131,3 +136,102 @@ def test_openai_batch_lines(tmp_path):
     assert rows[1].values == {"prompt": "once upon"} and rows[1].overrides == {}
     assert "method must be POST" in rows[2].error and "url must be" in rows[3].error
     assert "custom_id is missing" in rows[4].error and rows[4].id.endswith("b.jsonl:5")
+
+
+def test_a_utf8_bom_at_the_start_of_a_jsonl_file_is_not_part_of_the_first_row(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", documents(2))
+    path.write_bytes(codecs.BOM_UTF8 + path.read_bytes())
+    source = source_for(path, tmp_path)
+    source.scan()
+    rows = list(source.rows())
+    assert [r.id for r in rows] == ["doc-000", "doc-001"] and all(r.error is None for r in rows)
+
+
+def test_json_integers_beyond_int64_keep_every_digit_as_text(tmp_path):
+    big = 2**63
+    rows = [{**d, "n": n, "m": 1} for d, n in zip(documents(2), [1, big], strict=True)]
+    source = source_for(write_jsonl(tmp_path / "d.jsonl", rows), tmp_path, passthrough=["n", "m"])
+    schema = source.scan().passthrough_schema
+    assert schema.field("n").type == pa.string() and schema.field("m").type == pa.int64()
+    out = [r.passthrough for r in source.rows()]
+    assert out == [{"n": "1", "m": 1}, {"n": str(big), "m": 1}]
+    pa.Table.from_pylist(out, schema=schema)  # the part writer's conversion
+
+
+def test_json_too_deep_or_with_a_huge_integer_fails_its_row_not_the_scan(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        json.dumps({"id": "a", "text": "fine"}),
+        '{"id": "deep", "text": "x", "n": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"id": "huge", "text": "x", "n": ' + "9" * 5000 + "}",
+        '{"id": NaN, "text": "x"}',
+        json.dumps({"id": "b", "text": "fine"}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    source = source_for(path, tmp_path, passthrough=["n"])
+    assert source.scan().total == 5
+    rows = list(source.rows())
+    assert [r.error is None for r in rows] == [True, False, False, False, True]
+    assert rows[1].id.endswith("d.jsonl:2") and rows[1].error.startswith("unusable JSON on line 2")
+    assert rows[2].error.startswith("unusable JSON on line 3") and "digits" in rows[2].error
+    assert rows[3].error == "line 4: id is missing, null, NaN or not a scalar"
+
+
+def test_invalid_utf8_in_a_parquet_id_or_passthrough_column_fails_only_its_row(tmp_path):
+    def bad(*values):
+        return pa.array(values, pa.binary()).view(pa.string())  # a writer that skipped validation
+
+    path = tmp_path / "d.parquet"
+    bad_tags = pa.ListArray.from_arrays([0, 1, 2, 2, 3], bad(b"ok", b"\xff", b"ok"))
+    table = pa.table(
+        {
+            "id": bad(b"a", b"\xc3(", b"c", b"d"),
+            "text": ["t"] * 4,
+            "title": bad(b"fine", b"fine", b"fine", b"\xfe"),
+            "tags": bad_tags,
+            "n": [1.0, 2.0, float("nan"), 4.0],
+        }
+    )
+    pq.write_table(table, path, row_group_size=2)
+    source = source_for(path, tmp_path, passthrough=["title", "tags"], batch_rows=3)
+    assert source.scan().total == 4
+    rows = list(source.rows())
+    assert rows[0].id == "a" and rows[0].error is None and rows[0].passthrough == {"title": "fine", "tags": ["ok"]}
+    assert rows[1].id.endswith("d.parquet#1") and rows[1].error == "column 'id' is not valid UTF-8"
+    assert rows[2].error is None and rows[2].passthrough["tags"] == []
+    assert rows[1].passthrough["tags"] is None
+    assert rows[3].id == "d" and rows[3].error == "column 'title' is not valid UTF-8"
+
+
+def test_nan_and_null_parquet_ids_fail_their_rows_under_distinct_ids(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": [1.0, float("nan"), None, float("nan")], "text": ["t"] * 4}), path)
+    source = source_for(path, tmp_path)
+    assert source.scan().total == 4  # not refused as duplicates
+    rows = list(source.rows())
+    assert rows[0].id == "1.0" and rows[0].error is None
+    assert [r.error for r in rows[1:]] == ["the id is null or NaN"] * 3 and len({r.id for r in rows}) == 4
+
+
+def test_a_glob_of_more_parquet_files_than_the_open_file_limit_is_read(tmp_path):
+    for i in range(40):
+        write_parquet(tmp_path / f"p{i:02d}.parquet", documents(1, start=i))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        source = source_for(tmp_path / "*.parquet", tmp_path)
+        assert source.scan().total == 40
+        assert [r.id for r in source.rows()] == [f"doc-{i:03d}" for i in range(40)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_parquet_passthrough_types_are_widened_across_files_or_refused(tmp_path):
+    pq.write_table(pa.table({"id": ["a"], "text": ["t"], "n": pa.array([1], pa.int32())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": ["b"], "text": ["t"], "n": pa.array([2], pa.int64())}), tmp_path / "b.parquet")
+    source = source_for(tmp_path / "*.parquet", tmp_path, passthrough=["n"])
+    assert source.scan().passthrough_schema.field("n").type == pa.int64()
+    pq.write_table(pa.table({"id": ["c"], "text": ["t"], "n": ["three"]}), tmp_path / "c.parquet")
+    source = source_for(tmp_path / "*.parquet", tmp_path, passthrough=["n"])
+    with pytest.raises(InputError, match="pass-through columns have types that do not fit together"):
+        source.scan()
