@@ -62,7 +62,7 @@ def _fail(message: str, code: int):
     type=float,
     default=10.0,
     show_default=True,
-    help="On SIGINT/SIGTERM, seconds that requests in flight get to finish before they are dropped.",
+    help="On SIGINT/SIGTERM/SIGHUP, seconds that requests in flight get to finish before they are dropped.",
 )
 def run(
     job_file: str,
@@ -76,7 +76,8 @@ def run(
     """Run JOB_FILE: read its input, generate, and commit results to its output folder; resumes by itself.
 
     Exit codes: 0 all rows done; 2 usage, job-file or input error; 3 finished but some rows failed (with
-    fail_on_row_errors); 75 another run holds the output folder; 130/143 interrupted, resumable."""
+    fail_on_row_errors); 75 another run holds the output folder; 129/130/143 interrupted (SIGHUP/SIGINT/SIGTERM),
+    resumable."""
     job = _load(job_file, overrides + ((f"executor={executor}",) if executor else ()))
     progress = (
         RichProgress()

@@ -39,6 +39,7 @@ class FakeEngine:
         max_model_len: int = 512,
         signal_at: tuple[int, ...] = (),
         steps_per_output: int = 1,
+        signum: int = signal.SIGTERM,
     ):
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
         self.max_model_len = max_model_len
@@ -48,7 +49,8 @@ class FakeEngine:
         self.model_revision = None
         self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
         self.token_budget, self.auto_budget = 64, None
-        self.signal_at = signal_at  # send SIGTERM to this process after these numbers of outputs, as a scheduler would
+        # send `signum` to this process after these numbers of outputs, as a scheduler (or a closed terminal) would
+        self.signal_at, self.signum = signal_at, signum
         self.steps_per_output = steps_per_output
         self.callbacks = []
         self.prompts_seen: list[list[int]] = []
@@ -105,7 +107,7 @@ class FakeEngine:
             yield self._answer(request, metrics)
             emitted += 1
             if emitted in self.signal_at:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), self.signum)
 
     def _answer(self, request, metrics: RequestMetrics) -> RequestOutput:
         prompt = self.tokenizer.decode(request.prompt_token_ids)

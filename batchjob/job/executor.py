@@ -16,7 +16,7 @@ from batchjob.job.progress import Progress
 from batchjob.job.reader import Row, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import Committed
-from batchjob.job.stopper import Stopper
+from batchjob.job.stopper import Interrupted, Stopper
 from batchjob.job.timeline import Timeline
 from batchjob.job.writer import PartWriter, failed_row, result_rows
 
@@ -73,7 +73,11 @@ class LocalExecutor:
 
     def execute(self, pending: Pending) -> None:
         self.pending = pending
-        self.engine = self.engine_factory(pending.job)
+        try:
+            with pending.stopper.interruptible(signals=2):  # a second Ctrl-C does not wait for the load
+                self.engine = self.engine_factory(pending.job)
+        except Interrupted:
+            return
         planner = job_planner(pending.job, self.engine, pending.row_failed)
         pending.model_known(self.engine.model_digest, self.engine.model_revision)
         if pending.stopper.stopping:  # stopped during the model load: nothing started, nothing to commit

@@ -6,4 +6,5 @@ EXIT_OK = 0
 EXIT_USAGE = 2  # usage, job-file or input error
 EXIT_ROW_ERRORS = 3  # finished, but some rows failed (with fail_on_row_errors)
 EXIT_LOCKED = 75  # another run holds the output folder (EX_TEMPFAIL: try again later)
-EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # interrupted (128 + the signal), resumable
+# Interrupted (128 + the signal), resumable. SIGHUP (the terminal or ssh session went away) stops a run like SIGTERM.
+EXIT_SIGNAL = {signal.SIGHUP: 129, signal.SIGINT: 130, signal.SIGTERM: 143}

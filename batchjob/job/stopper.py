@@ -1,4 +1,4 @@
-"""SIGINT/SIGTERM during a run: stop admitting work, give requests in flight a grace, then drop them."""
+"""SIGINT/SIGTERM/SIGHUP during a run: stop admitting work, give requests in flight a grace, then drop them."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ class Interrupted(Exception):
 
 
 class Stopper:
-    """SIGINT/SIGTERM: stop admitting work; requests in flight get `grace` seconds to finish, and the end of the grace
-    or a second signal drops the rest (uncommitted, so they run again on resume)."""
+    """SIGINT/SIGTERM/SIGHUP: stop admitting work; requests in flight get `grace` seconds to finish, and the end of
+    the grace or a second signal drops the rest (uncommitted, so they run again on resume)."""
 
     def __init__(self, grace: float):
         self.grace = grace
         self.signum: int | None = None
         self.count = 0
         self.since = 0.0
-        self.interrupt = False
+        self.interrupt_at = 0  # within interruptible(): the signal count that raises Interrupted; 0 outside
 
     def __enter__(self) -> Stopper:
         self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
@@ -37,7 +37,7 @@ class Stopper:
         if self.signum is None:
             self.signum, self.since = signum, time.monotonic()
         self.count += 1
-        if self.interrupt:
+        if self.interrupt_at and self.count >= self.interrupt_at:
             raise Interrupted(signum)
 
     @property
@@ -45,15 +45,16 @@ class Stopper:
         return self.signum is not None
 
     @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        """Within it a signal also raises Interrupted, to leave a blocking wait that cannot look at the flag."""
-        if self.signum is not None:
+    def interruptible(self, signals: int = 1) -> Iterator[None]:
+        """Within it the `signals`-th signal also raises Interrupted, to leave a blocking wait that cannot look at
+        the flag (a model load waits for one more signal: the first lets it finish, a second ends it at once)."""
+        if self.count >= signals:
             raise Interrupted(self.signum)
-        self.interrupt = True
+        self.interrupt_at = signals
         try:
             yield
         finally:
-            self.interrupt = False
+            self.interrupt_at = 0
 
     @property
     def drop_in_flight(self) -> bool:

@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import threading
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -88,6 +90,32 @@ def test_a_signal_during_the_model_load_stops_before_any_work(tmp_path, docs, pr
         return fake_factory()(job)
 
     assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=interrupted_load) == 130
+    assert results(tmp_path / "out") == {} and progress.messages[-1].startswith("interrupted: 0 of 23")
+
+
+def test_sighup_stops_a_run_like_sigterm_and_it_resumes(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out", output={"checkpoint_rows": 4})
+    assert run_job(job, progress, engine_factory=fake_factory(signal_at=(5,), signum=signal.SIGHUP)) == 129
+    assert 5 <= len(results(tmp_path / "out")) < 23 and progress.messages[-1].startswith("interrupted:")
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    assert len(results(tmp_path / "out")) == 23
+
+
+def test_a_second_signal_during_the_model_load_stops_it_at_once(tmp_path, docs, progress):
+    loaded = []
+
+    def slow_load(job):
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        time.sleep(0.5)  # the first signal does not end the load
+        loaded.append("survived the first signal")
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        time.sleep(30)  # the second one ends it at once
+        loaded.append("finished")
+        return fake_factory()(job)
+
+    started = time.monotonic()
+    assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=slow_load) == 130
+    assert time.monotonic() - started < 10 and loaded == ["survived the first signal"]
     assert results(tmp_path / "out") == {} and progress.messages[-1].startswith("interrupted: 0 of 23")
 
 
