@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
 from batchjob.job.estimate import plan_job
 from batchjob.job.exit_codes import EXIT_LOCKED, EXIT_USAGE
+from batchjob.job.lease import LeaseLost
 from batchjob.job.lock import LockHeld, describe
 from batchjob.job.progress import LogProgress, RichProgress
 from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.state import OutputDir, StateError
+from batchjob.job.storage import is_url
 from batchjob.model.builtin import DEFAULT_MODEL
 
 _set_option = click.option(
@@ -86,7 +89,7 @@ def run(
     )
     try:
         code = run_job(job, progress, restart=restart, grace=grace)
-    except LockHeld as e:
+    except (LockHeld, LeaseLost) as e:
         _fail(str(e), EXIT_LOCKED)
     except (InputError, StateError, JobFileError) as e:
         _fail(str(e), EXIT_USAGE)
@@ -146,10 +149,13 @@ def _mib(n: int) -> str:
 
 
 @click.command()
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("folder")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(folder: str, as_json: bool) -> None:
-    """Show the progress of the job writing to FOLDER (its output.path), running or stopped."""
+    """Show the progress of the job writing to FOLDER (its output.path, a local folder or a URL such as
+    s3://bucket/run, with credentials from the environment), running or stopped."""
+    if not is_url(folder) and not Path(folder).is_dir():
+        _fail(f"{folder} is not a folder", EXIT_USAGE)
     try:
         s = OutputDir(folder).status()
     except StateError as e:

@@ -13,13 +13,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.job.openai_batch import RequestLineError, parse_request
 from batchjob.job.spec import InputSpec, JobSpec
+from batchjob.job.storage import is_url, url_to_fs
 
 MAX_LISTED_DUPLICATES = 5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -49,7 +50,11 @@ class InputSource:
     def __init__(self, job: JobSpec):
         spec: InputSpec = job.input
         self.spec, self.format = spec, spec.format
-        self.files = sorted(glob.glob(spec.path)) if glob.has_magic(spec.path) else [spec.path]
+        # A URL is read through fsspec (credentials and endpoint from the environment or input.storage_options);
+        # a local path as it always was, so its synthetic ids and fingerprint stay the same.
+        self.fs, root = url_to_fs(spec.path, spec.storage_options) if is_url(spec.path) else (None, spec.path)
+        lister = self.fs.glob if self.fs else glob.glob
+        self.files = sorted(lister(root)) if glob.has_magic(root) else [root]
         if not self.files:
             raise InputError(f"input.path: no file matches {spec.path!r}")
         if self.format == "openai-batch":
@@ -61,7 +66,7 @@ class InputSource:
             )
             self.passthrough = list(spec.passthrough)
         for path in self.files:
-            if not Path(path).is_file():
+            if not (self.fs.isfile(path) if self.fs else Path(path).is_file()):
                 raise InputError(f"input.path: {path} is not a readable file")
         # Metadata only: a file is opened when it is read, so a glob may name more files than the open-file limit.
         self._parquet: dict[str, pq.FileMetaData] = {}
@@ -72,7 +77,7 @@ class InputSource:
 
     def _check_parquet(self, path: str) -> None:
         try:
-            with pq.ParquetFile(path) as pf:
+            with pq.ParquetFile(path, filesystem=self.fs) as pf:
                 metadata, schema = pf.metadata, pf.schema_arrow
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"cannot read {path} as Parquet: {e}") from None
@@ -86,14 +91,18 @@ class InputSource:
         """What the input is, for the job fingerprint: cheap to compute, and a copy or a touch leaves it alone."""
         out = []
         for path in self.files:
-            size = Path(path).stat().st_size
+            size = self.fs.size(path) if self.fs else Path(path).stat().st_size
             digest = hashlib.sha256()
-            with open(path, "rb") as f:
+            with self._open(path) as f:
                 digest.update(f.read(1 << 16))
                 f.seek(max(0, size - (1 << 16)))
                 digest.update(f.read())
-            out.append({"path": str(Path(path).resolve()), "size": size, "sha256_head_tail": digest.hexdigest()})
+            name = self.fs.unstrip_protocol(path) if self.fs else str(Path(path).resolve())
+            out.append({"path": name, "size": size, "sha256_head_tail": digest.hexdigest()})
         return out
+
+    def _open(self, path: str) -> BinaryIO:
+        return self.fs.open(path, "rb") if self.fs else open(path, "rb")
 
     def scan(self) -> Scan:
         """One cheap pass before any work: count rows, refuse duplicate ids, type the JSON pass-through columns."""
@@ -102,7 +111,7 @@ class InputSource:
         total = 0
         if self.format == "parquet":
             for path, metadata in self._parquet.items():
-                with pq.ParquetFile(path) as pf:
+                with pq.ParquetFile(path, filesystem=self.fs) as pf:
                     for rg in range(metadata.num_row_groups):
                         counts.update(self._row_group_ids(path, pf, rg, total))
                         total += metadata.row_group(rg).num_rows
@@ -131,7 +140,7 @@ class InputSource:
         index = 0
         for path in self.files:
             if self.format == "parquet":
-                with pq.ParquetFile(path) as pf:
+                with pq.ParquetFile(path, filesystem=self.fs) as pf:
                     yield from self._parquet_rows(path, pf, index)
                 index += self._parquet[path].num_rows
             else:
@@ -195,7 +204,7 @@ class InputSource:
     # --- JSONL and OpenAI Batch
 
     def _json_rows(self, path: str, index: int) -> Iterator[Row]:
-        with open(path, "rb") as f:
+        with self._open(path) as f:
             for lineno, raw in enumerate(f, start=1):
                 if lineno == 1:
                     raw = raw.removeprefix(codecs.BOM_UTF8)  # written by some Windows tools; not part of the JSON

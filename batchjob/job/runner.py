@@ -18,6 +18,7 @@ from batchjob.job.reader import InputSource, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import METRICS, OPENAI_OUTPUT, STAGED, TIMELINE, Committed, OutputDir, now_iso
 from batchjob.job.stopper import Stopper
+from batchjob.job.storage import display
 from batchjob.job.writer import PartWriter, sort_parts, write_atomic, write_openai_output
 
 MODEL_KEYS = ("model_digest", "model_revision")  # the fingerprint's parts known only once the model is loaded
@@ -59,7 +60,7 @@ def run_job(
     engine_factory: Callable[[JobSpec], object] = load_engine,
 ) -> int:
     """The exit code of a run that got going; LockHeld, InputError, StateError and JobFileError when it cannot."""
-    out = OutputDir(job.output.path)
+    out = OutputDir(job.output.path, job.output.storage_options, job.output.lease_seconds)
     if job.executor == "ray":
         from batchjob.job.ray_executor import RayExecutor  # Ray is an optional extra, imported only when asked for
 
@@ -111,6 +112,8 @@ class JobRun:
             checkpoint_rows=job.output.checkpoint_rows,
             checkpoint_seconds=job.output.checkpoint_seconds,
             next_part=out.next_part_number(),
+            run_tag=out.run_tag,
+            before_commit=out.check_held,
         )
 
         def model_known(digest: str, revision: str | None) -> None:
@@ -183,7 +186,7 @@ class JobRun:
 
     def _write_metrics(self, committed: Committed, total: int, code: int) -> int:
         """metrics.prom at the end of a run that got to generate; returns `code`."""
-        t, labels = self.executor.timeline, {"model_name": self.job.model, "output": str(self.out.path.resolve())}
+        t, labels = self.executor.timeline, {"model_name": self.job.model, "output": display(self.out.path)}
         write_metrics(
             self.out.path / METRICS,
             labels,

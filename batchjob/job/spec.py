@@ -31,7 +31,13 @@ class _Section(BaseModel):
 
 
 class InputSpec(_Section):
-    path: str = Field(description="a file or a glob; relative paths are taken from the current directory")
+    path: str = Field(
+        description="a file or a glob, local or an fsspec URL (s3://, gs://, hf://); relative paths are taken from "
+        "the current directory"
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for a URL (endpoint, profile, ...); default: the environment"
+    )
     format: Literal["parquet", "jsonl", "openai-batch"] | None = Field(
         None, description="default: from the extension (.parquet/.pq, .jsonl/.ndjson)"
     )
@@ -84,7 +90,11 @@ class ScheduleSpec(_Section):
 
 
 class OutputSpec(_Section):
-    path: str
+    path: str = Field(description="a folder, local or an fsspec URL (s3://bucket/prefix, gs://...)")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for a URL")
+    lease_seconds: float = Field(
+        60.0, gt=0, description="on an object store: how long a killed run's lock lasts (a live run renews it)"
+    )
     format: Literal["parquet", "openai-batch"] = "parquet"
     order: Literal["completion", "input"] = "completion"
     checkpoint_rows: int = Field(1000, ge=1)

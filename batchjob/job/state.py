@@ -1,7 +1,7 @@
 """The output folder and what state it is in, read from the files themselves.
 
 OUT/_job.json       the job's fingerprint and its row count, written before the first part
-OUT/_lock           who runs on this folder now (see lock.py)
+OUT/_lock           who runs on this folder now (lock.py; on an object store, a lease: lease.py)
 OUT/data/*.parquet  the results: committed parts, which are also the only record of progress
 OUT/_sorted/        `order: input` results being staged; `_COMPLETE` in it means ready to replace the parts
 OUT/output.jsonl    OpenAI Batch output lines, when output.format is openai-batch
@@ -12,16 +12,16 @@ OUT/_summary.json, OUT/_SUCCESS   written last, only when every row is done"""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from batchjob.job.lease import LeaseLock, lease_expired
 from batchjob.job.lock import OutputLock, holder_alive, read_holder
+from batchjob.job.storage import Location, display, is_remote, location, mtime, read_parquet, refresh, remove_tree
 from batchjob.job.writer import fsync_dir, write_atomic, write_json
 
 JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_lock"
@@ -44,13 +44,28 @@ class Committed:
 
 
 class OutputDir:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, storage_options: dict | None = None, lease_seconds: float = 60.0):
+        self.path: Location = location(str(path), storage_options)
         self.data, self.staging = self.path / DATA, self.path / STAGING
+        self.lease_seconds = lease_seconds
+        self.held: LeaseLock | None = None
 
-    def lock(self) -> OutputLock:
+    def lock(self) -> OutputLock | LeaseLock:
+        if is_remote(self.path):
+            self.held = LeaseLock(self.path / LOCK, self.lease_seconds)
+            return self.held
         self.path.mkdir(parents=True, exist_ok=True)
         return OutputLock(self.path / LOCK)
+
+    @property
+    def run_tag(self) -> str:
+        """Part-name tag of this run: its lease token on an object store, nothing locally (flock has no zombies)."""
+        return self.held.token if self.held else ""
+
+    def check_held(self) -> None:
+        """Before each commit: on an object store, that this run still holds its lease."""
+        if self.held:
+            self.held.check()
 
     def recover(self) -> None:
         """Bring a folder left by a killed run to a clean state; call holding the lock."""
@@ -61,10 +76,11 @@ class OutputDir:
         if (self.staging / STAGED).exists():
             self.publish_sorted()
         elif self.staging.exists():
-            shutil.rmtree(self.staging)
+            remove_tree(self.staging)
 
-    def parts(self) -> list[Path]:
-        return sorted(self.data.glob("*.parquet"))
+    def parts(self) -> list[Location]:
+        refresh(self.data)
+        return sorted(self.data.glob("*.parquet"), key=lambda p: p.name)
 
     def next_part_number(self) -> int:
         numbers = [int(p.stem.split("-")[1]) for p in self.data.glob("part-*.parquet")]
@@ -74,7 +90,7 @@ class OutputDir:
         done = Committed()
         for part in self.parts():
             try:
-                table = pq.read_table(part, columns=["id", "error", "prompt_tokens", "output_tokens", "cached_tokens"])
+                table = read_parquet(part, columns=["id", "error", "prompt_tokens", "output_tokens", "cached_tokens"])
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
                 raise StateError(f"cannot read the committed part {part}: {e}") from None
             if with_ids:
@@ -125,18 +141,20 @@ class OutputDir:
             (self.path / name).unlink(missing_ok=True)
         for folder in (self.staging, self.data):
             if folder.exists():
-                shutil.rmtree(folder)
+                remove_tree(folder)
         self.data.mkdir()
-        fsync_dir(self.path)
+        if not is_remote(self.path):
+            fsync_dir(self.path)
 
     def publish_sorted(self) -> None:
         """Replace the parts by the staged input-ordered files; resumable at any step after _COMPLETE exists."""
         for part in self.data.glob("part-*.parquet"):
             part.unlink()
-        for staged in sorted(self.staging.glob("sorted-*.parquet")):
-            staged.rename(self.data / staged.name)
-        fsync_dir(self.data)
-        shutil.rmtree(self.staging)
+        for staged in sorted(self.staging.glob("sorted-*.parquet"), key=lambda p: p.name):
+            staged.rename(self.data / staged.name)  # on an object store a copy, then a delete: redone if cut short
+        if not is_remote(self.data):
+            fsync_dir(self.data)
+        remove_tree(self.staging)
 
     def write_success(self, summary: dict) -> None:
         write_json(self.path / SUMMARY, summary)
@@ -145,7 +163,7 @@ class OutputDir:
     def success_time(self) -> float | None:
         """Unix time of the job's last success (when _SUCCESS was written); None if it has not succeeded."""
         try:
-            return (self.path / SUCCESS).stat().st_mtime
+            return mtime(self.path / SUCCESS)
         except FileNotFoundError:
             return None
 
@@ -159,7 +177,10 @@ class OutputDir:
         """Progress of a running or stopped job, from the folder alone."""
         meta = self.read_job()
         holder = read_holder(self.path / LOCK)
-        alive = holder_alive(holder) if holder else False
+        if holder and is_remote(self.path):
+            alive = not lease_expired(holder)
+        else:
+            alive = holder_alive(holder) if holder else False
         if self.succeeded:
             state = "done"
         elif holder and alive is not False:
@@ -171,7 +192,7 @@ class OutputDir:
         committed = self.committed(with_ids=False) if self.data.exists() else Committed()
         parts = self.parts() if self.data.exists() else []
         return {
-            "folder": str(self.path),
+            "folder": display(self.path),
             "state": state,
             "holder": holder if state.startswith("running") else None,
             "rows_total": meta.get("rows_total") if meta else None,
@@ -180,7 +201,7 @@ class OutputDir:
             "prompt_tokens": committed.prompt_tokens,
             "output_tokens": committed.output_tokens,
             "parts": len(parts),
-            "last_commit_s_ago": round(time.time() - max(p.stat().st_mtime for p in parts)) if parts else None,
+            "last_commit_s_ago": round(time.time() - max(mtime(p) for p in parts)) if parts else None,
             "summary": self.read_summary() if self.succeeded else None,
         }
 

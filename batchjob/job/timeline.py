@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchjob.engine.outputs import StepMetrics
+from batchjob.job.storage import read_parquet
 from batchjob.job.writer import write_table
 
 MAX_ROWS = 2048
@@ -124,6 +124,6 @@ def read_timeline(path: Path) -> pa.Table:
     """The timeline in `path`; empty when there is none, or when it is not one (a foreign or damaged file is
     replaced: the timeline is a report, not a record the job depends on)."""
     try:
-        return pq.read_table(path, schema=SCHEMA)
+        return read_parquet(path, schema=SCHEMA)
     except (OSError, pa.ArrowException):
         return SCHEMA.empty_table()

@@ -1,7 +1,8 @@
 """Result rows into Parquet part files that are each whole or absent, and the final files made from them.
 
-A part is written under a hidden temporary name, fsynced, renamed into place and its folder fsynced, so after a
-crash at any instant the folder holds only complete parts; the parts are the only record of which rows are done."""
+Locally a part is written under a hidden temporary name, fsynced, renamed into place and its folder fsynced; on an
+object store it is one PUT under its final name (storage.py); either way, after a crash at any instant the folder
+holds only complete parts, and the parts are the only record of which rows are done."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob.job.openai_batch import format_response
+from batchjob.job.storage import Location, is_remote, parquet_file, put_whole, read_parquet
 
 RESULT_SCHEMA = pa.schema(
     [
@@ -70,7 +72,10 @@ def result_schema(passthrough: pa.Schema) -> pa.Schema:
     return pa.schema([*RESULT_SCHEMA, *passthrough])
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+def write_atomic(path: Location, write: Callable[[BinaryIO], Any]) -> None:
+    if is_remote(path):
+        put_whole(path, write)
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         write(f)
@@ -88,11 +93,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Location, obj: Any) -> None:
     write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2).encode() + b"\n"))
 
 
-def write_table(path: Path, table: pa.Table) -> None:
+def write_table(path: Location, table: pa.Table) -> None:
     write_atomic(path, lambda f: pq.write_table(table, f, compression="zstd"))
 
 
@@ -100,9 +105,21 @@ class PartWriter:
     """Buffers result rows and commits them as a part every `checkpoint_rows` rows or `checkpoint_seconds`."""
 
     def __init__(
-        self, folder: Path, passthrough: pa.Schema, *, checkpoint_rows: int, checkpoint_seconds: float, next_part: int
+        self,
+        folder: Location,
+        passthrough: pa.Schema,
+        *,
+        checkpoint_rows: int,
+        checkpoint_seconds: float,
+        next_part: int,
+        run_tag: str = "",
+        before_commit: Callable[[], None] = lambda: None,
     ):
+        self.before_commit = before_commit
         self.folder, self.schema = folder, result_schema(passthrough)
+        # On an object store a run's parts carry its tag: a run that lost its lease but still writes cannot
+        # overwrite a part of the run that took over (there is no rename to lose a race cleanly).
+        self.suffix = f"-{run_tag}" if run_tag else ""
         self.checkpoint_rows, self.checkpoint_seconds = checkpoint_rows, checkpoint_seconds
         self.next_part = next_part
         self.buffer: list[dict] = []
@@ -121,14 +138,15 @@ class PartWriter:
 
     def flush(self) -> None:
         if self.buffer:
+            self.before_commit()
             table = pa.Table.from_pylist(self.buffer, schema=self.schema)
-            write_table(self.folder / f"part-{self.next_part:06d}.parquet", table)
+            write_table(self.folder / f"part-{self.next_part:06d}{self.suffix}.parquet", table)
             self.next_part += 1
             self.buffer = []
         self.last_commit = time.monotonic()
 
 
-def sort_parts(parts: list[Path], staging: Path, rows_per_file: int) -> None:
+def sort_parts(parts: list[Location], staging: Location, rows_per_file: int) -> None:
     """Write the rows of `parts` in input order as files of `rows_per_file` consecutive input rows.
 
     Each output file covers one range of row_index and reads only the parts whose row_index statistics overlap it;
@@ -143,33 +161,33 @@ def sort_parts(parts: list[Path], staging: Path, rows_per_file: int) -> None:
             write_table(staging / f"sorted-{number:06d}.parquet", pa.concat_tables(pieces).sort_by("row_index"))
 
 
-def _index_range(part: Path) -> tuple[int, int]:
-    meta = pq.ParquetFile(part).metadata
+def _index_range(part: Location) -> tuple[int, int]:
+    meta = parquet_file(part).metadata
     column = meta.schema.to_arrow_schema().get_field_index("row_index")
     lo, hi = None, None
     for rg in range(meta.num_row_groups):
         stats = meta.row_group(rg).column(column).statistics
         if stats is None or not stats.has_min_max:
-            indexes = pq.read_table(part, columns=["row_index"]).column(0)
+            indexes = read_parquet(part, columns=["row_index"]).column(0)
             return pc.min(indexes).as_py(), pc.max(indexes).as_py()
         lo = stats.min if lo is None else min(lo, stats.min)
         hi = stats.max if hi is None else max(hi, stats.max)
     return (lo, hi) if lo is not None else (0, -1)
 
 
-def _rows_between(part: Path, start: int, stop: int) -> pa.Table:
-    table = pq.read_table(part)
+def _rows_between(part: Location, start: int, stop: int) -> pa.Table:
+    table = read_parquet(part)
     index = table.column("row_index")
     return table.filter(pc.and_(pc.greater_equal(index, start), pc.less(index, stop)))
 
 
-def iter_rows(files: list[Path]) -> Iterator[dict]:
+def iter_rows(files: list[Location]) -> Iterator[dict]:
     for path in files:
-        for batch in pq.ParquetFile(path).iter_batches(1024):
+        for batch in parquet_file(path).iter_batches(1024):
             yield from batch.to_pylist()
 
 
-def write_openai_output(files: list[Path], path: Path, model: str) -> None:
+def write_openai_output(files: list[Location], path: Location, model: str) -> None:
     def write(f: BinaryIO) -> None:
         for row in iter_rows(files):
             f.write(json.dumps(format_response(row, model), ensure_ascii=False).encode() + b"\n")

@@ -1,0 +1,143 @@
+"""Input from and output to S3, against a real S3 API: moto's server on 127.0.0.1 (started here, on a free port),
+reached through s3fs with the endpoint and credentials from the standard AWS environment variables. The runs are
+the CLI on the real model, as subprocesses: kill -9 twice mid-run and a resume give every id exactly once, and a
+second run is refused while the first holds the lease."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from batchjob.job.lock import LockHeld
+from batchjob.job.runner import run_job
+from batchjob.job.state import OutputDir
+from tests.helpers import REPO, documents, fake_factory, make_job, short_documents, write_jsonl, write_parquet
+
+s3fs = pytest.importorskip("s3fs", reason="the S3 tests need the test extra (s3fs, moto[server])")
+moto_server = pytest.importorskip("moto.server", reason="the S3 tests need the test extra (moto[server])")
+
+BUCKET = "batchjob-test"
+ROWS = 12
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()  # an earlier instance would keep an earlier endpoint
+    fs = s3fs.S3FileSystem()
+    fs.mkdir(BUCKET)
+    yield fs
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+
+
+def results(fs, url: str) -> list[dict]:
+    fs.invalidate_cache()
+    parts = fs.glob(f"{url.removeprefix('s3://')}/data/*.parquet")
+    return [r for p in parts for r in pq.read_table(p, filesystem=fs).to_pylist()]
+
+
+def test_parquet_and_jsonl_inputs_on_s3_to_outputs_on_s3(s3, tmp_path, progress):
+    rows = documents(20)
+    s3.put(str(write_parquet(tmp_path / "in.parquet", rows, row_group_size=7)), f"{BUCKET}/in/docs.parquet")
+    for k in range(2):
+        s3.put(str(write_jsonl(tmp_path / f"{k}.jsonl", rows[k * 10 : k * 10 + 10])), f"{BUCKET}/in/part-{k}.jsonl")
+    for name, src in [("pq", f"s3://{BUCKET}/in/docs.parquet"), ("jsonl", f"s3://{BUCKET}/in/part-*.jsonl")]:
+        url = f"s3://{BUCKET}/out-{name}"
+        job = make_job(src, url, output={"checkpoint_rows": 3}, input={"passthrough": ["title"]})
+        assert run_job(job, progress, engine_factory=fake_factory()) == 0
+        got = results(s3, url)
+        assert sorted(r["id"] for r in got) == sorted(r["id"] for r in rows)
+        assert all(r["error"] is None and r["title"] for r in got)
+        for name_ in ("_SUCCESS", "_summary.json", "_job.json"):
+            assert s3.exists(f"{url.removeprefix('s3://')}/{name_}")
+        assert not s3.exists(f"{url.removeprefix('s3://')}/_lock")  # released at the end
+        status = OutputDir(url).status()
+        assert status["state"] == "done" and status["rows_done"] == 20 and status["folder"] == url
+        meta = json.loads(s3.cat_file(f"{url.removeprefix('s3://')}/_job.json"))
+        assert all(f["path"].startswith(f"s3://{BUCKET}/in/") for f in meta["fingerprint"]["input"]["files"])
+        # Done, same job: nothing to do; the lease is taken and given back.
+        assert run_job(job, progress, engine_factory=fake_factory()) == 0
+        assert "already complete" in progress.messages[-1]
+
+
+def test_a_run_is_refused_while_another_holds_the_lease_and_takes_over_an_expired_one(s3, tmp_path, progress):
+    url = f"s3://{BUCKET}/leased"
+    data = write_parquet(tmp_path / "in.parquet", documents(5))
+    job = make_job(data, url, output={"lease_seconds": 1.0})
+    holder = OutputDir(url, lease_seconds=1.0)
+    with holder.lock():
+        time.sleep(1.5)  # past one lease length: the holder's renewals keep it
+        with pytest.raises(LockHeld, match="in use by another run"):
+            run_job(job, progress, engine_factory=fake_factory())
+        assert holder.status()["state"] == "running"
+    # A lease left by a dead run (never renewed) is taken over once it has expired.
+    lease = {"pid": 1, "host": "elsewhere", "started": "2026-01-01T00:00:00+00:00", "token": "dead", "expires": 0}
+    s3.pipe_file(f"{BUCKET}/leased/_lock", json.dumps(lease).encode())
+    assert not OutputDir(url).status()["state"].startswith("running")
+    assert run_job(job, progress, engine_factory=fake_factory()) == 0
+    assert any("took over the lock" in m for m in progress.messages)
+
+
+@pytest.mark.slow
+def test_kill_9_twice_mid_run_then_resume_gives_every_id_exactly_once(s3, tmp_path):
+    data = short_documents(tmp_path, ROWS, 30)
+    url = f"s3://{BUCKET}/killed"
+    job = {
+        "input": {"path": str(data)},
+        "sampling": {"temperature": 0.0, "max_tokens": 12},
+        "engine": {"max_num_seqs": 4, "kv_cache_memory_gb": 0.1, "max_model_len": 512},
+        "output": {"path": url, "checkpoint_rows": 2, "checkpoint_seconds": 1, "lease_seconds": 2},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(tmp_path / "job.yaml"), "--log-interval", "0.2"]
+    killed_mid_run = 0
+    for attempt in range(2):
+        before = len(results(s3, url))
+        with open(tmp_path / f"kill{attempt}.log", "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while len(results(s3, url)) == before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        killed_mid_run += len(results(s3, url)) < ROWS
+        time.sleep(2.5)  # the dead run's lease expires
+    assert killed_mid_run, "no kill landed in the middle of the run"
+    final = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stdout + final.stderr
+    ids = [r["id"] for r in results(s3, url)]
+    assert len(ids) == len(set(ids)) == ROWS, "an id is missing or written twice"
+    assert all(r["error"] is None and r["output_tokens"] > 0 for r in results(s3, url))
+    status = subprocess.run(
+        [sys.executable, "-m", "batchjob.cli", "status", url], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0 and ": done" in status.stdout and f"{ROWS} of {ROWS} done" in status.stdout
+    assert Path(tmp_path / "kill0.log").exists()
