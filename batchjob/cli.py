@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
 from batchjob.job.estimate import plan_job
-from batchjob.job.exit_codes import EXIT_LOCKED, EXIT_USAGE
+from batchjob.job.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_LOCKED, EXIT_USAGE
 from batchjob.job.lease import LeaseLost
 from batchjob.job.lock import LockHeld, describe
 from batchjob.job.progress import LogProgress, RichProgress
@@ -19,6 +23,7 @@ from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.state import OutputDir, StateError
 from batchjob.job.storage import is_url
 from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.model.loader import ModelNotFoundError
 
 _set_option = click.option(
     "--set",
@@ -39,6 +44,24 @@ def _load(job_file: str, overrides: tuple[str, ...]) -> JobSpec:
 def _fail(message: str, code: int):
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _failures() -> Iterator[None]:
+    """A condition the user can act on gets one line and its exit code; anything else is a bug, whose traceback goes
+    to a log file that the one line names."""
+    try:
+        yield
+    except (LockHeld, LeaseLost) as e:
+        _fail(str(e), EXIT_LOCKED)
+    except (InputError, StateError, JobFileError, ModelNotFoundError) as e:
+        _fail(str(e), EXIT_USAGE)
+    except OSError as e:  # a read-only folder, a full disk, a file that went away
+        _fail(f"cannot read or write a file: {e}", EXIT_IO)
+    except Exception as e:
+        with tempfile.NamedTemporaryFile("w", prefix="batchjob-error-", suffix=".log", delete=False) as log:
+            traceback.print_exc(file=log)
+        _fail(f"internal error: {type(e).__name__}: {e} (the traceback is in {log.name})", EXIT_INTERNAL)
 
 
 @click.command()
@@ -78,21 +101,18 @@ def run(
 ) -> None:
     """Run JOB_FILE: read its input, generate, and commit results to its output folder; resumes by itself.
 
-    Exit codes: 0 all rows done; 2 usage, job-file or input error; 3 finished but some rows failed (with
-    fail_on_row_errors); 75 another run holds the output folder; 129/130/143 interrupted (SIGHUP/SIGINT/SIGTERM),
-    resumable."""
+    Exit codes: 0 all rows done; 2 usage, job-file, input or model-not-found error; 3 finished but some rows
+    failed (with fail_on_row_errors); 70 internal error (the message names the log with the traceback); 74 a file
+    cannot be read or written (read-only folder, full disk); 75 another run holds the output folder; 129/130/143
+    interrupted (SIGHUP/SIGINT/SIGTERM), resumable."""
     job = _load(job_file, overrides + ((f"executor={executor}",) if executor else ()))
     progress = (
         RichProgress()
         if sys.stdout.isatty() and log_format == "text"
         else LogProgress(interval=log_interval, json_lines=log_format == "json")
     )
-    try:
+    with _failures():
         code = run_job(job, progress, restart=restart, grace=grace)
-    except (LockHeld, LeaseLost) as e:
-        _fail(str(e), EXIT_LOCKED)
-    except (InputError, StateError, JobFileError) as e:
-        _fail(str(e), EXIT_USAGE)
     sys.exit(code)
 
 
@@ -104,10 +124,8 @@ def run(
 def plan(job_file: str, overrides: tuple[str, ...], no_calibrate: bool, as_json: bool) -> None:
     """Show what JOB_FILE will cost without running it: tokens, prefix sharing, KV memory, time."""
     job = _load(job_file, overrides)
-    try:
+    with _failures():
         report = plan_job(job, calibrate=not no_calibrate)
-    except (InputError, JobFileError) as e:
-        _fail(str(e), EXIT_USAGE)
     click.echo(json.dumps(report, indent=2) if as_json else _plan_text(report))
 
 
@@ -156,10 +174,8 @@ def status(folder: str, as_json: bool) -> None:
     s3://bucket/run, with credentials from the environment), running or stopped."""
     if not is_url(folder) and not Path(folder).is_dir():
         _fail(f"{folder} is not a folder", EXIT_USAGE)
-    try:
+    with _failures():
         s = OutputDir(folder).status()
-    except StateError as e:
-        _fail(str(e), EXIT_USAGE)
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return

@@ -81,7 +81,16 @@ class PromptSpec(_Section):
 
     @property
     def fields(self) -> list[str]:
-        return [name for _, name, _, _ in string.Formatter().parse(self.template or "") if name is not None]
+        """The template's placeholders, with those nested in a format spec (`{text:>{width}}` has text and width)."""
+        return _placeholders(self.template or "")
+
+
+def _placeholders(template: str) -> list[str]:
+    out = []
+    for _, name, format_spec, _ in string.Formatter().parse(template):
+        if name is not None:
+            out += [name, *_placeholders(format_spec or "")]
+    return out
 
 
 class ScheduleSpec(_Section):

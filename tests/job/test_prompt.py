@@ -40,6 +40,14 @@ def test_rows_without_a_usable_prompt(tmp_path, values, message):
         builder(tmp_path).build(Row(0, "a", values), 16)
 
 
+def test_a_placeholder_inside_a_format_spec_is_a_column_too(tmp_path):
+    b = builder(tmp_path, prompt={"template": "[{text:>{width}}]", "chat_template": False})
+    assert b.prompt.fields == ["text", "width"]
+    assert text_of(b.build(Row(0, "a", {"text": "ab", "width": 5}), 16)[0]) == "[   ab]"
+    with pytest.raises(RowError, match="template column 'width' is missing or null"):
+        b.build(Row(0, "a", {"text": "ab"}), 16)
+
+
 def test_template_columns_must_be_present_scalars(tmp_path):
     b = builder(tmp_path, prompt={"template": "{title}: {text}"})
     with pytest.raises(RowError, match="template column 'title' is missing or null"):

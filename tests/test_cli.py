@@ -1,0 +1,80 @@
+"""`batchjob run` as a user sees it when something named goes wrong: one line, a documented exit code, no traceback;
+and for anything else (a bug) the internal-error code with the traceback in a log file."""
+
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+from click.testing import CliRunner
+
+from batchjob import cli
+from batchjob.job.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_USAGE
+from tests.helpers import REPO, documents, write_jsonl
+
+ENGINE = {"max_num_seqs": 4, "kv_cache_memory_gb": 0.1, "max_model_len": 256}
+
+
+def job_file(tmp_path, out, **sections):
+    data = write_jsonl(tmp_path / "in.jsonl", documents(6))
+    spec = {"input": {"path": str(data)}, "sampling": {"max_tokens": 4}, "engine": ENGINE, "output": {"path": str(out)}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**spec, **sections}))
+    return str(path)
+
+
+def run(*args: str, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "batchjob.cli", "run", *args, "--log-interval", "60"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        preexec_fn=preexec_fn,
+    )
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+def test_a_missing_model_exits_2_in_one_line(tmp_path):
+    result = run(job_file(tmp_path, tmp_path / "out", model=str(tmp_path / "no-model")))
+    assert result.returncode == EXIT_USAGE and "not found" in one_line(result)
+
+
+def test_an_output_folder_that_cannot_be_created_exits_74_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = run(job_file(tmp_path, tmp_path / "a-file" / "out"))
+    assert result.returncode == EXIT_IO and "cannot read or write a file" in one_line(result)
+
+
+def test_a_full_disk_exits_74_and_a_rerun_completes_the_job(tmp_path):
+    def small_files():  # files may not grow past 3 KB: writing a part fails as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, resource.RLIM_INFINITY))
+
+    job = job_file(tmp_path, tmp_path / "out")
+    result = run(job, preexec_fn=small_files)
+    assert result.returncode == EXIT_IO and "File too large" in one_line(result)
+    assert run(job).returncode == EXIT_OK
+    assert sorted(pq.read_table(tmp_path / "out" / "data").column("id").to_pylist()) == [d["id"] for d in documents(6)]
+
+
+def test_an_unexpected_exception_exits_70_naming_a_log_with_the_traceback(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("something nobody planned for")
+
+    monkeypatch.setattr(cli, "run_job", broken)
+    result = CliRunner().invoke(cli.main, ["run", job_file(tmp_path, tmp_path / "out")])
+    assert result.exit_code == EXIT_INTERNAL
+    line = result.output.strip()
+    assert line.startswith("error: internal error: RuntimeError: something nobody planned for (the traceback is in ")
+    log = Path(line.rsplit(" ", 1)[-1].rstrip(")")).read_text()
+    assert "Traceback" in log and "something nobody planned for" in log
