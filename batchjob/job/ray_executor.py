@@ -1,4 +1,4 @@
-"""`executor: ray`: the job's rows in shards through Ray Data actors that each hold one engine.
+"""`executor: ray`: the job's rows in shards through Ray actors that each hold one engine.
 
 The driver does what a local run does around the work (lock, fingerprint, resume, bad rows, the final files) and is
 the only writer of the output folder: a worker returns each shard's result rows and the driver commits them as the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 
@@ -25,7 +25,7 @@ from batchjob.job.writer import failed_row, result_rows, result_schema
 
 try:
     import ray
-    import ray.data
+    from ray.util import ActorPool
 except ImportError:
     raise JobFileError(
         "executor: 'ray' needs Ray, an optional extra: pip install 'batchjob[ray]' (or pip install 'ray[data]')"
@@ -37,7 +37,7 @@ DIGEST, REVISION = b"model_digest", b"model_revision"
 
 
 class EngineWorker:
-    """A Ray Data actor: loads the model once, then turns shards of rows into result rows, in the planner's order."""
+    """A Ray actor: loads the model once, then turns shards of rows into result rows, in the planner's order."""
 
     def __init__(self, job: JobSpec, passthrough: pa.Schema, engine_factory):
         self.engine = engine_factory(job)
@@ -47,7 +47,7 @@ class EngineWorker:
             {DIGEST: self.engine.model_digest, REVISION: self.engine.model_revision or ""}
         )
 
-    def __call__(self, shard: pa.Table) -> pa.Table:
+    def run_shard(self, shard: pa.Table) -> pa.Table:
         self.records, works = [], {}
         rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         for output in self.engine.stream(requests(self.planner.works(rows), works)):
@@ -77,38 +77,46 @@ class RayExecutor:
 
     def _run_shards(self, pending: Pending) -> None:
         spec = self.spec
-        results = iter(
-            ray.data.from_arrow_refs(to_shards(pending.rows, spec.shard_rows))
-            .map_batches(
-                EngineWorker,
-                fn_constructor_kwargs={
-                    "job": pending.job,
-                    "passthrough": pending.scan.passthrough_schema,
-                    "engine_factory": self.engine_factory,
-                },
-                batch_size=spec.shard_rows,
-                batch_format="pyarrow",
-                compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
-                num_cpus=spec.num_cpus_per_worker,
-                num_gpus=spec.num_gpus_per_worker,
-            )
-            .iter_batches(batch_size=None, batch_format="pyarrow")
+        worker = ray.remote(EngineWorker).options(
+            num_cpus=spec.num_cpus_per_worker,
+            num_gpus=spec.num_gpus_per_worker,
+            max_restarts=-1,  # a worker that dies comes back (loading the model again) ...
+            max_task_retries=-1,  # ... and redoes the shard it had
         )
+        actors = [
+            worker.remote(pending.job, pending.scan.passthrough_schema, self.engine_factory)
+            for _ in range(spec.num_workers)
+        ]
+        pool = ActorPool(actors)
         pending.start()
         try:
-            while True:
-                try:
-                    # Waiting on Ray can take a shard's time; a signal ends the wait, and the shards in flight
-                    # (uncommitted) run again on resume.
-                    with pending.stopper.interruptible():
-                        table = next(results, None)
-                except Interrupted:
+            # One shard a worker in flight, and the next in the driver's hand: the input streams through, and the
+            # object store never holds more than num_workers shards of it.
+            for shard in to_shards(pending.rows, spec.shard_rows):
+                while not pool.has_free():
+                    if not self._commit_next(pool, pending):
+                        return
+                if pending.stopper.stopping:
                     return
-                if table is None:
+                pool.submit(lambda actor, table: actor.run_shard.remote(table), shard)
+            while pool.has_next():
+                if not self._commit_next(pool, pending):
                     return
-                self._commit(table, pending)
         finally:
-            results.close()  # stops the dataset's execution, and so its workers, when the run ends early
+            for actor in actors:  # stops the shards in flight when the run ends early
+                ray.kill(actor)
+
+    def _commit_next(self, pool: ActorPool, pending: Pending) -> bool:
+        """Commit the next shard a worker finishes; False when a signal ended the wait."""
+        try:
+            # Waiting on Ray can take a shard's time; a signal ends the wait, and the shards in flight
+            # (uncommitted) run again on resume.
+            with pending.stopper.interruptible():
+                table = pool.get_next_unordered()
+        except Interrupted:
+            return False
+        self._commit(table, pending)
+        return True
 
     def _commit(self, table: pa.Table, pending: Pending) -> None:
         digest = table.schema.metadata[DIGEST].decode()
@@ -135,19 +143,15 @@ class RayExecutor:
 
 def connect(spec: RaySpec) -> bool:
     """Join the cluster, or start a local instance; True when this run started Ray and so must stop it."""
-    # Our own progress shows rows and tokens; Ray Data's bars and progress lines would interleave with it.
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if ray.is_initialized():
         return False  # the caller's own Ray (a notebook, a test), used as it is
     ray.init(address=spec.address, logging_level=logging.WARNING)
     return True
 
 
-def to_shards(rows: Iterable[Row], size: int) -> list:
-    """The rows in input order, `size` a shard, each put into Ray's object store as one block. The driver holds one
-    shard at a time, and workers get rows exactly as the local reader made them, bad rows and all."""
-    rows, shards = iter(rows), []
+def to_shards(rows: Iterable[Row], size: int) -> Iterator[pa.Table]:
+    """The rows in input order, `size` a shard, read as they are asked for; workers get rows exactly as the local
+    reader made them, bad rows and all."""
+    rows = iter(rows)
     while chunk := list(itertools.islice(rows, size)):
-        shards.append(ray.put(pa.table({ROW: pa.array([pickle.dumps(row) for row in chunk], pa.large_binary())})))
-    return shards
+        yield pa.table({ROW: pa.array([pickle.dumps(row) for row in chunk], pa.large_binary())})

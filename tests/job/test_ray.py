@@ -16,6 +16,7 @@ import yaml
 
 from batchjob.job.executor import load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from batchjob.job.reader import InputSource
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, load_job
 from batchjob.job.state import OutputDir
@@ -120,6 +121,32 @@ def test_a_signal_stops_the_driver_and_a_rerun_resumes_without_writing_any_row_t
     assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
     assert f"resuming: {len(partial)} of 12 rows already done" in progress.messages
     assert outputs(results(out.path)) == outputs(results(reference))
+
+
+def test_the_driver_streams_the_input_with_bounded_rows_in_flight(tmp_path, progress, cluster, monkeypatch):
+    read, in_flight = [0], []
+    rows = InputSource.rows
+
+    def counted(self):
+        for row in rows(self):
+            read[0] += 1
+            yield row
+
+    class Committed(Messages):
+        committed = 0
+
+        def rows(self, n, **tokens):
+            super().rows(n, **tokens)
+            self.committed += n
+            in_flight.append(read[0] - self.committed)
+
+    monkeypatch.setattr(InputSource, "rows", counted)
+    docs = write_parquet(tmp_path / "docs.parquet", documents(40))
+    job = make_job(docs, tmp_path / "out", executor="ray", ray=RAY)
+    assert run_job(job, Committed(), engine_factory=fake_factory()) == EXIT_OK
+    assert len(results(tmp_path / "out")) == 40 and read[0] == 40
+    # one shard a worker in flight and one in the driver's hand, not the whole input before the first shard runs
+    assert max(in_flight) <= (RAY["num_workers"] + 1) * RAY["shard_rows"]
 
 
 def test_the_job_file_and_the_command_line_choose_the_executor(tmp_path):
