@@ -10,8 +10,11 @@ import fcntl
 import json
 import os
 import socket
+import stat
 from datetime import datetime, timezone
 from pathlib import Path
+
+from batchjob.job.storage import Location, is_remote
 
 
 class LockHeld(Exception):
@@ -25,29 +28,41 @@ def describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
 
 
-def read_holder(path: Path) -> dict | None:
+def read_holder(path: Location) -> dict | None:
     try:
-        text = path.read_text()
-    except OSError:
-        return None
-    try:
-        holder = json.loads(text)
-    except json.JSONDecodeError:
+        if is_remote(path):  # an object store's lease object (lease.py)
+            holder = json.loads(path.read_bytes())
+        else:
+            with os.fdopen(_open(path, os.O_RDONLY), "rb") as f:
+                holder = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):  # absent, empty, partly written or not ours
         return None
     return holder if isinstance(holder, dict) else None
 
 
-def holder_alive(holder: dict) -> bool | None:
-    """Whether the holder process still runs; None when it is on another host and cannot be asked."""
-    if holder.get("host") != socket.gethostname():
-        return None
+def _open(path: Path, flags: int) -> int:
+    """Open the lock file itself, never a symlink planted in its place (another user could aim one at a file of the
+    victim's, which acquiring would then empty), and only if it is a regular file."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
+
+
+def lock_is_held(path: Path) -> bool:
+    """Whether a run holds the lock now: asks the kernel's flock, so a dead holder whose pid was reused reads free."""
     try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
+        fd = _open(path, os.O_RDONLY)
+    except OSError:
         return False
-    except (PermissionError, KeyError, ValueError, TypeError):
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)  # closing drops the shared lock, if taken
+    return False
 
 
 class OutputLock:
@@ -57,7 +72,7 @@ class OutputLock:
         self.stale: dict | None = None  # a dead run's record, found and replaced on acquire
 
     def __enter__(self) -> OutputLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

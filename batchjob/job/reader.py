@@ -246,7 +246,9 @@ class InputSource:
 
 
 def _synthetic_id(path: str, n: int, line: bool = False) -> str:
-    """An id for a row whose own id cannot be read: the file and its line (JSONL) or row number (Parquet)."""
+    """An id for a row whose own id cannot be read: the file and its line (JSONL) or row number (Parquet). The path
+    is resolved, as in the fingerprint, so a resume that spells it otherwise finds the same ids."""
+    path = str(Path(path).resolve())
     return f"{path}:{n}" if line else f"{path}#{n}"
 
 

@@ -16,10 +16,10 @@ from batchjob.job.progress import Progress
 from batchjob.job.prom import write_metrics
 from batchjob.job.reader import InputSource, Scan
 from batchjob.job.spec import JobSpec
-from batchjob.job.state import METRICS, OPENAI_OUTPUT, STAGED, TIMELINE, Committed, OutputDir, now_iso
+from batchjob.job.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, now_iso
 from batchjob.job.stopper import Stopper
 from batchjob.job.storage import display
-from batchjob.job.writer import PartWriter, sort_parts, write_atomic, write_openai_output
+from batchjob.job.writer import PartWriter, sort_parts, write_openai_output
 
 MODEL_KEYS = ("model_digest", "model_revision")  # the fingerprint's parts known only once the model is loaded
 # Truncation (max_model_len), output lengths (elastic_*), sampling draws (seed) and numbers by design (dtypes).
@@ -43,6 +43,8 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
         "prompt": job.prompt.model_dump(),
         "sampling": job.sampling.model_dump(),
         "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
+        # The published files' layout: a rerun with another size must not leave the old files beside the new ones.
+        "output": {"rows_per_file": job.output.rows_per_file if job.output.order == "input" else None},
         "input": {
             **job.input.model_dump(include={"format", "id_column", "text_column", "messages_column", "passthrough"}),
             "files": source.identity(),
@@ -82,7 +84,8 @@ class JobRun:
     def run(self, restart: bool) -> int:
         job, out = self.job, self.out
         started = time.monotonic()
-        out.recover()
+        for part in out.recover():
+            self.progress.message(f"quarantined the damaged part {part.name} in {part.parent}; its rows will be redone")
         source = InputSource(job)
         fp = fingerprint(job, source, None)
         if restart:
@@ -149,7 +152,7 @@ class JobRun:
         if job.output.order == "input":
             out.staging.mkdir(exist_ok=True)
             sort_parts(out.parts(), out.staging, job.output.rows_per_file)
-            write_atomic(out.staging / STAGED, lambda f: None)
+            out.stage_complete()
             out.publish_sorted()
         if job.output.format == "openai-batch":
             write_openai_output(out.parts(), out.path / OPENAI_OUTPUT, job.model)

@@ -3,7 +3,8 @@
 OUT/_job.json       the job's fingerprint and its row count, written before the first part
 OUT/_lock           who runs on this folder now (lock.py; on an object store, a lease: lease.py)
 OUT/data/*.parquet  the results: committed parts, which are also the only record of progress
-OUT/_sorted/        `order: input` results being staged; `_COMPLETE` in it means ready to replace the parts
+OUT/_sorted/        `order: input` results being staged; `_COMPLETE` in it lists them and means ready to publish
+OUT/_quarantine/    parts found damaged (e.g. truncated by a full disk), moved aside; their rows are redone
 OUT/output.jsonl    OpenAI Batch output lines, when output.format is openai-batch
 OUT/_timeline.parquet   the engine's steps over time (timeline.py), for `batchjob report`
 OUT/metrics.prom    the last run's figures for Prometheus (prom.py)
@@ -12,6 +13,7 @@ OUT/_summary.json, OUT/_SUCCESS   written last, only when every row is done"""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -20,13 +22,15 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from batchjob.job.lease import LeaseLock, lease_expired
-from batchjob.job.lock import OutputLock, holder_alive, read_holder
-from batchjob.job.storage import Location, display, is_remote, location, mtime, read_parquet, refresh, remove_tree
-from batchjob.job.writer import fsync_dir, write_atomic, write_json
+from batchjob.job.lock import OutputLock, lock_is_held, read_holder
+from batchjob.job.storage import Location, display, is_remote, location, mtime, parquet_file, read_parquet, refresh
+from batchjob.job.writer import TMP_PREFIX, fsync_dir, write_atomic, write_json
 
 JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_lock"
 DATA, STAGING, STAGED, OPENAI_OUTPUT = "data", "_sorted", "_COMPLETE", "output.jsonl"
-TIMELINE, METRICS = "_timeline.parquet", "metrics.prom"
+TIMELINE, METRICS, QUARANTINE = "_timeline.parquet", "metrics.prom", "_quarantine"
+# The only names batchjob writes inside data/, _sorted/ and _quarantine/; cleanup deletes these and nothing else.
+OUR_FILE = re.compile(rf"(part|sorted)-\d{{6}}(-[0-9a-f]+)?\.parquet|{re.escape(TMP_PREFIX)}.*\.tmp|{STAGED}")
 
 
 class StateError(Exception):
@@ -55,7 +59,10 @@ class OutputDir:
             self.held = LeaseLock(self.path / LOCK, self.lease_seconds)
             return self.held
         self.path.mkdir(parents=True, exist_ok=True)
-        return OutputLock(self.path / LOCK)
+        lock = self.path / LOCK
+        if lock.is_symlink() or (lock.exists() and not lock.is_file()):  # OutputLock refuses these too, less clearly
+            raise StateError(f"{lock} is not a regular file (a symlink?); batchjob will not open it")
+        return OutputLock(lock)
 
     @property
     def run_tag(self) -> str:
@@ -67,28 +74,53 @@ class OutputDir:
         if self.held:
             self.held.check()
 
-    def recover(self) -> None:
-        """Bring a folder left by a killed run to a clean state; call holding the lock."""
+    def recover(self) -> list[Path]:
+        """Bring a folder left by a killed run to a clean state; call holding the lock. Returns the damaged parts
+        moved to _quarantine/ (their rows are not committed any more, so this run redoes them)."""
         self.data.mkdir(exist_ok=True)
         for folder in (self.path, self.data):
-            for tmp in folder.glob(".*.tmp"):
+            for tmp in folder.glob(f"{TMP_PREFIX}*.tmp"):
                 tmp.unlink()
         if (self.staging / STAGED).exists():
             self.publish_sorted()
         elif self.staging.exists():
-            remove_tree(self.staging)
+            remove_ours(self.staging)
+        return self.quarantine_damaged()
 
-    def parts(self) -> list[Location]:
+    def quarantine_damaged(self) -> list[Path]:
+        """Move aside every part whose Parquet footer cannot be read: a part is whole by construction, so this is a
+        disk that lost a write (or was full); its rows will be redone."""
+        moved = []
+        for part in self.parts():
+            if not _footer_ok(part):
+                target = self.path / QUARANTINE / f"{part.stem}-{int(time.time())}{part.suffix}"
+                target.parent.mkdir(exist_ok=True)
+                part.rename(target)
+                moved.append(target)
+        if moved and not is_remote(self.data):
+            fsync_dir(self.data)
+        return moved
+
+    def parts(self) -> list[Path]:
         refresh(self.data)
-        return sorted(self.data.glob("*.parquet"), key=lambda p: p.name)
+        return sorted((p for p in self.data.glob("*.parquet") if OUR_FILE.fullmatch(p.name)), key=lambda p: p.name)
+
+    def foreign_files(self) -> list[Path]:
+        """Files in data/ or _sorted/ that batchjob did not write: refuse to run on, or delete, such a folder."""
+        return sorted(
+            p for d in (self.data, self.staging) if d.is_dir() for p in d.iterdir() if not OUR_FILE.fullmatch(p.name)
+        )
 
     def next_part_number(self) -> int:
         numbers = [int(p.stem.split("-")[1]) for p in self.data.glob("part-*.parquet")]
         return max(numbers, default=-1) + 1
 
     def committed(self, with_ids: bool = True) -> Committed:
+        return self._count(self.parts(), with_ids)
+
+    def _count(self, parts: list[Path], with_ids: bool = False) -> Committed:
         done = Committed()
-        for part in self.parts():
+        for part in parts:
             try:
                 table = read_parquet(part, columns=["id", "error", "prompt_tokens", "output_tokens", "cached_tokens"])
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
@@ -115,11 +147,16 @@ class OutputDir:
     def check_fingerprint(self, fingerprint: dict, *, keys: list[str]) -> None:
         """Refuse to add to results of a different job; `keys` are the fingerprint parts known so far."""
         meta = self.read_job()
+        if foreign := self.foreign_files():
+            raise StateError(
+                f"{self.path} holds files batchjob did not write ({', '.join(p.name for p in foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''} in {foreign[0].parent.name}/); choose another output.path"
+            )
         if meta is None:
             if self.parts():
                 raise StateError(
-                    f"{self.path} has result parts but no {JOB_FILE}, so they cannot be trusted to "
-                    "belong to this job; use --restart to discard them, or another output.path"
+                    f"{self.path} has result parts but no {JOB_FILE}, so nothing says which job they belong to; "
+                    "batchjob will not delete them: move them away or choose another output.path"
                 )
             return
         stored = meta.get("fingerprint", {})
@@ -136,25 +173,49 @@ class OutputDir:
         return (self.path / SUCCESS).exists()
 
     def reset(self) -> None:
-        """Remove everything a run writes here (for --restart), and nothing else."""
-        for name in (SUCCESS, SUMMARY, JOB_FILE, OPENAI_OUTPUT, TIMELINE, METRICS):
+        """Remove what a run wrote here (for --restart), and nothing else. Refused unless _job.json says that batchjob
+        made this folder's results, and if data/ holds anything batchjob does not write."""
+        if self.read_job() is None and self.parts():
+            raise StateError(
+                f"--restart: {self.path} has result parts but no {JOB_FILE}, so batchjob did not record them and "
+                "will not delete them; move them away or choose another output.path"
+            )
+        if foreign := self.foreign_files():
+            raise StateError(
+                f"--restart: {self.path} holds files batchjob did not write ({', '.join(p.name for p in foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}); nothing was deleted. Move them away or choose another "
+                "output.path"
+            )
+        # _job.json last: until it is gone, a crash in the middle leaves a folder that --restart may still clear.
+        for name in (SUCCESS, SUMMARY, OPENAI_OUTPUT, TIMELINE, METRICS):
             (self.path / name).unlink(missing_ok=True)
-        for folder in (self.staging, self.data):
-            if folder.exists():
-                remove_tree(folder)
-        self.data.mkdir()
+        for folder in (self.staging, self.data, self.path / QUARANTINE):
+            remove_ours(folder)
+        (self.path / JOB_FILE).unlink(missing_ok=True)
+        self.data.mkdir(exist_ok=True)
         if not is_remote(self.path):
             fsync_dir(self.path)
 
+    def stage_complete(self) -> None:
+        """Mark the staged input-ordered files ready to publish; _COMPLETE lists them, so a publish interrupted at any
+        step finishes the same way and knows which sorted-* files in data/ are stale (another rows_per_file)."""
+        names = sorted(p.name for p in self.staging.glob("sorted-*.parquet"))
+        write_json(self.staging / STAGED, names)
+
     def publish_sorted(self) -> None:
-        """Replace the parts by the staged input-ordered files; resumable at any step after _COMPLETE exists."""
-        for part in self.data.glob("part-*.parquet"):
-            part.unlink()
+        """Replace the parts (and any earlier sorted-* files) by the staged ones; resumable at any step."""
+        try:
+            names = set(json.loads((self.staging / STAGED).read_text()) or [])
+        except json.JSONDecodeError:  # an empty _COMPLETE from an older version: it staged every sorted-* file
+            names = {p.name for p in self.staging.glob("sorted-*.parquet")}
+        for old in self.data.glob("*.parquet"):
+            if OUR_FILE.fullmatch(old.name) and not (old.name in names and not (self.staging / old.name).exists()):
+                old.unlink()
         for staged in sorted(self.staging.glob("sorted-*.parquet"), key=lambda p: p.name):
             staged.rename(self.data / staged.name)  # on an object store a copy, then a delete: redone if cut short
         if not is_remote(self.data):
             fsync_dir(self.data)
-        remove_tree(self.staging)
+        remove_ours(self.staging)
 
     def write_success(self, summary: dict) -> None:
         write_json(self.path / SUMMARY, summary)
@@ -177,24 +238,26 @@ class OutputDir:
         """Progress of a running or stopped job, from the folder alone."""
         meta = self.read_job()
         holder = read_holder(self.path / LOCK)
-        if holder and is_remote(self.path):
-            alive = not lease_expired(holder)
-        else:
-            alive = holder_alive(holder) if holder else False
-        if self.succeeded:
+        # A live lease on an object store; locally the flock, not the recorded pid (which may belong to another).
+        held = bool(holder) and not lease_expired(holder) if is_remote(self.path) else lock_is_held(self.path / LOCK)
+        if held:
+            state = "running"
+        elif self.succeeded:
             state = "done"
-        elif holder and alive is not False:
-            state = "running" if alive else "running elsewhere (unverified)"
         elif meta is not None:
             state = "stopped (killed; resumable)" if holder else "stopped (resumable)"
         else:
             state = "not started"
-        committed = self.committed(with_ids=False) if self.data.exists() else Committed()
         parts = self.parts() if self.data.exists() else []
+        damaged = [p for p in parts if not _footer_ok(p)]
+        if damaged:
+            parts = [p for p in parts if p not in damaged]
+            state += f"; {len(damaged)} damaged part(s), moved aside and redone by the next run"
+        committed = self._count(parts)
         return {
             "folder": display(self.path),
             "state": state,
-            "holder": holder if state.startswith("running") else None,
+            "holder": holder if held else None,
             "rows_total": meta.get("rows_total") if meta else None,
             "rows_done": committed.rows,
             "rows_failed": committed.failed,
@@ -204,6 +267,24 @@ class OutputDir:
             "last_commit_s_ago": round(time.time() - max(mtime(p) for p in parts)) if parts else None,
             "summary": self.read_summary() if self.succeeded else None,
         }
+
+
+def remove_ours(folder: Location) -> None:
+    """Delete the files batchjob writes in `folder`, then the folder if that left it empty."""
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        if OUR_FILE.fullmatch(p.name) and p.is_file():
+            p.unlink()
+    if not is_remote(folder) and not any(folder.iterdir()):  # an object store has no empty folders to remove
+        folder.rmdir()
+
+
+def _footer_ok(part: Location) -> bool:
+    try:
+        return parquet_file(part).metadata is not None
+    except Exception:  # any unreadable footer, whatever pyarrow calls it
+        return False
 
 
 def now_iso() -> str:

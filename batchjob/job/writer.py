@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,16 +73,26 @@ def result_schema(passthrough: pa.Schema) -> pa.Schema:
     return pa.schema([*RESULT_SCHEMA, *passthrough])
 
 
+TMP_PREFIX = ".batchjob-"  # temporary files are named .batchjob-<name>.<random>.tmp; recover() removes only those
+
+
 def write_atomic(path: Location, write: Callable[[BinaryIO], Any]) -> None:
+    """Write `path` whole or not at all. The temporary file is created new (O_EXCL) and never through a symlink, so a
+    link planted in a shared folder cannot redirect the write; os.replace then swaps the name, not a link's target."""
     if is_remote(path):
         put_whole(path, write)
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

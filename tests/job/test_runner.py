@@ -262,3 +262,29 @@ def test_a_model_without_a_chat_template_fails_before_any_work(tmp_path, docs, p
     with pytest.raises(JobFileError, match="prompt.chat_template: this model has no chat template"):
         run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=no_template)
     assert not list((tmp_path / "out" / "data").iterdir())
+
+
+def test_bad_rows_keep_their_ids_when_the_input_path_is_spelled_otherwise(tmp_path, progress, monkeypatch):
+    """Seen: a resume with `./x/../bad_rows.jsonl` committed the bad rows again, then '-2 of 12 rows got no result'."""
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "bad_rows.jsonl").write_bytes((SAMPLE_DATA / "bad_rows.jsonl").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    first = make_job("in/bad_rows.jsonl", tmp_path / "out", output={"checkpoint_rows": 1})
+    assert run_job(first, progress, engine_factory=fake_factory(max_model_len=16384)) == EXIT_OK
+    # As a kill before the last part and _SUCCESS leaves it: the bad rows committed, one good row not.
+    for name in ("_SUCCESS", "_summary.json", "data/part-000010.parquet"):
+        (tmp_path / "out" / name).unlink()
+    again = make_job("./in/../in/bad_rows.jsonl", tmp_path / "out")
+    assert run_job(again, progress, engine_factory=fake_factory(max_model_len=16384)) == EXIT_OK
+    assert len(results(tmp_path / "out")) == 11
+
+
+def test_rows_per_file_is_part_of_the_job(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out", output={"order": "input", "rows_per_file": 5})
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    other = make_job(docs, tmp_path / "out", output={"order": "input", "rows_per_file": 8})
+    with pytest.raises(StateError, match="output changed"):
+        run_job(other, progress, engine_factory=fake_factory())
+    assert run_job(other, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
+    assert len(results(tmp_path / "out")) == 23 and len(list((tmp_path / "out" / "data").iterdir())) == 3

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchjob.job.lock import LockHeld
+from batchjob.job.lock import LockHeld, OutputLock
 from batchjob.job.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
-from batchjob.job.writer import PartWriter, sort_parts, write_atomic
+from batchjob.job.writer import TMP_PREFIX, PartWriter, sort_parts, write_atomic
 
 PASSTHROUGH = pa.schema([("title", pa.string())])
 
@@ -70,9 +70,35 @@ def test_a_crash_while_writing_leaves_no_part_and_recover_cleans_up(tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         w.add(record(1))
     monkeypatch.undo()
-    assert out.parts() == [] and list(out.data.glob(".*.tmp"))
+    assert out.parts() == [] and not list(out.data.glob(".*.tmp"))  # the failed write cleaned up after itself
+    # A kill leaves its temporary file: recover removes it, and not a user's file that merely looks alike.
+    (out.data / f"{TMP_PREFIX}part-000000.parquet.1a2b.tmp").write_bytes(b"half")
+    (tmp_path / ".notes.tmp").write_text("mine")
     out.recover()
     assert not list(out.data.glob(".*.tmp")) and out.committed().rows == 0
+    assert (tmp_path / ".notes.tmp").read_text() == "mine"
+
+
+def test_write_atomic_never_writes_through_a_planted_symlink(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "result.json").symlink_to(victim)
+    write_atomic(tmp_path / "result.json", lambda f: f.write(b"new"))
+    assert victim.read_text() == "precious" and not (tmp_path / "result.json").is_symlink()
+    assert (tmp_path / "result.json").read_text() == "new"
+
+
+def test_the_lock_is_never_opened_through_a_symlink(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = OutputDir(tmp_path / "out")
+    out.path.mkdir()
+    (out.path / LOCK).symlink_to(victim)
+    with pytest.raises(StateError, match="not a regular file"):
+        out.lock()
+    with pytest.raises(OSError), OutputLock(out.path / LOCK):  # and the lock itself refuses, whatever the caller
+        pass
+    assert victim.read_text() == "precious"
 
 
 @settings(max_examples=30, deadline=None)
@@ -159,5 +185,89 @@ def test_fingerprint_changes_are_refused_naming_what_changed(tmp_path):
         out.check_fingerprint(changed, keys=list(fp))
     (tmp_path / JOB_FILE).unlink()
     writer(out.data, rows=1).add(record(0))
-    with pytest.raises(StateError, match="has result parts but no _job.json"):
+    with pytest.raises(StateError, match="has result parts but no _job.json.*will not delete them"):
         out.check_fingerprint(fp, keys=list(fp))
+    with pytest.raises(StateError, match="did not record them"):
+        out.reset()
+    assert out.parts()
+
+
+def test_restart_deletes_only_what_batchjob_wrote_and_refuses_a_foreign_data_folder(tmp_path):
+    out = OutputDir(tmp_path)
+    out.recover()
+    out.write_job({"fingerprint": {}, "created": "yesterday"})
+    writer(out.data, rows=1).add(record(0))
+    (out.data / "README").write_text("mine")
+    pq.write_table(pa.table({"x": [1]}), out.data / "input.parquet")
+    with pytest.raises(StateError, match="files batchjob did not write \\(README, input.parquet\\); nothing was"):
+        out.reset()
+    with pytest.raises(StateError, match="files batchjob did not write"):
+        out.check_fingerprint({}, keys=[])
+    assert {p.name for p in out.data.iterdir()} == {"README", "input.parquet", "part-000000.parquet"}
+    (out.data / "README").unlink()
+    (out.data / "input.parquet").unlink()
+    (tmp_path / "notes.txt").write_text("mine too")  # beside data/, not in it: left alone
+    out.reset()
+    assert out.parts() == [] and out.read_job() is None and (tmp_path / "notes.txt").exists()
+
+
+def test_a_truncated_part_is_quarantined_and_status_still_works(tmp_path):
+    out = OutputDir(tmp_path)
+    out.recover()
+    out.write_job({"fingerprint": {}, "rows_total": 4})
+    w = writer(out.data, rows=2)
+    for i in range(4):
+        w.add(record(i))
+    damaged = out.parts()[1]
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a disk that lost the end of the file
+    status = out.status()
+    assert status["rows_done"] == 2 and "1 damaged part" in status["state"]
+    moved = out.recover()
+    assert [p.parent.name for p in moved] == ["_quarantine"] and moved[0].read_bytes()[:4] == b"PAR1"
+    assert out.committed().ids == {"r0", "r1"} and out.next_part_number() == 1
+    out.reset()  # --restart clears the quarantine too
+    assert not (tmp_path / "_quarantine").exists()
+
+
+def test_a_rerun_with_another_rows_per_file_leaves_no_stale_sorted_files(tmp_path):
+    """Seen: killed after publishing, before _SUCCESS; rerun with another rows_per_file gave 75 rows, 40 unique."""
+    out = OutputDir(tmp_path)
+    out.recover()
+    w = writer(out.data, rows=7)
+    for i in range(40):
+        w.add(record(i))
+    w.flush()
+    for rows_per_file in (5, 8):
+        out.staging.mkdir()
+        sort_parts(out.parts(), out.staging, rows_per_file)
+        out.stage_complete()
+        out.publish_sorted()
+    ids = pq.read_table(out.data).column("id").to_pylist()
+    assert len(ids) == 40 and len(set(ids)) == 40 and len(out.parts()) == 5
+
+
+def test_a_publish_killed_half_way_finishes_on_recover(tmp_path):
+    out = OutputDir(tmp_path)
+    out.recover()
+    w = writer(out.data, rows=3)
+    for i in range(10):
+        w.add(record(i))
+    w.flush()
+    out.staging.mkdir()
+    sort_parts(out.parts(), out.staging, 4)
+    out.stage_complete()
+    for part in out.data.glob("part-*.parquet"):  # the kill came after the parts went and one file moved
+        part.unlink()
+    (out.staging / "sorted-000000.parquet").rename(out.data / "sorted-000000.parquet")
+    out.recover()
+    assert pq.read_table(out.data).column("id").to_pylist() == [f"r{i}" for i in range(10)]
+
+
+def test_status_asks_the_lock_not_the_recorded_pid(tmp_path):
+    out = OutputDir(tmp_path)
+    out.write_job({"fingerprint": {}, "rows_total": 3})
+    # The record names a live process (this one) but nobody holds the flock: a dead run whose pid was reused.
+    (tmp_path / LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "x"}))
+    assert out.status()["state"] == "stopped (killed; resumable)"
+    with out.lock():
+        assert out.status()["state"] == "running"
