@@ -99,9 +99,11 @@ class Result:
     token_budget: int | None = None  # the engine's at the end of the run: what `auto` chose
     cpu_s: float = 0.0  # this process's CPU time: steadier than wall time on a host shared with other work
     note: str = ""  # how the system was run, where it differs from its defaults or from the others
+    outputs: dict[str, list[int]] | None = None  # output token ids by request id, to compare systems' greedy outputs
 
     def row(self) -> dict:
         d = dict(self.__dict__)
+        d.pop("outputs")
         d.update(
             requests_per_s=self.num_requests / self.wall,
             total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.wall,
@@ -150,6 +152,7 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     outs = list(engine.stream(wl.requests))
     result = _summarize(system, time.perf_counter() - t0, wl, sum(len(o.token_ids) for o in outs), steps)
     result.token_budget, result.cpu_s = engine.token_budget, time.process_time() - c0
+    result.outputs = {o.request_id: o.token_ids for o in outs}
     return result
 
 
@@ -282,17 +285,61 @@ def run_hf(wl: Workload, batch_size: int, hf_model) -> Result:
     return r
 
 
-def run_vllm(model_path, wl: Workload) -> Result:
-    from vllm import LLM  # type: ignore[import-not-found]
-    from vllm import SamplingParams as VSP
+# vLLM-CPU reserves one core for its scheduler by default: on a 2-core machine that halves its model's compute.
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
-    llm = LLM(model=str(model_path), dtype="float32", enable_prefix_caching=True)
+
+def load_vllm(engine: Engine, model_path):
+    """vLLM's LLM on the engine's weights, exported as an HF folder, in fp32 with every core for the model. Built
+    once per bench: its init (compiling the model) takes minutes. Its workers spawn, so a script calling this needs
+    an `if __name__ == "__main__":` guard."""
+    import os
+
+    from vllm import LLM  # type: ignore[import-not-found]
+
+    from batchjob.model.hf_export import hf_folder
+
+    os.environ.update(VLLM_ENV)
+    return LLM(
+        model=str(hf_folder(str(model_path))),
+        dtype="float32",
+        enable_prefix_caching=True,
+        max_model_len=engine.max_model_len,
+        seed=engine.config.seed,
+    )
+
+
+def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
+    """The same token ids, greedy, with each request's max_tokens and EOS rule (ignore_eos, or the engine's EOS
+    ids as stop ids)."""
+    from vllm import SamplingParams as VSP  # type: ignore[import-not-found]
+
+    eos = sorted(engine.eos_token_ids)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in wl.requests]
-    params = [VSP(max_tokens=r.params.max_tokens, ignore_eos=True, temperature=0.0) for r in wl.requests]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    params = [
+        VSP(
+            max_tokens=r.params.max_tokens,
+            ignore_eos=r.params.ignore_eos,
+            stop_token_ids=[] if r.params.ignore_eos else eos,
+            temperature=0.0,
+        )
+        for r in wl.requests
+    ]
+    llm.reset_prefix_cache()  # each run starts cold, as the engine's
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    return Result("vllm", wall, wl.prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outs), len(wl.requests))
+    tokens = {r.request_id: list(o.outputs[0].token_ids) for r, o in zip(wl.requests, outs)}
+    result = Result("vllm", wall, wl.prompt_tokens, sum(map(len, tokens.values())), len(wl.requests))
+    result.cpu_s, result.outputs = time.process_time() - c0, tokens
+    result.note = f"vllm {_version('vllm')}, fp32, both cores ({', '.join(f'{k}={v}' for k, v in VLLM_ENV.items())})"
+    return result
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
@@ -306,7 +353,9 @@ def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
         llm.reset()
         for _k, _ in zip(range(r.params.max_tokens), llm.generate(r.prompt_token_ids, temp=0.0)):
             out_tokens += 1
-    return Result("llama-cpp", time.perf_counter() - t0, wl.prompt_tokens, out_tokens, len(wl.requests))
+    result = Result("llama-cpp", time.perf_counter() - t0, wl.prompt_tokens, out_tokens, len(wl.requests))
+    result.note = "sequential: one request at a time (its Python API has no batched generation)"
+    return result
 
 
 def peer_status() -> dict[str, str | None]:
@@ -376,7 +425,11 @@ def run_bench(
     skipped = {k: v for k, v in peer_status().items() if k in systems and v}
     systems = [s for s in systems if s not in skipped]
     engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
+    if "vllm" in systems and engine.config.load_format == "dummy":
+        skipped["vllm"] = "load_format dummy: vLLM would draw other random weights"
+        systems.remove("vllm")
     hf_model = None
+    vllm = load_vllm(engine, model_path) if "vllm" in systems else None
     runs: dict[str, list[Result]] = {s: [] for s in systems}
     for _ in range(repeats):
         for system in systems:
@@ -389,7 +442,7 @@ def run_bench(
                     hf_model = load_hf_model(engine, model_path)
                 runs[system].append(run_hf(wl, batch_size, hf_model))
             elif system == "vllm":
-                runs[system].append(run_vllm(model_path, wl))
+                runs[system].append(run_vllm(vllm, engine, wl))
             elif system == "llama-cpp":
                 runs[system].append(run_llama_cpp(model_path, wl, threads))
             else:
@@ -413,7 +466,20 @@ def run_bench(
     }
     if base:
         report["roofline"] = roofline(engine, base)
+        report["agreement"] = {
+            s: agreement(base.outputs, r.outputs) for s, r in results.items() if s != "engine" and r.outputs
+        }
     return report
+
+
+def agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
+    """How many requests have token-for-token equal outputs, and where the first difference lies in the others."""
+    differ = {
+        k: next((i for i, (a, b) in enumerate(zip(v, theirs[k])) if a != b), min(len(v), len(theirs[k])))
+        for k, v in ours.items()
+        if v != theirs.get(k)
+    }
+    return {"equal": len(ours) - len(differ), "total": len(ours), "first_difference_at": sorted(differ.values())}
 
 
 def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) -> dict:
@@ -549,6 +615,11 @@ def format_report(report: dict) -> str:
             f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "
             f"measured fp32 matmul {v['matmul_gflops']:.1f} GFLOP/s at {v['rows']} rows"
         )
+    for name, a in report.get("agreement", {}).items():
+        where = (
+            f"; the others first differ at output tokens {a['first_difference_at']}" if a["equal"] < a["total"] else ""
+        )
+        console.print(f"greedy outputs of {name} equal to the engine's: {a['equal']}/{a['total']}{where}")
     for name, why in report["skipped"].items():
         console.print(f"skipped {name}: {why}")
     return buf.getvalue()

@@ -78,9 +78,14 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def save(self, folder: Path) -> None:
-        """As tokenizer.json + tokenizer_config.json, which from_folder reads back."""
+        """As tokenizer.json + tokenizer_config.json, which from_folder (and transformers) read back."""
         self.backend.save(str(folder / "tokenizer.json"))
-        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "chat_template": self.chat_template,
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
     @classmethod

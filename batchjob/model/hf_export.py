@@ -1,0 +1,72 @@
+"""A loaded model written back out as a Hugging Face folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json), for peers that read only such folders (vLLM, transformers) to run the very same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from batchjob.model.config import ModelConfig
+from batchjob.model.loader import LoadedModel, cache_dir, load_model
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+
+
+def hf_config(c: ModelConfig) -> dict:
+    """config.json as transformers writes it for the architecture."""
+    return {
+        "architectures": [c.architecture],
+        "model_type": _MODEL_TYPES[c.architecture],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.attention_bias,
+        "sliding_window": c.sliding_window,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
+        "torch_dtype": "float32",
+    }
+
+
+def export_hf(loaded: LoadedModel, folder: Path) -> Path:
+    """Writes `loaded` as an HF folder (atomically: a reader never sees half of it) and returns it."""
+    if loaded.rope_freqs is not None:
+        raise ValueError("a GGUF with rope_freqs (llama3 scaling baked into a tensor) has no plain HF form here")
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+    tmp.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.float().contiguous() for k, v in loaded.weights.items()}
+    if loaded.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hf_config(loaded.config), indent=1))
+    loaded.tokenizer.save(tmp)
+    if folder.exists():  # another process exported it meanwhile
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    else:
+        os.replace(tmp, folder)
+    return folder
+
+
+def hf_folder(model: str) -> Path:
+    """`model` (a name, GGUF file or HF folder) as an HF folder: an HF folder is itself; anything else is exported
+    once into the cache by the digest of its weights."""
+    loaded = load_model(model)
+    if loaded.path.is_dir():
+        return loaded.path
+    folder = cache_dir() / "hf" / loaded.digest
+    return folder if (folder / "config.json").exists() else export_hf(loaded, folder)

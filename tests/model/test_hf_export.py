@@ -1,0 +1,36 @@
+"""The default model written out as an HF folder (what vLLM reads in the bench) is the same model: our loader reads
+back the same weights and tokenizer, and transformers loads it and computes the same logits as its GGUF loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchjob.model.hf_export import export_hf
+from batchjob.model.loader import load_model
+
+
+def test_exported_folder_is_the_same_model(loaded, hf_oracle, tmp_path):
+    folder = export_hf(loaded, tmp_path / "hf")
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    back = load_model(str(folder))
+    assert back.config == loaded.config
+    assert back.weights.keys() == loaded.weights.keys() - {"lm_head.weight"}
+    assert all(torch.equal(back.weights[k], loaded.weights[k]) for k in back.weights)
+    text = "Summarize this text in two sentences: café, naïve — 東京."
+    messages = [{"role": "user", "content": text}]
+    assert back.tokenizer.encode_chat(messages) == loaded.tokenizer.encode_chat(messages)
+
+    transformers = pytest.importorskip("transformers")
+    hf_model, hf_tok = hf_oracle
+    ours = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert tok.encode(text) == hf_tok.encode(text)
+    ids = torch.tensor([loaded.tokenizer.encode_chat(messages)])
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(ids).logits, hf_model(ids).logits, rtol=0, atol=1e-4)
