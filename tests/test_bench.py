@@ -1,6 +1,6 @@
 """bench: a job file's rows as the workload, and the token-budget sweep (tiny, on the real model)."""
 
-from batchjob.bench import format_report, job_workload, run_bench, run_sweep, synthetic
+from batchjob.bench import agreement, format_report, job_workload, run_bench, run_sweep, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource
@@ -49,3 +49,9 @@ def test_the_fixed_batch_is_split_to_what_the_kv_pool_holds():
     assert "batch 4 split to <= 2 rows" in rows["static"]["note"] and rows["engine"]["note"] == ""
     assert "split to <= 2 rows" in format_report(report)
     assert engine.block_manager.num_free_blocks == 6
+
+
+def test_agreement_counts_equal_outputs_and_where_the_others_part():
+    ours = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8]}
+    theirs = {"a": [1, 2, 3], "b": [4, 9, 6], "c": [7, 8, 2]}
+    assert agreement(ours, theirs) == {"equal": 1, "total": 3, "first_difference_at": [1, 2]}
