@@ -312,6 +312,7 @@ def load_vllm(engine: Engine, model_path):
 def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
     """The same token ids, greedy, with each request's max_tokens and EOS rule (ignore_eos, or the engine's EOS
     ids as stop ids)."""
+    import vllm  # type: ignore[import-not-found]
     from vllm import SamplingParams as VSP  # type: ignore[import-not-found]
 
     eos = sorted(engine.eos_token_ids)
@@ -332,14 +333,8 @@ def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
     tokens = {r.request_id: list(o.outputs[0].token_ids) for r, o in zip(wl.requests, outs)}
     result = Result("vllm", wall, wl.prompt_tokens, sum(map(len, tokens.values())), len(wl.requests))
     result.cpu_s, result.outputs = time.process_time() - c0, tokens
-    result.note = f"vllm {_version('vllm')}, fp32, both cores ({', '.join(f'{k}={v}' for k, v in VLLM_ENV.items())})"
+    result.note = f"vllm {vllm.__version__}, fp32, both cores ({', '.join(f'{k}={v}' for k, v in VLLM_ENV.items())})"
     return result
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
 
 
 def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
