@@ -9,6 +9,7 @@ import codecs
 import glob
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from batchjob.job.storage import is_url, url_to_fs
 
 MAX_LISTED_DUPLICATES = 5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A JSON \uD800-\uDFFF escape: valid in a pair, but alone it decodes to a str that no tokenizer or writer can encode.
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class InputError(Exception):
@@ -229,6 +232,8 @@ class InputSource:
             return Row(index, synthetic, {}, error=f"unusable JSON on line {lineno}: {str(e) or type(e).__name__}")
         if not isinstance(obj, dict):
             return Row(index, synthetic, {}, error=f"line {lineno} is JSON {type(obj).__name__}, not an object")
+        if SURROGATE_ESCAPE.search(text) and not _encodable(obj):
+            return Row(index, synthetic, {}, error=f"line {lineno}: a \\u escape makes a lone surrogate, not text")
         id_key = "custom_id" if self.format == "openai-batch" else self.spec.id_column
         raw_id = obj.get(id_key)
         if raw_id is None or isinstance(raw_id, (dict, list)) or raw_id != raw_id:  # NaN is not equal to itself
@@ -243,6 +248,14 @@ class InputSource:
         else:
             row.values = {c: obj.get(c) for c in self.prompt_columns}
         return row
+
+
+def _encodable(obj: Any) -> bool:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _synthetic_id(path: str, n: int, line: bool = False) -> str:

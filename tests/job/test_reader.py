@@ -235,3 +235,19 @@ def test_parquet_passthrough_types_are_widened_across_files_or_refused(tmp_path)
     source = source_for(tmp_path / "*.parquet", tmp_path, passthrough=["n"])
     with pytest.raises(InputError, match="pass-through columns have types that do not fit together"):
         source.scan()
+
+
+def test_a_json_lone_surrogate_fails_its_row_and_a_pair_is_text(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        r'{"id": "a", "text": "lone \udc00 here"}',
+        r'{"id": "b\ud800", "text": "x"}',
+        r'{"id": "c", "text": "pair \ud83d\ude00 and a backslash \\ud800"}',
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    source = source_for(path, tmp_path)
+    assert source.scan().total == 3
+    rows = list(source.rows())
+    assert [r.error for r in rows[:2]] == [f"line {n}: a \\u escape makes a lone surrogate, not text" for n in (1, 2)]
+    assert rows[1].id.endswith("d.jsonl:2")
+    assert rows[2].error is None and rows[2].values["text"] == "pair \U0001f600 and a backslash \\ud800"
