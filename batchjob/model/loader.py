@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -168,7 +169,29 @@ def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
     weights = {}
     for f in files:
         weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
-    return LoadedModel(config, weights, Tokenizer.from_folder(path), path, file_digest(files))
+    return LoadedModel(config, weights, Tokenizer.from_folder(path), path, folder_digest(path, files))
+
+
+# Besides the weights, what a Hugging Face folder's results depend on: the architecture, the tokenizer, the chat
+# template and the generation defaults. A change to any of them must not let a resume mix two models' outputs.
+HF_RESULT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def folder_digest(path: Path, weights: list[Path]) -> str:
+    """sha256 over the weights and HF_RESULT_FILES present, each under its name (so that moving content between
+    files changes it too)."""
+    h = hashlib.sha256()
+    for f in sorted({*weights, *(path / n for n in HF_RESULT_FILES if (path / n).is_file())}):
+        h.update(f"{f.relative_to(path)}\0{file_digest([f])}\n".encode())
+    return h.hexdigest()
 
 
 # GGUF tensor names -> HF names ({i} is the layer).
@@ -295,7 +318,14 @@ def _convert_gguf(path: Path, out: Path) -> None:
         weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: GGUF data is a read-only mmap
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(tmp / "model.safetensors"))
-    Tokenizer.from_gguf(reader, meta).save(tmp)
-    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
-    os.replace(tmp, out)
+    try:
+        save_file(weights, str(tmp / "model.safetensors"))
+        Tokenizer.from_gguf(reader, meta).save(tmp)
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        try:
+            os.replace(tmp, out)
+        except OSError:  # ENOTEMPTY/EEXIST: another process (a Ray worker) converted the same file first
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours alone: the name carries our pid

@@ -325,3 +325,27 @@ def test_gguf_second_load_uses_the_conversion_cache(tiny_gguf, cache, monkeypatc
         f.write(b"\0" * 32)
     with pytest.raises(AssertionError, match="converted again"):
         load_model(str(path))
+
+
+def test_a_gguf_converted_by_two_processes_at_once_leaves_one_cache_and_no_part(tiny_gguf, cache):
+    """Seen with several Ray workers on a fresh cache: the loser's os.replace failed with ENOTEMPTY, leaving a .part."""
+    path, _ = tiny_gguf
+    first = load_model(str(path))
+    out = cache / "gguf" / first.digest
+    model_loader._convert_gguf(path, out)  # the loser: converts too, finds the winner's folder in place
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == [first.digest]
+    assert load_model(str(path)).config == first.config
+
+
+@pytest.mark.parametrize("changed", model_loader.HF_RESULT_FILES)
+def test_an_hf_folder_digest_covers_what_results_depend_on(tmp_path, changed):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_text(f"{name} v1")
+    weights = [folder / "model.safetensors"]
+    before = model_loader.folder_digest(folder, weights)
+    (folder / "README.md").write_text("not part of the model")
+    assert model_loader.folder_digest(folder, weights) == before
+    (folder / changed).write_text(f"{changed} v2")
+    assert model_loader.folder_digest(folder, weights) != before
