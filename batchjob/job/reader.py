@@ -90,6 +90,18 @@ class InputSource:
         self._parquet[path] = metadata
         self._passthrough_schemas.append(pa.schema([schema.field(c) for c in self.passthrough]))
 
+    def check_outside(self, folder: str) -> None:
+        """Refuse an output folder that holds an input file: a glob would read the job's own results on resume, and
+        the folder's cleanup would be next to the user's data."""
+        if self.fs is not None or is_url(folder):
+            return
+        root = Path(folder).resolve()
+        inside = [path for path in self.files if Path(path).resolve().is_relative_to(root)]
+        if inside:
+            raise InputError(
+                f"input.path: {inside[0]} is inside the output folder {folder}; give output.path a folder of its own"
+            )
+
     def identity(self) -> list[dict]:
         """What the input is, for the job fingerprint: cheap to compute, and a copy or a touch leaves it alone."""
         out = []

@@ -87,6 +87,7 @@ class JobRun:
         for part in out.recover():
             self.progress.message(f"quarantined the damaged part {part.name} in {part.parent}; its rows will be redone")
         source = InputSource(job)
+        source.check_outside(job.output.path)
         fp = fingerprint(job, source, None)
         if restart:
             self.progress.message(f"--restart: discarding earlier results in {out.path}")

@@ -288,3 +288,13 @@ def test_rows_per_file_is_part_of_the_job(tmp_path, docs, progress):
         run_job(other, progress, engine_factory=fake_factory())
     assert run_job(other, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
     assert len(results(tmp_path / "out")) == 23 and len(list((tmp_path / "out" / "data").iterdir())) == 3
+
+
+def test_an_output_folder_that_holds_the_input_is_refused_before_any_work(tmp_path, progress):
+    (tmp_path / "in").mkdir()
+    data = write_jsonl(tmp_path / "in" / "d.jsonl", documents(3))
+    for out in [tmp_path / "in", tmp_path]:
+        with pytest.raises(InputError, match=f"{data} is inside the output folder {out}; give output.path a folder"):
+            run_job(make_job(tmp_path / "in" / "*.jsonl", out), progress, engine_factory=fake_factory())
+    assert data.read_bytes() == write_jsonl(tmp_path / "copy.jsonl", documents(3)).read_bytes()
+    assert not list((tmp_path / "in").glob("data/*"))  # nothing written
