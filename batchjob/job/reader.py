@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import codecs
 import glob
-import hashlib
 import json
 import re
 from collections import Counter
@@ -19,6 +18,7 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchjob.job.digest import file_sha256
 from batchjob.job.openai_batch import RequestLineError, parse_request
 from batchjob.job.spec import InputSpec, JobSpec
 from batchjob.job.storage import is_url, url_to_fs
@@ -103,17 +103,13 @@ class InputSource:
             )
 
     def identity(self) -> list[dict]:
-        """What the input is, for the job fingerprint: cheap to compute, and a copy or a touch leaves it alone."""
+        """What the input is, for the job fingerprint: its whole content (digest.py), so a copy or a touch leaves it
+        alone and any edit does not."""
         out = []
         for path in self.files:
             size = self.fs.size(path) if self.fs else Path(path).stat().st_size
-            digest = hashlib.sha256()
-            with self._open(path) as f:
-                digest.update(f.read(1 << 16))
-                f.seek(max(0, size - (1 << 16)))
-                digest.update(f.read())
             name = self.fs.unstrip_protocol(path) if self.fs else str(Path(path).resolve())
-            out.append({"path": name, "size": size, "sha256_head_tail": digest.hexdigest()})
+            out.append({"path": name, "size": size, "sha256": file_sha256(path, self.fs)})
         return out
 
     def _open(self, path: str) -> BinaryIO:

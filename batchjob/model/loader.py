@@ -23,17 +23,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchjob.model.builtin import BUILTIN_MODELS
+from batchjob.model.builtin import BUILTIN_MODELS, cache_dir
 from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig
 from batchjob.model.tokenizer import Tokenizer
 
 
 class ModelNotFoundError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob"))
 
 
 # org/name, org/name@revision, or org/name/file.gguf (one GGUF file of the repo), as the Hub spells repo ids.

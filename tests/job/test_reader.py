@@ -251,3 +251,21 @@ def test_a_json_lone_surrogate_fails_its_row_and_a_pair_is_text(tmp_path):
     assert [r.error for r in rows[:2]] == [f"line {n}: a \\u escape makes a lone surrogate, not text" for n in (1, 2)]
     assert rows[1].id.endswith("d.jsonl:2")
     assert rows[2].error is None and rows[2].values["text"] == "pair \U0001f600 and a backslash \\ud800"
+
+
+def test_the_input_identity_is_the_whole_content_remembered_by_size_mtime_and_inode(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    rows = [{"id": f"r{i}", "text": "x" * 100} for i in range(3000)]  # well over 2 x 64 KiB
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    source = InputSource(make_job(path, tmp_path / "out", input={"format": "jsonl"}))
+    first = source.identity()[0]["sha256"]
+    # Same size, mtime and inode: the remembered digest is used and the file is not read again.
+    [memo] = (tmp_path / "cache" / "input-digests").iterdir()
+    memo.write_text(memo.read_text().replace(first, "remembered"))
+    assert source.identity()[0]["sha256"] == "remembered"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    mtime = path.stat().st_mtime_ns
+    path.write_bytes(bytes(data))  # a same-length edit in the middle, a second later
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+    assert source.identity()[0]["sha256"] not in (first, "remembered")

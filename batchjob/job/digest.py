@@ -1,0 +1,38 @@
+"""The full-content sha256 of an input file, for the job fingerprint: any edit, a same-length one in the middle
+included, changes it. Reading a large input again on every resume would be slow, so the digest is remembered under
+the cache folder by what changes whenever the content does: size, mtime and inode locally (ETag or mtime on an object
+store)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from batchjob.job.writer import write_json
+from batchjob.model.builtin import cache_dir
+
+
+def file_sha256(path: str, fs: Any = None) -> str:
+    if fs is None:
+        st = Path(path).stat()
+        name, version = str(Path(path).resolve()), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    else:
+        info = fs.info(path)
+        name = fs.unstrip_protocol(path)
+        version = [info.get("size"), str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or "")]
+    memo = cache_dir() / "input-digests" / f"{hashlib.sha256(name.encode()).hexdigest()}.json"
+    try:
+        known = json.loads(memo.read_text())
+        if known["version"] == version:
+            return known["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") if fs else open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    write_json(memo, {"path": name, "version": version, "sha256": digest.hexdigest()})
+    return digest.hexdigest()
