@@ -63,6 +63,7 @@ class RayExecutor:
     def __init__(self, spec: RaySpec, engine_factory):
         self.spec, self.engine_factory = spec, engine_factory
         self.digest: str | None = None
+        self.written: set[str] = set()  # ids committed by this run (earlier runs' ids never reach the workers)
 
     def execute(self, pending: Pending) -> None:
         started = connect(self.spec)
@@ -129,7 +130,7 @@ class RayExecutor:
                 "the model path must hold the same files on every node"
             )
         # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
-        written = pending.committed.ids
+        written = self.written
         fresh = [record for record in table.to_pylist() if record["id"] not in written]
         for record in fresh:
             written.add(record["id"])

@@ -9,12 +9,12 @@ import codecs
 import glob
 import json
 import re
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -24,6 +24,7 @@ from batchjob.job.spec import InputSpec, JobSpec
 from batchjob.job.storage import is_url, url_to_fs
 
 MAX_LISTED_DUPLICATES = 5
+ID_CHUNK = 1 << 16  # JSONL ids gathered this many at a time into Arrow
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A JSON \uD800-\uDFFF escape: valid in a pair, but alone it decodes to a str that no tokenizer or writer can encode.
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -47,6 +48,7 @@ class Row:
 class Scan:
     total: int
     passthrough_schema: pa.Schema
+    ids: pa.ChunkedArray  # every row's id by input position, in Arrow memory (not a Python object a row)
 
 
 class InputSource:
@@ -117,34 +119,41 @@ class InputSource:
 
     def scan(self) -> Scan:
         """One cheap pass before any work: count rows, refuse duplicate ids, type the JSON pass-through columns."""
-        counts: Counter[str] = Counter()
+        chunks: list[pa.Array] = []
         kinds: dict[str, set[type]] = {c: set() for c in self.passthrough}
         total = 0
         if self.format == "parquet":
             for path, metadata in self._parquet.items():
                 with pq.ParquetFile(path, filesystem=self.fs) as pf:
                     for rg in range(metadata.num_row_groups):
-                        counts.update(self._row_group_ids(path, pf, rg, total))
+                        chunks.append(pa.array(self._row_group_ids(path, pf, rg, total), pa.large_string()))
                         total += metadata.row_group(rg).num_rows
             schema = self._parquet_passthrough_schema()
         else:
+            pending: list[str] = []
             for path in self.files:
                 try:
                     for row in self._json_rows(path, total):
-                        counts[row.id] += 1
+                        pending.append(row.id)
+                        if len(pending) >= ID_CHUNK:
+                            chunks.append(pa.array(pending, pa.large_string()))
+                            pending = []
                         for c, v in row.passthrough.items():
                             if v is not None:
                                 kinds[c].add(_kind(v))
                         total += 1
                 except OSError as e:
                     raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+            chunks.append(pa.array(pending, pa.large_string()))
             schema = pa.schema([(c, _json_type(kinds[c])) for c in self.passthrough])
-        duplicates = [i for i, n in counts.items() if n > 1]
-        if duplicates:
-            listed = ", ".join(repr(i) for i in duplicates[:MAX_LISTED_DUPLICATES])
+        ids = pa.chunked_array(chunks, pa.large_string())
+        series = pl.Series("id", ids)
+        duplicates = series.filter(series.is_duplicated()).unique(maintain_order=True)
+        if len(duplicates):
+            listed = ", ".join(repr(i) for i in duplicates.head(MAX_LISTED_DUPLICATES).to_list())
             raise InputError(f"input: {len(duplicates)} duplicate ids (resume needs unique ids), e.g. {listed}")
         self.passthrough_schema = schema
-        return Scan(total, schema)
+        return Scan(total, schema, ids)
 
     def rows(self) -> Iterator[Row]:
         """All rows in input order; scan() first, which types the JSON pass-through columns."""

@@ -125,7 +125,8 @@ class JobRun:
             out.check_fingerprint(fp, keys=list(MODEL_KEYS))
             self._write_job(fp, scan)
 
-        rows = (row for row in source.rows() if row.id not in committed.ids)
+        done = committed.done_at(scan.ids)
+        rows = (row for row in source.rows() if not done[row.index])
         pending = Pending(job, rows, scan, committed, writer, self.progress, self.stopper, model_known)
         try:
             self.executor.execute(pending)

@@ -146,7 +146,10 @@ def test_committed_rows_come_from_the_parts(tmp_path):
         w.add(record(i, error="bad" if i == 4 else None))
     w.flush()
     done = out.committed()
-    assert done.ids == {f"r{i}" for i in range(5)} and (done.rows, done.failed) == (5, 1)
+    assert sorted(done.ids.to_pylist()) == [f"r{i}" for i in range(5)] and (done.rows, done.failed) == (5, 1)
+    # Which input positions are done, by id (the input's ids are large_string, the parts' string).
+    ids = pa.chunked_array([["r3", "new", "r0"], ["r9"]], pa.large_string())
+    assert done.done_at(ids).tolist() == [True, False, True, False]
     assert (done.prompt_tokens, done.output_tokens) == (15, 10) and out.next_part_number() == 3
 
 
