@@ -94,6 +94,18 @@ class BlockManager:
         seq.num_hashed_blocks, seq.last_block_hash = len(seq.block_table), parent
         return hits
 
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """`child` (holding no blocks) shares the full blocks of `parent`'s computed tokens; the last, partial block
+        is computed again by the child, since both write into it next. Returns the number of tokens shared."""
+        full = parent.num_computed_tokens // self.block_size
+        for block in parent.block_table[:full]:
+            self.ref_count[block] += 1
+        child.block_table = parent.block_table[:full]
+        child.num_computed_tokens = full * self.block_size
+        if parent.num_hashed_blocks >= full:
+            child.num_hashed_blocks, child.last_block_hash = full, parent.last_block_hash
+        return child.num_computed_tokens
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """After a step: key every newly completed block of `seq` so that later requests can share it."""
         if not self.enable_prefix_caching:

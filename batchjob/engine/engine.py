@@ -1,4 +1,4 @@
-"""The public API: Engine(model, **config).generate(...) and .stream(...), as a vLLM user expects."""
+"""The public API: Engine(model, **config).generate(...), .chat(...) and .stream(...), as a vLLM user expects."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterable, Iterator
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import PROFILES, EngineConfig
 from batchjob.engine.model_runner import ModelRunner, pick_device, pick_dtype
-from batchjob.engine.outputs import Request, RequestOutput, StepMetrics
+from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, StepMetrics
 from batchjob.engine.sampler import Sampler
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import Scheduler
-from batchjob.engine.sequence import Sequence
+from batchjob.engine.sequence import Sequence, SequenceStatus
+from batchjob.engine.structured_output import StructuredOutput
 from batchjob.engine.token_budget import AutoTokenBudget, budget_cap
 from batchjob.model.builtin import DEFAULT_MODEL
 from batchjob.model.dummy import load_dummy
@@ -56,6 +57,7 @@ class Engine:
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.structured = StructuredOutput(self.tokenizer, loaded.config.vocab_size, list(self.eos_token_ids))
         self._step_callbacks: list[Callable[[StepMetrics], None]] = []
         self._arrivals = itertools.count()
         self._aborting = False
@@ -68,17 +70,41 @@ class Engine:
         self._step_callbacks.append(fn)
 
     def generate(
-        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in input order. Text prompts are tokenized as they are (no chat template)."""
+        """Outputs in input order. Text prompts are tokenized as they are (no chat template; see chat()).
+        use_tqdm shows a tqdm.auto bar (a widget in notebooks) with requests done and output tokens/s."""
+        from tqdm.auto import tqdm
+
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         requests = [
             Request(str(i), self.tokenizer.encode(p) if isinstance(p, str) else list(p), sp)
             for i, (p, sp) in enumerate(zip(prompts, plist))
         ]
-        done = {o.request_id: o for o in self.stream(requests)}
+        done: dict[str, RequestOutput] = {}
+        start, tokens = time.perf_counter(), 0
+        with tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
+            for out in self.stream(requests):
+                done[out.request_id] = out
+                tokens += sum(len(s.token_ids) for s in out.samples)
+                bar.set_postfix_str(f"output {tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
+                bar.update(1)
         return [done[r.request_id] for r in requests]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """generate() over conversations ([{role, content}, ...], or a list of them) through the model's chat
+        template, with the assistant's turn opened."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
         """Pulls requests lazily while there is room for them and yields each output as soon as it finishes."""
@@ -153,6 +179,15 @@ class Engine:
             )
         elif max(req.prompt_token_ids) >= self.model_config.vocab_size or min(req.prompt_token_ids) < 0:
             error = "prompt holds token ids outside the vocabulary"
+        elif any(not 0 <= t < self.model_config.vocab_size for t in req.params.logit_bias):
+            error = "logit_bias holds token ids outside the vocabulary"
+        elif req.params.n > self.config.max_num_seqs:
+            error = f"n={req.params.n} samples exceed max_num_seqs {self.config.max_num_seqs}"
+        else:
+            try:
+                seq.matcher = self.structured.matcher(req.params)
+            except (RuntimeError, ValueError) as e:
+                error = f"cannot compile the output constraint: {e}"
         if error:
             seq.finish_reason = "error"
             seq.metrics.finished_time = time.time()
@@ -166,27 +201,49 @@ class Engine:
         finished = []
         if sched.scheduled:
             logits = self.runner.execute(sched)
-            to_sample = self.scheduler.advance(sched)
-            tokens, logprobs = self.sampler(logits, to_sample) if to_sample else ([], None)
+            seqs, rows = self._fork(self.scheduler.advance(sched))
+            if len(rows) > logits.shape[0]:  # new samples draw their first token from their root's row
+                logits = logits[rows]
+            tokens, logprobs = self.sampler(logits, seqs, self.structured.apply) if seqs else ([], [])
             now = time.time()
-            for i, (seq, token) in enumerate(zip(to_sample, tokens)):
+            for seq, token, logprob in zip(seqs, tokens, logprobs):
                 seq.token_ids.append(token)
-                if logprobs is not None and seq.logprobs is not None:
-                    seq.logprobs.append(logprobs[i])
+                self.structured.accept(seq, token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
                 if seq.metrics.first_token_time is None:
                     seq.metrics.first_token_time = now
                 reason = self._check_stop(seq, token)
                 if reason:
                     self.scheduler.finish(seq, reason)
-                    finished.append(self._output(seq))
+                    output = self._group_output(seq)
+                    if output is not None:
+                        finished.append(output)
         self.step_count += 1
         self._report(sched, time.perf_counter() - t0)
         return finished
+
+    def _fork(self, to_sample: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """A root about to draw its first token forks its other n-1 samples; returns the sequences to sample and
+        the logits row of each."""
+        seqs, rows = [], []
+        for i, seq in enumerate(to_sample):
+            seqs.append(seq)
+            rows.append(i)
+            while seq.needs_fork:
+                child = seq.fork(len(seq.samples))
+                child.matcher = self.structured.matcher(seq.params)  # compiled already, for the root
+                self.scheduler.fork(seq, child)
+                seqs.append(child)
+                rows.append(i)
+        return seqs, rows
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         self._detokenize(seq)
         if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"
         for s in p.stop:
             # Only the tail can hold a new match: the last token's text plus a stop string's length.
@@ -213,26 +270,50 @@ class Engine:
     def _abort_in_flight(self) -> Iterator[RequestOutput]:
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq, "abort")
-            yield self._output(seq)
+            output = self._group_output(seq)
+            if output is not None:
+                yield output
         yield from self._abort_waiting()
 
     def _abort_waiting(self) -> Iterator[RequestOutput]:
-        while self.scheduler.waiting:
-            seq = self.scheduler.waiting.popleft()
+        """Requests none of whose samples is running; a preempted sample waits for its running siblings."""
+        waiting, kept = self.scheduler.waiting, []
+        while waiting:
+            seq = waiting.popleft()
+            if any(s.status is SequenceStatus.RUNNING for s in seq.root.samples):
+                kept.append(seq)
+                continue
             seq.finish_reason = "abort"
-            yield self._output(seq)
+            output = self._group_output(seq)
+            if output is not None:
+                yield output
+        waiting.extend(kept)
 
-    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
+    def _group_output(self, seq: Sequence) -> RequestOutput | None:
+        """The request's output once the last of its samples has finished."""
+        root = seq.root
+        if any(s.finish_reason is None for s in root.samples):
+            return None
+        return self._output(root)
+
+    def _output(self, root: Sequence, error: str | None = None) -> RequestOutput:
+        samples = root.samples
+        # A request with any sample aborted is not done: it runs again as a whole.
+        reason = "abort" if any(s.finish_reason == "abort" for s in samples) else root.finish_reason
+        root.metrics.finished_time = max(s.metrics.finished_time or 0.0 for s in samples) or None
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=seq.logprobs,
+            request_id=root.request_id,
+            prompt_token_ids=root.prompt_token_ids,
+            token_ids=root.output_token_ids,
+            text=root.text,
+            finish_reason=reason,
+            num_cached_tokens=root.num_cached_tokens,
+            logprobs=root.logprobs,
             error=error,
-            metrics=seq.metrics,
+            metrics=root.metrics,
+            outputs=[
+                CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.logprobs) for s in samples
+            ],
         )
 
     def _report(self, sched, step_time: float) -> None:

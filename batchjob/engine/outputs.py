@@ -38,16 +38,45 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprob:
+    """One output token's log-probability under the model, and the `top_logprobs` likeliest (id, logprob) there."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
 class RequestOutput:
+    """The top-level text, token_ids, finish_reason and logprobs are the first sample's (vLLM's outputs[0]);
+    `outputs` holds all n samples when the engine made them."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop" | "length" | "length_capped" | "abort" | "error"
     num_cached_tokens: int = 0
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def samples(self) -> list[CompletionOutput]:
+        """All samples; a single one built from the top-level fields when `outputs` is empty."""
+        return self.outputs or [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
     @property
     def finished(self) -> bool:

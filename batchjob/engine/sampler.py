@@ -1,17 +1,27 @@
 """Turns the logits of the rows that need a token into tokens.
 
-Greedy rows take a batched argmax. Random rows sample by the exponential race (argmax of p / E, E ~ Exp(1)),
-drawing E from the request's own generator when it has a seed, so that its tokens do not depend on the batch."""
+Log-probabilities are of the model's own distribution (vLLM's raw_logprobs), taken before biases, penalties and any
+grammar mask. Constrained rows are masked next; then greedy rows take a batched argmax. Random rows sample by the
+exponential race (argmax of p / E, E ~ Exp(1)), drawing E from the request's own generator when it has a seed, so
+that its tokens do not depend on the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from batchjob.engine.outputs import TokenLogprob
 from batchjob.engine.sequence import Sequence
+
+LogitsMask = Callable[[torch.Tensor, list[Sequence]], None]  # masks rows of the logits in place
 
 
 def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
         vals = logits[seen]
@@ -45,13 +55,20 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
-        """logits [N, V] float32 on the CPU, row i for seqs[i]. Returns tokens and, when any row asks, the
-        log-probabilities of the chosen tokens under the model's distribution."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], mask: LogitsMask | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits [N, V] float32 on the CPU, row i for seqs[i] (changed in place). Returns the tokens and, per row,
+        its TokenLogprob when the row asks for logprobs, else None."""
+        want = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
+        raw = logits[want].log_softmax(-1) if want else None
+        if mask is not None:
+            mask(logits, seqs)
         tokens = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
             p = seq.params
-            if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and p.greedy:
+            plain = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            if plain and not p.logit_bias and p.greedy:
                 continue
             row = _apply_penalties(logits[i].clone(), seq)
             if p.greedy:
@@ -60,8 +77,13 @@ class Sampler:
             row = _filter(row / p.temperature, p.top_k, p.top_p, p.min_p)
             race = torch.empty_like(row).exponential_(generator=seq.generator or self.generator)
             tokens[i] = int((row.softmax(-1) / race).argmax())
-        logprobs = None
-        if any(seq.params.logprobs for seq in seqs):
-            chosen = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
-            logprobs = logits.log_softmax(-1).gather(1, chosen).squeeze(1).tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if want:
+            chosen = raw.gather(1, torch.tensor([tokens[i] for i in want]).unsqueeze(1)).squeeze(1).tolist()
+            k = max(seqs[i].params.top_logprobs for i in want)
+            top_vals, top_ids = raw.topk(k, -1) if k else (None, None)
+            for j, i in enumerate(want):
+                n = seqs[i].params.top_logprobs
+                top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
+                logprobs[i] = TokenLogprob(tokens[i], chosen[j], top)
         return tokens, logprobs

@@ -1,13 +1,45 @@
-"""Per-request sampling settings, validated at construction (vLLM's names)."""
+"""Per-request sampling settings, validated at construction (vLLM's names, OpenAI's for logprobs and
+response_format)."""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's response_format.json_schema: {name, schema, strict, description}."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: {type: text}, {type: json_object} or {type: json_schema, json_schema: {...}}."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only there")
+        return self
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    n: int = Field(1, ge=1, description="samples per prompt; the prompt is computed once")
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_k: int = Field(0, ge=0, description="0 disables")
@@ -21,12 +53,32 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logprobs: bool = False
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> added to its logit")
+    logprobs: bool = Field(False, description="the log-probability of each output token")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="and of the k likeliest tokens at each step")
+    # Constrained decoding (at most one): the output follows the schema, the regex, or is one of the choices.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop: empty stop strings are not allowed")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias: biases must be within [-100, 100]")
+        constraints = [k for k in ("response_format", "regex", "choice") if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            constraints.remove("response_format")
+        if len(constraints) > 1:
+            raise ValueError(f"{' and '.join(constraints)}: at most one output constraint per request")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice: needs at least one string")
+        from batchjob.engine.structured_output import check_grammar  # xgrammar loads only for constrained requests
+
+        check_grammar(self)
         return self
 
     @property

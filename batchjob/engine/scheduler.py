@@ -110,9 +110,12 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         cfg, bm = self.config, self.bm
         blocked: list[Sequence] = []  # requests passed over in this step because they did not fit
+        # A root that will fork holds a seat for each of its samples.
+        seats = sum(s.params.n if s.needs_fork else 1 for s in self.running)
         candidates = islice(self.waiting, cfg.max_num_seqs - len(self.running) + _MAX_LOOKAHEAD)
         for seq in list(candidates):
-            if budget == 0 or len(self.running) >= cfg.max_num_seqs:
+            need_seats = seq.params.n if seq.needs_fork else 1
+            if budget == 0 or seats + need_seats > cfg.max_num_seqs:
                 break
             if any(b.skipped >= cfg.max_bypass for b in blocked):
                 break  # bounded bypass: the passed-over request gets the next free blocks
@@ -135,6 +138,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += need_seats
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
                 seq.num_cached_tokens = cached
@@ -142,6 +146,14 @@ class Scheduler:
                 self.prefix_hits += cached
             self._schedule(seq, n, out)
             budget -= n
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A running parent's new sample runs beside it, on the parent's prompt blocks (counted as prefix hits)."""
+        shared = self.bm.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        self.prefix_queries += parent.num_prompt_tokens
+        self.prefix_hits += shared
 
     def _choose_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence:
         """Never the oldest running sequence while others exist (so that it always progresses), nor one already

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from batchjob.engine.outputs import Request, RequestMetrics
+from batchjob.engine.outputs import Request, RequestMetrics, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -32,7 +32,12 @@ class Sequence:
         self.max_tokens = self.params.max_tokens  # may be lowered by elastic compression
         self.length_capped = False
         self.finish_reason: str | None = None
-        self.logprobs: list[float] | None = [] if self.params.logprobs else None
+        self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
+        self.matcher = None  # xgrammar's GrammarMatcher when the output is constrained
+        # n samples: the first sequence (index 0) is the root; at its first token it forks the others.
+        self.index = 0
+        self.root = self
+        self.samples: list[Sequence] = [self]
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.skipped = 0  # times a later request was admitted ahead of this one (bounded bypass)
         self.generator: torch.Generator | None = None
@@ -42,6 +47,23 @@ class Sequence:
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = len(self.prompt_token_ids)
+
+    def fork(self, index: int) -> Sequence:
+        """Sample `index` of this root, at the point where the prompt is computed and no token drawn yet: it shares
+        the prompt's KV blocks (BlockManager.fork) and draws its own tokens (seed + index when seeded)."""
+        child = Sequence(Request(self.request_id, self.prompt_token_ids, self.params), self.arrival_index)
+        child.index, child.root = index, self
+        if self.params.seed is not None:
+            child.generator = torch.Generator().manual_seed(self.params.seed + index)
+        child.metrics.arrival_time = self.metrics.arrival_time
+        child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        child.num_cached_tokens = self.num_cached_tokens
+        self.samples.append(child)
+        return child
+
+    @property
+    def needs_fork(self) -> bool:
+        return self.root is self and self.params.n > len(self.samples)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -113,11 +113,11 @@ class LocalExecutor:
         work = self.in_flight.pop(output.request_id)
         if output.finish_reason == "abort":
             return  # not committed, so it runs again on resume
-        for record in result_rows(work, output):
+        for record in result_rows(work, output, self.engine.tokenizer):
             self.pending.writer.add(record)
         self.pending.progress.rows(
             len(work.rows),
-            output_tokens=len(output.token_ids),
+            output_tokens=sum(len(s.token_ids) for s in output.samples),
             prompt_tokens=len(work.token_ids) - output.num_cached_tokens,
         )
 

@@ -127,7 +127,12 @@ class Planner:
         try:
             return SamplingParams.model_validate({**self.params.model_dump(), **row.overrides})
         except pydantic.ValidationError as e:
-            raise RowError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+            raise RowError("; ".join(_describe(err) for err in e.errors())) from None
+
+
+def _describe(err: dict) -> str:
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{'.'.join(map(str, err['loc']))}: {message}" if err["loc"] else message
 
 
 def order(works: list[Work], block_size: int) -> list[Work]:

@@ -51,7 +51,7 @@ class EngineWorker:
         self.records, works = [], {}
         rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         for output in self.engine.stream(requests(self.planner.works(rows), works)):
-            self.records += result_rows(works.pop(output.request_id), output)
+            self.records += result_rows(works.pop(output.request_id), output, self.engine.tokenizer)
         return pa.Table.from_pylist(self.records, schema=self.schema)
 
 

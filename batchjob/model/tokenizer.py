@@ -54,6 +54,26 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token strings as the model stores them (byte-level or SentencePiece pieces) and their ids."""
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def vocab_kind(self) -> str:
+        """How token strings map to bytes, in xgrammar's terms: byte_level (GPT-2's byte alphabet), byte_fallback
+        (SentencePiece pieces with <0xNN> byte tokens) or raw."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        if "ByteLevel" in kinds:
+            return "byte_level"
+        return "byte_fallback" if kinds & {"ByteFallback", "Metaspace"} else "raw"
+
+    @property
+    def add_prefix_space(self) -> bool:
+        """Whether encoding puts a space before the text (SentencePiece's leading ▁)."""
+        pieces = self.backend.encode("a", add_special_tokens=False).tokens
+        return self.vocab_kind == "byte_fallback" and bool(pieces) and pieces[0].startswith("\u2581")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

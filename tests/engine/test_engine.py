@@ -170,6 +170,6 @@ def test_fp8_kv_cache_doubles_blocks_and_stays_close(prompts):
     assert fp8.num_kv_blocks >= 1.9 * ref.num_kv_blocks
     params = SamplingParams(max_tokens=1, logprobs=True)
     pairs = list(zip(fp8.generate(prompts[:8], params), ref.generate(prompts[:8], params)))
-    agree = [(a.logprobs[0], b.logprobs[0]) for a, b in pairs if a.token_ids == b.token_ids]
+    agree = [(a.logprobs[0].logprob, b.logprobs[0].logprob) for a, b in pairs if a.token_ids == b.token_ids]
     assert len(agree) >= 6
     assert all(abs(x - y) < 0.25 for x, y in agree)

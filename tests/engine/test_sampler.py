@@ -23,7 +23,8 @@ def test_greedy_is_argmax_and_logprobs_are_of_the_chosen_token():
     lg = logits(2)
     toks, lps = Sampler()(lg.clone(), seqs(SamplingParams(logprobs=True), SamplingParams()))
     assert toks == lg.argmax(-1).tolist()
-    assert lps[0] == pytest.approx(lg.log_softmax(-1)[0, toks[0]].item())
+    assert lps[0].logprob == pytest.approx(lg.log_softmax(-1)[0, toks[0]].item())
+    assert lps[1] is None
 
 
 def test_top_k_1_and_tiny_top_p_and_high_min_p_are_greedy():

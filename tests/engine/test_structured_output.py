@@ -1,0 +1,97 @@
+"""Constrained decoding (xgrammar), n samples from one prefill, and top logprobs, on the real default model.
+Few prompts, few tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from batchjob.engine.sampling_params import SamplingParams
+
+PEOPLE = [[{"role": "user", "content": f"Describe a person named {name} as JSON."}] for name in ("Ann", "Bob", "Cyd")]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+
+
+def test_json_schema_outputs_validate_and_compile_once(engine):
+    before = engine.structured.num_compiled
+    outs = engine.chat(PEOPLE, SamplingParams(max_tokens=40, response_format=json_schema(SCHEMA)), use_tqdm=False)
+    assert engine.structured.num_compiled - before <= 1  # one schema, three rows: compiled once (or cached earlier)
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert done
+    for o in done:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+def test_json_object_parses(engine):
+    outs = engine.chat(
+        PEOPLE[:2], SamplingParams(max_tokens=40, response_format={"type": "json_object"}), use_tqdm=False
+    )
+    for o in outs:
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict)
+
+
+def test_choice_and_regex(engine):
+    choices = ["yes", "no", "it depends"]
+    for o in engine.chat(PEOPLE, SamplingParams(max_tokens=8, choice=choices), use_tqdm=False):
+        assert o.finish_reason == "stop" and o.text in choices
+    pattern = r"[A-Z][a-z]{1,8} is [0-9]{2}\."
+    for o in engine.chat(PEOPLE, SamplingParams(max_tokens=16, regex=pattern), use_tqdm=False):
+        assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), o.text
+
+
+def test_length_keeps_the_partial_text(engine):
+    [o] = engine.chat(PEOPLE[:1], SamplingParams(max_tokens=3, response_format=json_schema(SCHEMA)), use_tqdm=False)
+    assert o.finish_reason == "length" and o.text.startswith("{") and len(o.token_ids) == 3
+
+
+def test_bad_constraints_fail_at_construction():
+    with pytest.raises(ValidationError, match="cannot be compiled"):
+        SamplingParams(response_format=json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}}))
+    with pytest.raises(ValidationError, match="regex: cannot be compiled"):
+        SamplingParams(regex="(unclosed")
+    with pytest.raises(ValidationError, match="at most one"):
+        SamplingParams(regex="a", choice=["a"])
+
+
+def test_n_samples_share_one_prefill(engine):
+    prompts = [engine.tokenizer.encode_chat(m) for m in PEOPLE]
+    steps = []
+    engine.add_step_callback(steps.append)
+    hits = engine.scheduler.prefix_hits
+    engine.block_manager.reset_prefix_cache()
+    try:
+        outs = engine.generate(prompts, SamplingParams(n=4, temperature=0.8, max_tokens=6, seed=1), use_tqdm=False)
+    finally:
+        engine._step_callbacks.remove(steps.append)
+    bs = engine.config.block_size
+    for o in outs:
+        assert len(o.outputs) == 4 and o.text == o.outputs[0].text
+        assert len({s.text for s in o.outputs}) > 1  # really sampled
+    prefill = sum(s.num_prefill_tokens for s in steps)
+    tails = sum(len(p) % bs for p in prompts)
+    # Each prompt once; each further sample computes only the prompt's last, partial block (and its first token).
+    assert prefill <= sum(len(p) for p in prompts) + 3 * (tails + len(prompts))
+    assert engine.scheduler.prefix_hits - hits >= 3 * sum(len(p) // bs * bs for p in prompts)
+
+
+def test_top_logprobs(engine):
+    [o] = engine.chat(PEOPLE[:1], SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3), use_tqdm=False)
+    assert len(o.logprobs) == 4
+    for lp, token in zip(o.logprobs, o.token_ids):
+        assert lp.token_id == token and len(lp.top) == 3
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= lp.top[0][1] + 1e-6
+    # greedy: the chosen token is the likeliest
+    assert all(lp.top[0][0] == lp.token_id for lp in o.logprobs)

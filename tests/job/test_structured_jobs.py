@@ -1,0 +1,107 @@
+"""Job files and OpenAI Batch lines with response_format, n and logprobs, run in-process on the real model."""
+
+import json
+
+import jsonschema
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob.job.openai_batch import RequestLineError, parse_request
+from batchjob.job.runner import EXIT_OK, run_job
+from batchjob.job.spec import JobFileError, load_job
+from tests.helpers import make_job, short_documents, write_jsonl
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"type": "string", "maxLength": 30}, "tone": {"enum": ["formal", "casual", "other"]}},
+    "required": ["topic", "tone"],
+}
+ENGINE = {"max_num_seqs": 8, "kv_cache_memory_gb": 0.1, "max_model_len": 512}
+
+
+def shared(engine):
+    return lambda job: engine
+
+
+def test_json_schema_job_over_sample_data_validates(tmp_path, engine, progress):
+    job = make_job(
+        short_documents(tmp_path, rows=4, words=30),
+        tmp_path / "out",
+        model="smollm2-135m-instruct",
+        prompt={"template": "Describe the topic and tone of this text as JSON:\n\n{text}"},
+        sampling={
+            "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+        },
+        engine=ENGINE,
+    )
+    assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
+    rows = pq.read_table(tmp_path / "out" / "data").to_pylist()
+    assert len(rows) == 4 and any(r["finish_reason"] == "stop" for r in rows)
+    for r in rows:
+        assert r["outputs"] == [r["output"]] and r["finish_reasons"] == [r["finish_reason"]]
+        if r["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(r["output"]), SCHEMA)
+
+
+def test_bad_schema_is_a_job_file_error(tmp_path):
+    (tmp_path / "job.yaml").write_text(
+        json.dumps(
+            {
+                "input": {"path": "x.parquet"},
+                "output": {"path": "out"},
+                "sampling": {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            }
+        )
+    )
+    with pytest.raises(JobFileError, match="sampling: response_format.json_schema.schema: cannot be compiled"):
+        load_job(tmp_path / "job.yaml")
+
+
+def line(custom_id: str, url: str = "/v1/chat/completions", **body) -> dict:
+    key = "messages" if url.endswith("chat/completions") else "prompt"
+    prompt = [{"role": "user", "content": "Name a colour."}] if key == "messages" else "Colours: red,"
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {key: prompt, "max_tokens": 6, **body}}
+
+
+def test_openai_fields_are_honoured_or_fail_the_row():
+    with pytest.raises(RequestLineError, match="unsupported field tools"):
+        parse_request(line("a", tools=[]))
+    with pytest.raises(RequestLineError, match="stream"):
+        parse_request(line("a", stream=True))
+    _, overrides = parse_request(line("a", "/v1/completions", logprobs=2, n=3, logit_bias={"15": 5}))
+    assert overrides == {"max_tokens": 6, "logprobs": True, "top_logprobs": 2, "n": 3, "logit_bias": {"15": 5}}
+
+
+def test_openai_batch_with_n_logprobs_and_response_format(tmp_path, engine, progress):
+    lines = [
+        line("n2", n=2, temperature=0.8, seed=3, logprobs=True, top_logprobs=2),
+        line("json", max_tokens=24, response_format={"type": "json_object"}),
+        line("text", "/v1/completions", logprobs=1),
+        line("bad", tools=[{"type": "function"}]),
+    ]
+    job = make_job(
+        write_jsonl(tmp_path / "batch.jsonl", lines),
+        tmp_path / "out",
+        model="smollm2-135m-instruct",
+        input={"format": "openai-batch"},
+        output={"format": "openai-batch"},
+        engine=ENGINE,
+    )
+    assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
+    out = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
+    assert out["bad"]["error"]["message"] == "unsupported field tools"
+    body = out["n2"]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    counted = 0
+    for c in body["choices"]:
+        content = c["logprobs"]["content"]
+        assert all(len(t["top_logprobs"]) == 2 for t in content)
+        assert "".join(t["token"] for t in content) == c["message"]["content"] or c["finish_reason"] == "stop"
+        counted += len(content)
+    assert body["usage"]["completion_tokens"] == counted
+    choice = out["json"]["response"]["body"]["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    logprobs = out["text"]["response"]["body"]["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"])
