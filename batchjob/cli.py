@@ -139,6 +139,7 @@ def _plan_text(r: dict) -> str:
                 f"total {r['prompt_tokens_total']:,} | p50 {r['prompt_tokens_p50']:,} | p99 {r['prompt_tokens_p99']:,}",
             ),
             ("output tokens", f"expected {r['output_tokens_expected']:,} (at most {r['output_tokens_max']:,})"),
+            ("constrained", f"{r['constrained_rows']:,} rows by {r['distinct_grammars']:,} distinct grammars"),
             ("prefix sharing", f"{100 * r['prefix_sharing_ratio']:.1f}% of prompt tokens hit cached blocks"),
             (
                 "KV per sequence",

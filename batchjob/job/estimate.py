@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
+from batchjob.engine.structured_output import grammar_key
 from batchjob.job.executor import load_engine
 from batchjob.job.planner import Work, job_planner
 from batchjob.job.reader import InputSource
@@ -32,7 +33,12 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
     cache = PrefixCacheModel(engine.num_kv_blocks, block_size)
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
+    constrained, grammars = 0, set()
     for work in planner.works(source.rows()):
+        key = grammar_key(work.params)
+        if key is not None:
+            constrained += len(work.rows)
+            grammars.add(key)
         lengths.append(len(work.token_ids))
         max_tokens.append(work.params.max_tokens)
         duplicates += len(work.rows) - 1
@@ -48,6 +54,8 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
         "rows_failing_before_the_model": failed,
         "requests": len(lengths),
         "duplicate_rows_computed_once": duplicates,
+        "constrained_rows": constrained,
+        "distinct_grammars": len(grammars),
         "prompt_tokens_total": prompt_tokens,
         "prompt_tokens_p50": ordered[len(ordered) // 2],
         "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],

@@ -198,7 +198,8 @@ def sort_parts(parts: list[Location], staging: Location, rows_per_file: int) -> 
 
 def _index_range(part: Location) -> tuple[int, int]:
     meta = parquet_file(part).metadata
-    column = meta.schema.to_arrow_schema().get_field_index("row_index")
+    # A leaf column's index: the list columns before row_index count one leaf per nested field.
+    column = next(i for i in range(len(meta.schema)) if meta.schema.column(i).path == "row_index")
     lo, hi = None, None
     for rg in range(meta.num_row_groups):
         stats = meta.row_group(rg).column(column).statistics

@@ -29,3 +29,25 @@ def test_the_prefix_cache_model_hits_whole_shared_blocks_and_forgets_the_oldest(
     assert cache.hit_tokens([1, 2, 3, 9]) == 2  # the first block is shared, the second differs
     assert cache.hit_tokens([7, 7, 8, 8]) == 0  # evicts the oldest blocks
     assert cache.hit_tokens([1, 2, 3, 4]) == 0
+
+
+def test_plan_counts_constrained_rows_and_distinct_grammars(tmp_path):
+    def line(i: int, **body) -> dict:
+        messages = [{"role": "user", "content": f"question {i}"}]
+        return {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": messages, **body},
+        }
+
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    lines = [
+        line(0, response_format=schema),
+        line(1, response_format=schema),
+        line(2, response_format={"type": "json_object"}),
+    ]
+    lines.append(line(3))
+    job = make_job(write_jsonl(tmp_path / "b.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})
+    plan = plan_job(job, calibrate=False, engine_factory=fake_factory())
+    assert plan["constrained_rows"] == 3 and plan["distinct_grammars"] == 2
