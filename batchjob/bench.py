@@ -419,7 +419,7 @@ def run_bench(
     """Every system once per round, rounds interleaved; the median wall time per system is reported."""
     skipped = {k: v for k, v in peer_status().items() if k in systems and v}
     systems = [s for s in systems if s not in skipped]
-    engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
+    engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     if "vllm" in systems and engine.config.load_format == "dummy":
         skipped["vllm"] = "load_format dummy: vLLM would draw other random weights"
         systems.remove("vllm")
@@ -483,7 +483,7 @@ def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) ->
     best fixed budget by its median wall time and, separately, by its median CPU time, which other processes on a
     shared host disturb far less (the engine's threads are this process's)."""
     settings: list[int | str] = [*budgets, "auto"]
-    engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
+    engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     runs: dict[int | str, list[Result]] = {s: [] for s in settings}
     tuners: list[dict] = []
     for k in range(repeats):

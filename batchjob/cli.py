@@ -222,7 +222,9 @@ def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> N
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = tok.encode_chat(messages)
-    [out] = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
+    [out] = engine.generate(
+        [ids], SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed), use_tqdm=False
+    )
     click.echo(out.text)
 
 

@@ -124,6 +124,6 @@ class FakeEngine:
             metrics=metrics,
         )
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, use_tqdm=True):
         requests = [Request(str(i), list(p), params) for i, p in enumerate(prompts)]
         return [self._answer(r, RequestMetrics(arrival_time=time.time())) for r in requests]

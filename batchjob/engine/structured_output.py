@@ -63,8 +63,8 @@ def _grammar(key: GrammarKey) -> xgr.Grammar:
     kind, text = key
     if kind == "json_schema":
         return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_object":  # OpenAI's json_object is an object (xgrammar's built-in JSON grammar takes any value)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(text)
     # JSON string literals are valid EBNF string literals (same escapes).

@@ -93,7 +93,9 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
 
 def measure(engine, sample: list[Work]) -> dict:
     steps: list[StepMetrics] = []
-    engine.generate([sample[0].token_ids[:8]], sample[0].params.model_copy(update={"max_tokens": 2}))  # warm-up
+    engine.generate(
+        [sample[0].token_ids[:8]], sample[0].params.model_copy(update={"max_tokens": 2}), use_tqdm=False
+    )  # warm-up
     engine.add_step_callback(steps.append)
     requests = [
         Request(

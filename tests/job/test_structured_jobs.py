@@ -90,14 +90,15 @@ def test_openai_batch_with_n_logprobs_and_response_format(tmp_path, engine, prog
     )
     assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
     out = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
-    assert out["bad"]["error"]["message"] == "unsupported field tools"
+    assert out["bad"]["error"]["message"].endswith("unsupported field tools")
     body = out["n2"]["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1]
     counted = 0
     for c in body["choices"]:
         content = c["logprobs"]["content"]
         assert all(len(t["top_logprobs"]) == 2 for t in content)
-        assert "".join(t["token"] for t in content) == c["message"]["content"] or c["finish_reason"] == "stop"
+        # The tokens spell the text (a last token may end inside a character, or be the stop token).
+        assert "".join(t["token"] for t in content).startswith(c["message"]["content"])
         counted += len(content)
     assert body["usage"]["completion_tokens"] == counted
     choice = out["json"]["response"]["body"]["choices"][0]
