@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from batchjob.engine.grammar import GrammarKey, check_grammar, grammar_key
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
@@ -76,10 +78,14 @@ class SamplingParams(BaseModel):
             raise ValueError(f"{' and '.join(constraints)}: at most one output constraint per request")
         if self.choice is not None and not self.choice:
             raise ValueError("choice: needs at least one string")
-        from batchjob.engine.structured_output import check_grammar  # xgrammar loads only for constrained requests
-
-        check_grammar(self)
+        if self.grammar_key is not None:
+            check_grammar(self.grammar_key)
         return self
+
+    @property
+    def grammar_key(self) -> GrammarKey | None:
+        """The output constraint, canonically (one compiled grammar per key); None when the output is free."""
+        return grammar_key(self.response_format, self.regex, self.choice)
 
     @property
     def greedy(self) -> bool:

@@ -6,70 +6,16 @@ JSON is generated compact (no free whitespace): small models otherwise tend to s
 
 from __future__ import annotations
 
-import functools
-import json
 from typing import TYPE_CHECKING
 
 import torch
 
+from batchjob.engine.grammar import GrammarKey, build_grammar
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.engine.sequence import Sequence
+
 if TYPE_CHECKING:
     import xgrammar as xgr
-
-    from batchjob.engine.sampling_params import SamplingParams
-    from batchjob.engine.sequence import Sequence
-
-GrammarKey = tuple[str, str]  # (kind, canonical text): one compiled grammar per key
-_FIELDS = {
-    "json_schema": "response_format.json_schema.schema",
-    "json_object": "response_format",
-    "regex": "regex",
-    "choice": "choice",
-}
-
-
-def grammar_key(params: SamplingParams) -> GrammarKey | None:
-    """What the request's output is constrained to, canonically; None when it is free."""
-    rf = params.response_format
-    if rf is not None and rf.type == "json_schema":
-        return "json_schema", json.dumps(rf.json_schema.schema_)  # property order steers generation
-    if rf is not None and rf.type == "json_object":
-        return "json_object", ""
-    if params.regex is not None:
-        return "regex", params.regex
-    if params.choice is not None:
-        return "choice", json.dumps(params.choice, ensure_ascii=False)
-    return None
-
-
-def check_grammar(params: SamplingParams) -> None:
-    """ValueError naming the field when the constraint cannot be compiled (no tokenizer needed)."""
-    key = grammar_key(params)
-    if key is not None:
-        _checked(key)
-
-
-@functools.lru_cache(maxsize=1024)
-def _checked(key: GrammarKey) -> None:
-    try:
-        _grammar(key)
-    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports bad input as RuntimeError/ValueError
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{_FIELDS[key[0]]}: cannot be compiled to a grammar: {message}") from None
-
-
-def _grammar(key: GrammarKey) -> xgr.Grammar:
-    import xgrammar as xgr
-
-    kind, text = key
-    if kind == "json_schema":
-        return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-    if kind == "json_object":  # OpenAI's json_object is an object (xgrammar's built-in JSON grammar takes any value)
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(text)
-    # JSON string literals are valid EBNF string literals (same escapes).
-    choices = json.loads(text)
-    return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
 
 
 class StructuredOutput:
@@ -88,14 +34,14 @@ class StructuredOutput:
 
     def matcher(self, params: SamplingParams) -> xgr.GrammarMatcher | None:
         """A fresh matcher for a request's constraint, compiling its grammar on first use; None when free."""
-        key = grammar_key(params)
+        key = params.grammar_key
         if key is None:
             return None
         import xgrammar as xgr
 
         compiled = self.grammars.get(key)
         if compiled is None:
-            compiled = self.grammars[key] = self._get_compiler().compile_grammar(_grammar(key))
+            compiled = self.grammars[key] = self._get_compiler().compile_grammar(build_grammar(key))
         return xgr.GrammarMatcher(compiled)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:

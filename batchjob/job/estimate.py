@@ -8,7 +8,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
-from batchjob.engine.structured_output import grammar_key
 from batchjob.job.executor import load_engine
 from batchjob.job.planner import Work, job_planner
 from batchjob.job.reader import InputSource
@@ -35,7 +34,7 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
     constrained, grammars = 0, set()
     for work in planner.works(source.rows()):
-        key = grammar_key(work.params)
+        key = work.params.grammar_key
         if key is not None:
             constrained += len(work.rows)
             grammars.add(key)
