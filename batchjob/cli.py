@@ -386,28 +386,22 @@ def report(folder, output_dir) -> None:
 
 @main.command()
 @click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]))
-@click.option("--small", is_flag=True, help="tiny shapes (implied on a CPU, where the Triton interpreter runs)")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True)
-@click.option("--num-prompts", default=512, show_default=True, type=click.IntRange(min=1))
-@click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]))
-def selftest(device, small, model, num_prompts, load_format) -> None:
-    """Every Triton kernel against its torch reference, then an engine throughput run with the kernels."""
-    import os
+@click.option("--load-format", default="dummy", show_default=True, type=click.Choice(["auto", "dummy"]))
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write every figure as JSON")
+def selftest(device, load_format, json_path) -> None:
+    """The device check: Triton kernels against torch, Triton-vs-torch greedy equality of the engine, throughput
+    against torch ops and HF generate with a roofline, and KV pool sizing; each part guarded and time-capped.
+    `--device cpu` runs the same parts on tiny shapes in Triton's interpreter. Exit code 1 unless all passed."""
     import sys
 
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports kernels.*
-    from batchjob.bench import format_report, run_bench, synthetic
-    from batchjob.engine.engine import Engine
-    from batchjob.kernels.selftest import format_table, run_selftest
+    import torch
 
-    rows = run_selftest(device, small=small or device == "cpu")
-    click.echo(format_table(rows))
-    engine = Engine(model, device=device, ops_backend="triton", load_format=load_format)
-    n = num_prompts if device == "cuda" else 4
-    wl = synthetic(engine.model_config.vocab_size, n, 256 if device == "cuda" else 16, 64 if device == "cuda" else 4)
-    click.echo(format_report(run_bench(engine, engine.model_path, wl, ["engine"], 1, 1, 1)))
-    sys.exit(0 if all(r["passed"] for r in rows) else 1)
+    from batchjob.check import run_check
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: torch sees no CUDA device here (use --device cpu for the CPU form)")
+    report = run_check(device, json_path, load_format, click.echo)
+    sys.exit(0 if report["passed"] else 1)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.model = LlamaModel(
             loaded.config,
-            {k: v.to(self.dtype) for k, v in loaded.weights.items()},
+            # Taken out of `loaded`: weights drawn on the GPU (load_format dummy) would otherwise stay there unfused
+            # beside the fused copies while the KV pool is sized.
+            {k: loaded.weights.pop(k).to(self.dtype) for k in list(loaded.weights)},
             pick_ops(config, self.device),
             loaded.rope_freqs,
             self.device,

@@ -9,6 +9,7 @@ not collapse to one token."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -95,6 +96,7 @@ def synthetic_tokenizer() -> Tokenizer:
     return Tokenizer(backend, bos_token=None, eos_token=None, chat_template=None)
 
 
+@functools.cache  # the check builds several engines; each would try the built-in (and pip, offline) again
 def _tokenizer(vocab_size: int) -> Tokenizer:
     """The built-in model's tokenizer where it loads (from the local cache) and fits the vocabulary, else bytes."""
     try:

@@ -1,0 +1,360 @@
+"""`batchjob selftest`: the whole device check in one command, ending in one table and one JSON file.
+
+Parts, each guarded (a part that raises is recorded as failed with its error, and the next one runs) and each under
+a time cap (what is left when the cap is reached is recorded as skipped), the JSON rewritten after every part so a
+run cut short still leaves what it measured:
+  kernels     every Triton kernel against the torch reference, per activation dtype, fp8 KV among the cases;
+  equality    the engine on dummy weights, Triton ops against torch ops on the same device, greedy, fp32, mixed-length
+              prompts, chunked prefill and preemption forced (both are counted, and the check fails without them);
+  throughput  engine (Triton ops) against engine (torch ops) and HF generate at a fixed batch, on a fixed-length and
+              a mixed-length workload, per model shape, with achieved FLOP/s and HBM bytes/s against measured peaks;
+  kv_sizing   the KV pool against kv_cache_memory_fraction of device memory, and a step at the largest token budget.
+On a CPU the same parts run on tiny shapes in Triton's interpreter (the tiny-llama config)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+# device -> (model shapes, kernel dtypes, workloads (name, prompts, input len, output len, range ratio), batch)
+PLANS = {
+    "cuda": (
+        ["smollm2-135m-instruct", "llama-3-8b"],
+        [torch.bfloat16, torch.float16, torch.float32],
+        [("64x256/64", 64, 256, 64, 0.0), ("mixed", 64, 256, 64, 0.75)],
+        64,
+    ),
+    "cpu": (
+        ["tiny-llama"],
+        [torch.float16],
+        [("2x8/2", 2, 8, 2, 0.0), ("mixed", 2, 8, 2, 0.5)],
+        2,
+    ),
+}
+# greedy-equality step: (prompts, input len, output len, token budget, block size, KV blocks); prompts longer than
+# the budget are prefilled in chunks, and the pool holds fewer blocks than the sequences want (preemption)
+EQUALITY = {"cuda": (8, 120, 32, 64, 16, 24), "cpu": (3, 30, 6, 16, 4, 14)}
+# seconds per part; 8 minutes on an H200 in all, start-up included
+CAPS = {"kernels": 150, "equality": 60, "throughput": 200, "kv_sizing": 30}
+
+
+class TimeCap(Exception):
+    pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_peaks(device: torch.device) -> dict:
+    """Measured, not spec-sheet: a large matmul in the compute dtype and a device-to-device copy."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = 8192 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    reps = 10 if device.type == "cuda" else 3
+    a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
+    x = torch.empty((1 << 30) if device.type == "cuda" else (1 << 24), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    _sync(device)
+    bandwidth = 2 * x.numel() * reps / (time.perf_counter() - t0)  # bytes read and written
+    return {"matmul_flops": flops, "matmul_dtype": str(dtype).replace("torch.", ""), "copy_bytes_per_s": bandwidth}
+
+
+class Check:
+    def __init__(self, device: str, json_path: str | None, load_format: str = "dummy", small: bool | None = None):
+        if device == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels
+        self.device = torch.device(device)
+        self.small = device == "cpu" if small is None else small
+        self.models, self.dtypes, self.workloads, self.batch = PLANS["cpu" if self.small else "cuda"]
+        self.load_format = load_format
+        self.json_path = json_path
+        self.rows: list[dict] = []
+        self.report: dict = {"device": self._describe(), "parts": {}, "rows": self.rows}
+
+    def _describe(self) -> dict:
+        d = {"device": str(self.device), "torch": torch.__version__, "python": platform.python_version()}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(self.device)
+            d |= {"name": p.name, "total_memory": p.total_memory, "sm": f"{p.major}.{p.minor}"}
+        try:
+            import triton
+
+            d["triton"] = triton.__version__
+        except ImportError:
+            d["triton"] = None
+        return d
+
+    def row(self, part: str, check: str, ok: bool | None, **figures) -> None:
+        self.rows.append({"part": part, "check": check, "ok": ok, **figures})
+
+    def save(self) -> None:
+        if self.json_path:
+            tmp = f"{self.json_path}.part"
+            with open(tmp, "w") as f:
+                json.dump(self.report, f, indent=2, default=str)
+            os.replace(tmp, self.json_path)
+
+    def run(self) -> dict:
+        for part, fn in (
+            ("kernels", self.kernels),
+            ("equality", self.equality),
+            ("throughput", self.throughput),
+            ("kv_sizing", self.kv_sizing),
+        ):
+            t0 = time.perf_counter()
+            deadline = t0 + CAPS[part]
+            status = "passed"
+            try:
+                fn(deadline)
+            except TimeCap as e:
+                status = "capped"
+                self.row(part, "time cap", None, error=f"{CAPS[part]} s reached; skipped: {e}")
+            except Exception as e:  # a failing part is a failed row, not a failed run
+                status = "failed"
+                self.row(part, "part", False, error=f"{type(e).__name__}: {e}"[:500], trace=traceback.format_exc())
+            if status == "passed" and any(r["ok"] is False for r in self.rows if r["part"] == part):
+                status = "failed"
+            self.report["parts"][part] = {"status": status, "seconds": time.perf_counter() - t0}
+            _free(self.device)
+            self.save()
+        self.report["passed"] = all(p["status"] == "passed" for p in self.report["parts"].values())
+        self.save()
+        return self.report
+
+    @staticmethod
+    def _within(deadline: float, what: str) -> None:
+        if time.perf_counter() > deadline:
+            raise TimeCap(what)
+
+    # -- parts ------------------------------------------------------------------------------------------------
+    def kernels(self, deadline: float) -> None:
+        from batchjob.kernels.selftest import run_selftest
+
+        for dtype in self.dtypes:
+            self._within(deadline, f"kernels in {dtype} and after")
+            for r in run_selftest(str(self.device), small=self.small, dtype=dtype, reps=0 if self.small else 10):
+                self.row(
+                    "kernels",
+                    f"{r['kernel']} {r['case']} {r.get('dtype', '')}",
+                    r["passed"],
+                    max_abs_err=r.get("max_abs_err"),
+                    triton_ms=r.get("triton_ms"),
+                    torch_ms=r.get("torch_ms"),
+                    error=r.get("error"),
+                )
+
+    def _engine(self, model: str, ops: str, **config):
+        from batchjob.engine.engine import Engine
+
+        return Engine(model, device=self.device.type, ops_backend=ops, load_format=self.load_format, **config)
+
+    def equality(self, deadline: float) -> None:
+        from batchjob.bench import synthetic
+
+        model = self.models[0]
+        n, inp, out, budget, block, blocks = EQUALITY["cpu" if self.small else "cuda"]
+        config = dict(
+            dtype="float32", max_num_batched_tokens=budget, num_kv_blocks=blocks, block_size=block, max_num_seqs=n
+        )
+        outputs, counts = {}, {}
+        for ops in ("triton", "torch"):
+            self._within(deadline, f"equality with {ops} ops")
+            engine = self._engine(model, ops, **config)
+            wl = synthetic(engine.model_config.vocab_size, n, inp, out, range_ratio=0.65, seed=1)
+            steps = []
+            engine.add_step_callback(steps.append)
+            outs = list(engine.stream(wl.requests))
+            outputs[ops] = {o.request_id: o.token_ids for o in outs}
+            counts[ops] = {
+                "preemptions": sum(s.num_preemptions for s in steps),
+                "longest_prompt": max(len(r.prompt_token_ids) for r in wl.requests),
+                "token_budget": budget,
+            }
+            del engine
+            _free(self.device)
+        a, b = outputs["triton"], outputs["torch"]
+        same = sum(a[k] == b[k] for k in a)
+        forced = counts["torch"]["preemptions"] > 0 and counts["torch"]["longest_prompt"] > budget
+        self.row(
+            "equality",
+            f"{model} greedy triton == torch (fp32, {n} prompts)",
+            same == len(a) and forced,
+            sequences_equal=f"{same}/{len(a)}",
+            **{f"{k}_{ops}": v for ops, c in counts.items() for k, v in c.items()},
+        )
+
+    def throughput(self, deadline: float) -> None:
+        from batchjob.bench import load_hf_model, run_engine, run_hf, synthetic
+
+        peaks = device_peaks(self.device)
+        self.report["peaks"] = peaks
+        self.row(
+            "throughput",
+            "device peaks (measured)",
+            None,
+            matmul_tflops=peaks["matmul_flops"] / 1e12,
+            copy_gb_per_s=peaks["copy_bytes_per_s"] / 1e9,
+        )
+        for model in self.models:
+            results: dict[str, dict] = {}
+            for system in ("triton", "torch", "hf"):
+                self._within(deadline, f"{model} {system} and after")
+                # the HF peer needs the engine's config, device and dtype, not its KV pool
+                engine = (
+                    self._engine(model, "torch", num_kv_blocks=16) if system == "hf" else self._engine(model, system)
+                )
+                workloads = [
+                    (name, synthetic(engine.model_config.vocab_size, n, inp, out, ratio))
+                    for name, n, inp, out, ratio in self.workloads
+                ]
+                hf = load_hf_model(engine, engine.model_path) if system == "hf" else None
+                if hf is None:  # warm-up: Triton compiles, allocator
+                    run_engine(engine, synthetic(engine.model_config.vocab_size, 2, 16, 2))
+                for name, wl in workloads:
+                    self._within(deadline, f"{model} {system} {name} and after")
+                    _sync(self.device)
+                    r = run_hf(wl, self.batch, hf) if hf is not None else run_engine(engine, wl, system)
+                    results[f"{name}/{system}"] = row = r.row()
+                    if hf is None:
+                        row |= self._roofline(engine, r, peaks)
+                del engine, hf
+                _free(self.device)
+            for name, *_ in self.workloads:
+                base = results.get(f"{name}/triton")
+                for system in ("triton", "torch", "hf"):
+                    r = results.get(f"{name}/{system}")
+                    if r is None:
+                        continue
+                    figures = {
+                        "tokens_per_s": r["total_tokens_per_s"],
+                        "output_tokens_per_s": r["output_tokens_per_s"],
+                        "wall_s": r["wall"],
+                        "speed_vs_triton": r["requests_per_s"] / base["requests_per_s"] if base else None,
+                    }
+                    figures |= {k: r[k] for k in ("prefill_tflops", "decode_tflops", "decode_hbm_gb_per_s") if k in r}
+                    self.row("throughput", f"{model} {name} {system}", None, **figures)
+        self.report["throughput"] = results
+
+    def _roofline(self, engine, r, peaks: dict) -> dict:
+        """Achieved matmul FLOP/s per phase, and decode's HBM bytes/s: every weight once per decode step plus
+        the KV of the decoded tokens' contexts (mean context taken as prompt + half the output)."""
+        from batchjob.bench import model_flops_per_token
+
+        per_token = model_flops_per_token(engine)
+        out = {}
+        if r.prefill_time:
+            out["prefill_tflops"] = per_token * r.prefill_tokens / r.prefill_time / 1e12
+        if r.decode_time and r.decode_steps:
+            m = engine.runner.model
+            weight_bytes = (
+                sum(
+                    sum(t.numel() * t.element_size() for k, t in layer.items() if t is not None and k != "qkv_bias")
+                    for layer in m.layers
+                )
+                + m.lm_head.numel() * m.lm_head.element_size()
+            )
+            ctx = r.prompt_tokens / r.num_requests + r.output_tokens / r.num_requests / 2
+            kv = r.decode_tokens * ctx * engine.kv_bytes_per_token
+            out["decode_tflops"] = per_token * r.decode_tokens / r.decode_time / 1e12
+            out["decode_hbm_gb_per_s"] = (weight_bytes * r.decode_steps + kv) / r.decode_time / 1e9
+            out["decode_hbm_fraction"] = out["decode_hbm_gb_per_s"] * 1e9 / peaks["copy_bytes_per_s"]
+        if "prefill_tflops" in out:
+            out["prefill_fraction"] = out["prefill_tflops"] * 1e12 / peaks["matmul_flops"]
+        return out
+
+    def kv_sizing(self, deadline: float) -> None:
+        """On a GPU: weights + KV pool + the activation peak of a step at the largest token budget against
+        kv_cache_memory_fraction x device memory (within 2 % of it), and that step runs without OOM. On a CPU the
+        pool against kv_cache_memory_gb."""
+        from batchjob.engine.sampling_params import SamplingParams
+
+        model = self.models[0]
+        if self.device.type != "cuda":
+            engine = self._engine(model, "torch", kv_cache_memory_gb=0.01)
+            pool = engine.num_kv_blocks * engine.config.block_size * engine.kv_bytes_per_token
+            self.row(
+                "kv_sizing", "pool vs kv_cache_memory_gb=0.01", abs(pool / 2**30 - 0.01) / 0.01 < 0.02, pool_bytes=pool
+            )
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        for fraction, budget in ((0.5, 8192), (0.9, 16384)):
+            self._within(deadline, f"fraction {fraction}")
+            _free(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            engine = self._engine(
+                model, "triton", kv_cache_memory_fraction=fraction, max_num_batched_tokens=budget, max_num_seqs=256
+            )
+            n = min(budget, engine.max_model_len - 1)
+            try:
+                engine.generate([[7] * n], SamplingParams(max_tokens=1, ignore_eos=True))
+                oom = None
+            except torch.OutOfMemoryError as e:
+                oom = str(e)[:200]
+            _sync(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+            share = peak / total
+            self.row(
+                "kv_sizing",
+                f"{model} fraction {fraction}, step of {n} tokens",
+                oom is None and abs(share - fraction) <= 0.02,
+                peak_share=share,
+                kv_blocks=engine.num_kv_blocks,
+                oom=oom,
+            )
+            del engine
+            _free(self.device)
+
+
+def format_check(report: dict) -> str:
+    """One fixed-width table: part, check, ok, then the row's figures."""
+    lines = []
+    dev = report["device"]
+    lines.append(f"device: {dev.get('name', dev['device'])}  torch {dev['torch']}  triton {dev.get('triton')}")
+    width = max((len(r["check"]) for r in report["rows"]), default=10)
+    for r in report["rows"]:
+        ok = {True: "PASS", False: "FAIL", None: "    "}[r["ok"]]
+        figures = "  ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in r.items()
+            if k not in ("part", "check", "ok", "trace") and v is not None
+        )
+        lines.append(f"{r['part']:<10}  {r['check']:<{width}}  {ok}  {figures}")
+    for part, p in report["parts"].items():
+        lines.append(f"part {part}: {p['status']} in {p['seconds']:.1f} s")
+    lines.append("ALL PASSED" if report.get("passed") else "NOT ALL PASSED")
+    return "\n".join(lines)
+
+
+def run_check(device: str, json_path: str | None, load_format: str = "dummy", log: Callable[[str], None] = print):
+    check = Check(device, json_path, load_format)
+    report = check.run()
+    log(format_check(report))
+    return report

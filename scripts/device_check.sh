@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU check (issue 15) in one command, sized for a 15-minute lease of one H200 with no network.
+#   scripts/device_check.sh --fetch-wheels   here, with network: the packages the device image lacks, into .whl/
+#   scripts/device_check.sh                  on the device (the `run` tool, carry [".whl"], timeout_s 600):
+#                                            writes env.txt, check.txt and check.json under $OUT
+# The check itself is `batchjob selftest --device cuda` (batchjob/check.py): dummy weights, every part time-capped
+# (8 minutes in all), its JSON rewritten after each part, so a run cut short still returns what it measured.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# The image has torch, triton, transformers, tokenizers, safetensors, click, rich, pyarrow...; not pydantic.
+WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5"
+
+if [ "${1:-}" = --fetch-wheels ]; then
+  exclude="$(git rev-parse --git-common-dir)/info/exclude"
+  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
+  # shellcheck disable=SC2086
+  exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl $WHEELS
+fi
+
+OUT="${OUT:-out/device_check}"
+mkdir -p "$OUT"
+# No network there: nothing may try the package index or the Hub (the built-in tokenizer falls back to bytes).
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH="$PWD:/tmp/site"
+fi
+{
+  date -u
+  nvidia-smi
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+  python3 -c "import pydantic; print('pydantic', pydantic.VERSION)"
+} >"$OUT/env.txt" 2>&1
+timeout 540 python3 -m batchjob.cli selftest --device cuda --json "$OUT/check.json" 2>&1 | tee "$OUT/check.txt"
+rc=${PIPESTATUS[0]}
+echo "exit code $rc" | tee -a "$OUT/check.txt"
+exit "$rc"

@@ -1,0 +1,67 @@
+"""`batchjob selftest --device cpu`: the device check's parts on tiny shapes in Triton's interpreter, and its guard
+(a failing part is recorded and the next one runs; the JSON holds what was measured)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from click.testing import CliRunner
+
+from batchjob.check import Check, TimeCap, format_check
+from batchjob.cli import main
+
+
+@pytest.mark.slow
+def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
+    out = tmp_path / "check.json"
+    result = CliRunner().invoke(main, ["selftest", "--device", "cpu", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert result.exit_code == 0, result.output
+    assert {p: v["status"] for p, v in report["parts"].items()} == dict.fromkeys(
+        ("kernels", "equality", "throughput", "kv_sizing"), "passed"
+    )
+    rows = report["rows"]
+    kernels = {r["check"].split()[0] for r in rows if r["part"] == "kernels"}
+    assert kernels == {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention"}
+    assert any("fp8" in r["check"] for r in rows if r["part"] == "kernels")
+    [eq] = [r for r in rows if r["part"] == "equality"]
+    assert eq["ok"] and eq["sequences_equal"] == "3/3" and eq["preemptions_torch"] > 0
+    assert eq["longest_prompt_torch"] > eq["token_budget_torch"]  # prefilled in chunks
+    systems = {r["check"].rsplit(" ", 1)[1] for r in rows if r["part"] == "throughput" and "tiny-llama" in r["check"]}
+    assert systems == {"triton", "torch", "hf"}
+    assert report["peaks"]["matmul_flops"] > 0 and "decode_hbm_gb_per_s" in report["throughput"]["2x8/2/torch"]
+    assert result.output.rstrip().endswith("ALL PASSED")
+
+
+def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    def boom(self, deadline):
+        raise RuntimeError("no kernel today")
+
+    def capped(self, deadline):
+        self.row("equality", "first", True)
+        raise TimeCap("the rest")
+
+    def measured(self, deadline):
+        self.row("throughput", "figure", None, tokens_per_s=12.5)
+
+    monkeypatch.setattr(Check, "kernels", boom)
+    monkeypatch.setattr(Check, "equality", capped)
+    monkeypatch.setattr(Check, "throughput", measured)
+    monkeypatch.setattr(Check, "kv_sizing", lambda self, deadline: self.row("kv_sizing", "pool", False))
+    out = tmp_path / "check.json"
+    report = Check("cpu", str(out)).run()
+    assert {p: v["status"] for p, v in report["parts"].items()} == {
+        "kernels": "failed",
+        "equality": "capped",
+        "throughput": "passed",
+        "kv_sizing": "failed",
+    }
+    saved = json.loads(out.read_text())
+    assert saved["passed"] is False and "no kernel today" in saved["rows"][0]["error"]
+    assert any(r.get("tokens_per_s") == 12.5 for r in saved["rows"])
+    table = format_check(report)
+    assert "RuntimeError: no kernel today" in table and table.endswith("NOT ALL PASSED")
