@@ -1,6 +1,6 @@
 """The package's import graph, read from the source: no cycle, and no import upward between layers.
 
-Layers, top to bottom: cli/bench (and the `batchjob` facade) -> job -> engine -> model and kernels. Lazy imports inside
+Layers, top down: cli/bench/check (& the `batchjob` facade) -> job -> engine -> model & kernels. Lazy imports inside
 functions count too. The kernels are checked against the torch reference ops (`batchjob.model.ops`) only in their
 testing and self-test modules; otherwise they share the model's data types (attention metadata, the fp8 format),
 and the model never imports the kernels (the engine hands it an ops backend)."""
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "batchjob"
-RANK = {"cli": 3, "bench": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0}
+RANK = {"cli": 3, "bench": 3, "check": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0}
 KERNELS_MAY_USE_REFERENCE = {"batchjob.kernels.testing", "batchjob.kernels.selftest", "batchjob.kernels.compile_check"}
 
 
