@@ -122,7 +122,7 @@ def _summarize(system: str, wall: float, wl: Workload, output_tokens: int, steps
         len(wl.requests),
         statistics.mean(batch),
         max(batch),
-        statistics.mean(s.kv_cache_usage_perc for s in steps) if steps else 0.0,
+        statistics.mean(s.kv_cache_usage for s in steps) if steps else 0.0,
         sum(s.num_preemptions for s in steps),
     )
     if steps:
@@ -138,18 +138,15 @@ def _summarize(system: str, wall: float, wl: Workload, output_tokens: int, steps
     return r
 
 
-def _collect(engine: Engine) -> list[StepMetrics]:
-    steps: list[StepMetrics] = []
-    engine._step_callbacks = [steps.append]
-    engine.scheduler.prefix_queries = engine.scheduler.prefix_hits = 0
-    engine.block_manager.reset_prefix_cache()  # each run starts cold, not with the previous run's prompts cached
-    return steps
-
-
 def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
-    steps = _collect(engine)
+    steps: list[StepMetrics] = []
+    engine.reset_prefix_cache()  # each run starts cold, not with the previous run's prompts cached
+    engine.add_step_callback(steps.append)
     t0, c0 = time.perf_counter(), time.process_time()
-    outs = list(engine.stream(wl.requests))
+    try:
+        outs = list(engine.stream(wl.requests))
+    finally:
+        engine.remove_step_callback(steps.append)
     result = _summarize(system, time.perf_counter() - t0, wl, sum(len(o.token_ids) for o in outs), steps)
     result.token_budget, result.cpu_s = engine.token_budget, time.process_time() - c0
     result.outputs = {o.request_id: o.token_ids for o in outs}
@@ -175,7 +172,8 @@ def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
     """Fixed batches through the same model runner and sampler: each batch is one padded prefill step, then decode
     steps over every row until the longest request has its tokens (finished rows keep computing). A batch that does
     not fit the KV pool is split (the result's note says to what size)."""
-    steps = _collect(engine)
+    steps: list[StepMetrics] = []
+    engine.reset_prefix_cache()
     bm, runner = engine.block_manager, engine.runner
     pad = engine.tokenizer.eos_token_id or 0
     output_tokens = 0
@@ -214,12 +212,13 @@ def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
                     num_seqs=len(seqs),
                     num_prefill_tokens=sched.num_prefill_tokens,
                     num_decode_tokens=sched.num_decode_tokens,
-                    kv_cache_usage_perc=bm.usage,
+                    kv_cache_usage=bm.usage,
                     num_preemptions=0,
                     prefix_cache_queries=0,
                     prefix_cache_hits=0,
                     num_waiting=0,
                     num_running=len(seqs),
+                    token_budget=sched.num_batched_tokens,  # a padded batch runs all its tokens: no budget
                 )
             )
         output_tokens += sum(r.params.max_tokens for r in batch)  # only the requested tokens count
@@ -367,8 +366,7 @@ def peer_status() -> dict[str, str | None]:
 def matmul_flops(engine: Engine, rows: int, reps: int = 5) -> float:
     """The machine's measured fp32 matmul FLOP/s at the model's weight shapes for `rows` tokens."""
     model = engine.runner.model
-    layer = model.layers[0]
-    weights = [layer["qkv"], layer["o"], layer["gate_up"], layer["down"]]
+    weights = model.linear_weights(0)
     xs = [torch.randn(rows, w.shape[1], dtype=model.dtype, device=engine.runner.device) for w in weights]
     for x, w in zip(xs, weights):
         F.linear(x, w)
@@ -385,7 +383,7 @@ def matmul_flops(engine: Engine, rows: int, reps: int = 5) -> float:
 def model_flops_per_token(engine: Engine) -> int:
     """Matmul FLOPs of one token through the decoder layers (the logits rows are few and left out)."""
     m = engine.runner.model
-    return 2 * sum(sum(layer[k].numel() for k in ("qkv", "o", "gate_up", "down")) for layer in m.layers)
+    return 2 * sum(w.numel() for i in range(len(m.layers)) for w in m.linear_weights(i))
 
 
 def roofline(engine: Engine, result: Result) -> dict:

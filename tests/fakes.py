@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from types import SimpleNamespace
 
+from batchjob.engine.config import EngineConfig
 from batchjob.engine.outputs import Request, RequestMetrics, RequestOutput, StepMetrics
 
 
@@ -41,9 +41,8 @@ class FakeEngine:
         steps_per_output: int = 1,
         signum: int = signal.SIGTERM,
     ):
-        self.config = SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
+        self.config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size)
         self.max_model_len = max_model_len
-        self.model_config = SimpleNamespace(max_position_embeddings=max_model_len)
         self.tokenizer = FakeTokenizer()
         self.model_digest = f"digest-of-{model}"
         self.model_revision = None
@@ -94,12 +93,13 @@ class FakeEngine:
                             num_seqs=len(running),
                             num_prefill_tokens=0,
                             num_decode_tokens=len(running),
-                            kv_cache_usage_perc=0.5,
+                            kv_cache_usage=0.5,
                             num_preemptions=0,
                             prefix_cache_queries=10,
                             prefix_cache_hits=5,
                             num_waiting=0 if exhausted else 1,
                             num_running=len(running),
+                            token_budget=self.token_budget,
                         )
                     )
             running.sort(key=lambda item: len(item[0].prompt_token_ids))

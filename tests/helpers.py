@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -95,3 +96,24 @@ def hub_cache(home: Path, repo: str, files: dict[str, Path], revision: str = "ma
     (root / "refs").mkdir(exist_ok=True)
     (root / "refs" / revision).write_text(commit)
     return commit
+
+
+def protocol_gaps(obj, protocol: type) -> list[str]:
+    """How `obj` falls short of the typing.Protocol: members it lacks, and methods whose parameters differ (by name
+    and order) from the protocol's."""
+    members = set(vars(protocol).get("__annotations__", {})) | {
+        name for name, value in vars(protocol).items() if not name.startswith("_") and callable(value)
+    }
+    members |= {name for name, value in vars(protocol).items() if isinstance(value, property)}
+    gaps = []
+    for name in sorted(members):
+        if not hasattr(obj, name):
+            gaps.append(f"{name}: missing")
+            continue
+        wanted = vars(protocol).get(name)
+        if callable(wanted) and not isinstance(wanted, property):
+            want = list(inspect.signature(wanted).parameters)[1:]  # without self
+            have = list(inspect.signature(getattr(obj, name)).parameters)
+            if have != want:
+                gaps.append(f"{name}: parameters {have}, the protocol's {want}")
+    return gaps

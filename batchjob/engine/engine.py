@@ -69,6 +69,14 @@ class Engine:
     def add_step_callback(self, fn: Callable[[StepMetrics], None]) -> None:
         self._step_callbacks.append(fn)
 
+    def remove_step_callback(self, fn: Callable[[StepMetrics], None]) -> None:
+        self._step_callbacks.remove(fn)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the cached prefix blocks and zero the hit counters, so that the next stream starts cold."""
+        self.block_manager.reset_prefix_cache()
+        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
+
     def generate(
         self,
         prompts: list[str] | list[list[int]],
@@ -134,7 +142,8 @@ class Engine:
 
     @property
     def token_budget(self) -> int:
-        """The step token budget: the configured one, or the one the tuner holds best so far."""
+        """max_num_batched_tokens: the configured one, or the one the tuner holds best so far (the level it tries in
+        a given step is that step's StepMetrics.token_budget)."""
         return self.auto_budget.chosen if self.auto_budget else self.config.max_num_batched_tokens
 
     @property
@@ -240,7 +249,7 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        self._detokenize(seq)
+        seq.detokenize(self.tokenizer)
         if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
             return "stop"
         if seq.matcher is not None and seq.matcher.is_terminated():
@@ -256,16 +265,6 @@ class Engine:
         if seq.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _detokenize(self, seq: Sequence) -> None:
-        """Incremental, safe across multi-byte characters split over tokens: text is only emitted once the
-        bytes decode without a replacement character."""
-        ids = seq.token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
-        full = self.tokenizer.decode(ids[seq.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            seq.text += full[len(prefix) :]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 
     def _abort_in_flight(self) -> Iterator[RequestOutput]:
         for seq in list(self.scheduler.running):
@@ -318,7 +317,7 @@ class Engine:
 
     def _report(self, sched, step_time: float) -> None:
         s = self.scheduler
-        budget = s.token_budget  # before the tuner sees this step and perhaps moves
+        budget = s.step_token_budget  # before the tuner sees this step and perhaps moves
         if s.auto_budget:
             s.auto_budget.observe(sched.num_batched_tokens, sched.num_prefill_tokens, step_time)
         m = StepMetrics(
@@ -328,13 +327,13 @@ class Engine:
             num_seqs=len(sched.scheduled),
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
-            kv_cache_usage_perc=self.block_manager.usage,
+            kv_cache_usage=self.block_manager.usage,
             num_preemptions=sched.num_preempted,
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
             num_waiting=len(s.waiting),
             num_running=len(s.running),
-            extra={"preemption_rate": s.preemption_rate, "watermark": s.effective_watermark, "token_budget": budget},
+            token_budget=budget,
         )
         self.last_step = m
         for fn in self._step_callbacks:

@@ -12,6 +12,7 @@ import torch
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.backend import OpsBackend
 from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import LoadedModel
@@ -28,7 +29,7 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def pick_ops(config: EngineConfig, device: torch.device):
+def pick_ops(config: EngineConfig, device: torch.device) -> OpsBackend:
     """Triton kernels on a CUDA device (or when asked for, e.g. under TRITON_INTERPRET=1); torch otherwise."""
     backend = config.ops_backend
     if backend == "auto":

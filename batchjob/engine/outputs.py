@@ -98,13 +98,15 @@ class StepMetrics:
     num_seqs: int
     num_prefill_tokens: int
     num_decode_tokens: int
-    kv_cache_usage_perc: float
+    # A 0-1 fraction of the KV blocks in use, as vLLM's SchedulerStats.kv_cache_usage (which its gauge
+    # vllm:kv_cache_usage_perc reports unscaled; metrics.prom's batchjob_kv_cache_usage_perc does the same).
+    kv_cache_usage: float
     num_preemptions: int  # in this step
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int  # cumulative, in tokens
     num_waiting: int
     num_running: int
-    extra: dict = field(default_factory=dict)
+    token_budget: int  # this step's max_num_batched_tokens (under "auto", the level the tuner tried)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -63,12 +63,14 @@ class Scheduler:
         return max(0.05, self.config.kv_watermark - self.throttle)
 
     @property
-    def token_budget(self) -> int:
+    def step_token_budget(self) -> int:
+        """The next step's budget: the fixed one, or the level the tuner is trying now (Engine.token_budget is
+        the tuner's best so far)."""
         return self.auto_budget.value if self.auto_budget else self.config.max_num_batched_tokens
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.token_budget
+        budget = self.step_token_budget
         scheduled: set[int] = set()
         for seq in list(self.running):
             if budget == 0:

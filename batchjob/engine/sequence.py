@@ -94,6 +94,16 @@ class Sequence:
     def remaining_tokens(self) -> int:
         return self.max_tokens - self.num_output_tokens
 
+    def detokenize(self, tokenizer) -> None:
+        """Extend `text` by the newest tokens. Incremental, safe across multi-byte characters split over tokens:
+        text is only emitted once the bytes decode without a replacement character."""
+        ids = self.token_ids
+        prefix = tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        full = tokenizer.decode(ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

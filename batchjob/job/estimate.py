@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
+from batchjob.job.contracts import JobEngine
 from batchjob.job.executor import load_engine
 from batchjob.job.planner import Work, job_planner
 from batchjob.job.reader import InputSource
@@ -17,7 +18,9 @@ CALIBRATION_REQUESTS = 8
 CALIBRATION_MAX_TOKENS = 64
 
 
-def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable = load_engine) -> dict:
+def plan_job(
+    job: JobSpec, *, calibrate: bool = True, engine_factory: Callable[[JobSpec], JobEngine] = load_engine
+) -> dict:
     source = InputSource(job)
     scan = source.scan()
     engine = engine_factory(job)
@@ -90,7 +93,7 @@ def plan_job(job: JobSpec, *, calibrate: bool = True, engine_factory: Callable =
     return report
 
 
-def measure(engine, sample: list[Work]) -> dict:
+def measure(engine: JobEngine, sample: list[Work]) -> dict:
     steps: list[StepMetrics] = []
     engine.generate(
         [sample[0].token_ids[:8]], sample[0].params.model_copy(update={"max_tokens": 2}), use_tqdm=False

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from batchjob.engine.outputs import RequestOutput, StepMetrics
+from batchjob.job.contracts import JobEngine
 from batchjob.job.planner import Work, job_planner, requests
 from batchjob.job.progress import Progress
 from batchjob.job.reader import Row, Scan
@@ -21,7 +22,7 @@ from batchjob.job.timeline import Timeline
 from batchjob.job.writer import PartWriter, failed_row, result_rows
 
 
-def load_engine(job: JobSpec):
+def load_engine(job: JobSpec) -> JobEngine:
     from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
 
     return Engine(job.model, **job.engine.model_dump(exclude_unset=True))
@@ -63,10 +64,10 @@ class Executor(Protocol):
 class LocalExecutor:
     """One engine in this process. Its step callbacks drive checkpoints, progress, the timeline and the stop."""
 
-    def __init__(self, engine_factory: Callable, timeline_path: Path):
+    def __init__(self, engine_factory: Callable[[JobSpec], JobEngine], timeline_path: Path):
         self.engine_factory, self.timeline_path = engine_factory, timeline_path
         self.timeline: Timeline | None = None
-        self.engine = None
+        self.engine: JobEngine | None = None
         self.pending: Pending | None = None
         self.in_flight: dict[str, Work] = {}
         self.stop_committed = self.aborted = False

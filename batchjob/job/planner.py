@@ -21,6 +21,7 @@ import pydantic
 
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.contracts import JobEngine
 from batchjob.job.prompt import PromptBuilder, RowError
 from batchjob.job.reader import Row
 from batchjob.job.spec import JobSpec
@@ -43,7 +44,7 @@ class Work:
         return Request(self.request_id, self.token_ids, self.params)
 
 
-def job_planner(job: JobSpec, engine, on_error: Callable[[Row, str], None]) -> Planner:
+def job_planner(job: JobSpec, engine: JobEngine, on_error: Callable[[Row, str], None]) -> Planner:
     """The job's planner for this engine's tokenizer, context and block size; JobFileError at once when the job asks
     for a chat template that the model lacks."""
     builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)

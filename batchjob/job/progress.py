@@ -51,7 +51,7 @@ class Stats:
             "output_tokens_per_s": round(output / elapsed, 1),
             "total_tokens_per_s": round(total / elapsed, 1),
             "batch_size": step.num_seqs if step else 0,
-            "kv_usage_pct": round(100 * step.kv_cache_usage_perc, 1) if step else 0.0,
+            "kv_usage_pct": round(100 * step.kv_cache_usage, 1) if step else 0.0,
             "preemptions": self.preemptions,
             "prefix_hit_pct": round(100 * step.prefix_cache_hit_rate, 1) if step else 0.0,
             "eta_s": round(remaining / rate) if rate > 0 else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from batchjob.job.contracts import Tokenizer
 from batchjob.job.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec
 
@@ -17,7 +18,7 @@ class RowError(ValueError):
 
 
 class PromptBuilder:
-    def __init__(self, job: JobSpec, tokenizer, context_len: int):
+    def __init__(self, job: JobSpec, tokenizer: Tokenizer, context_len: int):
         self.prompt, self.format = job.prompt, job.input.format
         self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
         self.tokenizer, self.context_len = tokenizer, context_len

@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
+from batchjob.job.contracts import JobEngine
 from batchjob.job.executor import Pending
 from batchjob.job.planner import job_planner, requests
 from batchjob.job.reader import Row
@@ -39,7 +40,7 @@ DIGEST, REVISION = b"model_digest", b"model_revision"
 class EngineWorker:
     """A Ray actor: loads the model once, then turns shards of rows into result rows, in the planner's order."""
 
-    def __init__(self, job: JobSpec, passthrough: pa.Schema, engine_factory):
+    def __init__(self, job: JobSpec, passthrough: pa.Schema, engine_factory: Callable[[JobSpec], JobEngine]):
         self.engine = engine_factory(job)
         self.records: list[dict] = []  # the result rows of the shard in hand
         self.planner = job_planner(job, self.engine, lambda row, error: self.records.append(failed_row(row, error)))
@@ -60,7 +61,7 @@ class RayExecutor:
 
     timeline: Timeline | None = None  # the steps happen on the workers
 
-    def __init__(self, spec: RaySpec, engine_factory):
+    def __init__(self, spec: RaySpec, engine_factory: Callable[[JobSpec], JobEngine]):
         self.spec, self.engine_factory = spec, engine_factory
         self.digest: str | None = None
         self.written: set[str] = set()  # ids committed by this run (earlier runs' ids never reach the workers)

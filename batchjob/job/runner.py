@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 
+from batchjob.job.contracts import JobEngine
 from batchjob.job.executor import Executor, LocalExecutor, Pending, load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGNAL
 from batchjob.job.lock import describe
@@ -59,7 +60,7 @@ def run_job(
     *,
     restart: bool = False,
     grace: float = 10.0,
-    engine_factory: Callable[[JobSpec], object] = load_engine,
+    engine_factory: Callable[[JobSpec], JobEngine] = load_engine,
 ) -> int:
     """The exit code of a run that got going; LockHeld, InputError, StateError and JobFileError when it cannot."""
     out = OutputDir(job.output.path, job.output.storage_options, job.output.lease_seconds)

@@ -86,16 +86,16 @@ class Timeline:
             "num_seqs_max": m.num_seqs,
             "prefill_tokens": m.num_prefill_tokens,
             "decode_tokens": m.num_decode_tokens,
-            "kv_cache_usage": m.kv_cache_usage_perc,
-            "kv_cache_usage_max": m.kv_cache_usage_perc,
+            "kv_cache_usage": m.kv_cache_usage,
+            "kv_cache_usage_max": m.kv_cache_usage,
             "preemptions": m.num_preemptions,
             "prefix_cache_queries": m.prefix_cache_queries,
             "prefix_cache_hits": m.prefix_cache_hits,
             "num_waiting": m.num_waiting,
             "num_running": m.num_running,
-            "token_budget": m.extra.get("token_budget", 0),
+            "token_budget": m.token_budget,
         }
-        self.kv_time += m.kv_cache_usage_perc * m.step_time
+        self.kv_time += m.kv_cache_usage * m.step_time
         self.busy += m.step_time
         self.preemptions += m.num_preemptions
         self.bucket = row if self.bucket is None else merge(self.bucket, row)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.kernels._common import INTERPRET, check_device, next_pow2
+from batchjob.kernels.common import INTERPRET, check_device, next_pow2
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.fp8 import FP8_DTYPE
 

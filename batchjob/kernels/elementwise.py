@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.kernels._common import check_device, next_pow2
+from batchjob.kernels.common import check_device, next_pow2
 
 
 # ---------------------------------------------------------------------------------------------------------- RMSNorm

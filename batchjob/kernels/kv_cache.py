@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.kernels._common import INTERPRET, check_device, fp32_to_e4m3_bits, next_pow2
+from batchjob.kernels.common import INTERPRET, check_device, fp32_to_e4m3_bits, next_pow2
 from batchjob.model.fp8 import FP8_DTYPE
 
 

@@ -1,14 +1,13 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache. Numeric ops come from an ops module
-(`batchjob.model.ops` in torch, or `batchjob.kernels.ops` in Triton) with the same functions."""
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache. Numeric ops come from an ops backend
+(backend.OpsBackend: `batchjob.model.ops` in torch, or `batchjob.kernels.ops` in Triton)."""
 
 from __future__ import annotations
-
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig
 
 
@@ -19,7 +18,7 @@ class LlamaModel:
         self,
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        ops: ModuleType,
+        ops: OpsBackend,
         rope_freqs: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
     ):
@@ -57,6 +56,11 @@ class LlamaModel:
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.scale = c.head_dim**-0.5
         self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs).to(device)
+
+    def linear_weights(self, layer: int) -> list[torch.Tensor]:
+        """The decoder layer's matmul weights (fused qkv, o, fused gate_up, down), for FLOP counts."""
+        w = self.layers[layer]
+        return [w["qkv"], w["o"], w["gate_up"], w["down"]]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -216,7 +216,7 @@ _GGUF_NAMES = {
 }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
     key, layer = (f"blk.{{i}}.{parts[2]}", parts[1]) if parts[0] == "blk" else (base, None)
@@ -313,7 +313,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
     weights = {}
     permute = meta["general.architecture"] == "llama"
     for t in reader.tensors:
-        name = _hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+        name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
         arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         arr = arr.reshape([int(d) for d in reversed(t.shape)])
         if permute and name.endswith("q_proj.weight"):

@@ -87,7 +87,7 @@ class _Group:
 _BUCKET_FILL = 2 / 3  # a sequence joins a call only if it needs at least this share of the call's padded size
 
 
-def _buckets(sizes: list[int]) -> list[list[int]]:
+def size_buckets(sizes: list[int]) -> list[list[int]]:
     """Indexes of `sizes` in calls whose members are padded to the call's largest size: largest first, a new call
     whenever the next size falls below _BUCKET_FILL of the current call's, so that padding wastes at most a third
     of the memory traffic (which bounds decode attention on a CPU), at the price of one more call."""
@@ -114,7 +114,7 @@ def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
     prefills = [i for i, n in enumerate(qlens) if n > 1]
     groups = []
     for kind, size in ((decodes, lambda i: seq_lens_host[i]), (prefills, lambda i: qlens[i] * seq_lens_host[i])):
-        for bucket in _buckets([size(i) for i in kind]):
+        for bucket in size_buckets([size(i) for i in kind]):
             group = [kind[b] for b in bucket]
             idx = torch.tensor(group, dtype=torch.long, device=device)
             seq_lens = all_seq_lens[idx]

@@ -48,7 +48,7 @@ def test_continuous_batching_equals_alone(engine, prompts, alone):
     try:
         outs = engine.generate(prompts, GREEDY)
     finally:
-        engine._step_callbacks.remove(steps.append)
+        engine.remove_step_callback(steps.append)
     assert [o.token_ids for o in outs] == alone
     assert max(s.num_seqs for s in steps) > 8  # really batched
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps) or len(steps) < len(prompts)
@@ -60,7 +60,7 @@ def test_preemption_under_a_small_pool_keeps_outputs(prompts, alone):
     small.add_step_callback(steps.append)
     outs = small.generate(prompts, GREEDY)
     assert sum(s.num_preemptions for s in steps) > 0
-    assert max(s.kv_cache_usage_perc for s in steps) <= 1.0
+    assert max(s.kv_cache_usage for s in steps) <= 1.0
     assert [o.token_ids for o in outs] == alone
     assert small.block_manager.num_free_blocks == small.num_kv_blocks  # nothing leaked
 

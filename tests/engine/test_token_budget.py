@@ -105,8 +105,8 @@ def test_the_engine_tunes_within_its_cap_and_reports_each_step_budget():
     prompts = [[100 + i] * (40 + 30 * i) for i in range(6)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     tuned = engine.generate(prompts, params)
-    assert {s.extra["token_budget"] for s in steps} == {128, 256}  # the two levels took turns
-    assert all(s.num_prefill_tokens + s.num_decode_tokens <= s.extra["token_budget"] for s in steps)
+    assert {s.token_budget for s in steps} == {128, 256}  # the two levels took turns
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= s.token_budget for s in steps)
     assert engine.token_budget in (128, 256)
     engine.set_token_budget(64)
     assert engine.auto_budget is None and engine.token_budget == 64

@@ -20,13 +20,13 @@ def step(k: int) -> StepMetrics:
         num_seqs=k % 7,
         num_prefill_tokens=k % 3,
         num_decode_tokens=k % 7,
-        kv_cache_usage_perc=(k % 10) / 10,
+        kv_cache_usage=(k % 10) / 10,
         num_preemptions=int(k % 50 == 0),
         prefix_cache_queries=k,
         prefix_cache_hits=k // 2,
         num_waiting=1,
         num_running=k % 7,
-        extra={"token_budget": 512},
+        token_budget=512,
     )
 
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from batchjob.kernels import ops as kops
-from batchjob.kernels._common import INTERPRET, fp32_to_e4m3_bits
+from batchjob.kernels.common import INTERPRET, fp32_to_e4m3_bits
 from batchjob.model import ops as ref
 
 pytestmark = pytest.mark.triton

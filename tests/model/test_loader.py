@@ -246,7 +246,7 @@ def write_tiny_gguf(path, rng: np.random.Generator) -> dict[str, np.ndarray]:
         }
     expected = {}
     for name, shape in shapes.items():
-        hf = model_loader._hf_name(name + ".weight")
+        hf = model_loader.hf_name(name + ".weight")
         if name == "blk.1.attn_q":  # Q4_K from integer codes: exact values known
             sc, mn = np.arange(1, 9, dtype=np.uint8), np.arange(8, dtype=np.uint8)
             codes = rng.integers(0, 16, shape)

@@ -61,7 +61,7 @@ def test_paged_attention_matches_dense_attention_on_a_mixed_step(seed):
 
 def test_buckets_bound_the_padding():
     sizes = [300, 10, 290, 250, 199, 120, 11, 9]
-    buckets = ops._buckets(sizes)
+    buckets = ops.size_buckets(sizes)
     assert sorted(i for b in buckets for i in b) == list(range(len(sizes)))
     for b in buckets:
         assert all(sizes[i] >= ops._BUCKET_FILL * max(sizes[j] for j in b) for i in b)

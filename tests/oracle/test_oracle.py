@@ -76,5 +76,5 @@ def test_incremental_detokenization_handles_multibyte(engine, text):
     seq = Sequence(Request("x", [1], SamplingParams()), 0)
     for t in ids:
         seq.token_ids.append(t)
-        engine._detokenize(seq)
+        seq.detokenize(engine.tokenizer)
     assert seq.text == engine.tokenizer.decode(ids) == text

@@ -1,0 +1,50 @@
+"""The engine and tokenizer that the job layer needs, as Protocols: `batchjob.engine.Engine` implements them, and so
+does the fake engine of the tests (tests/job/test_contracts.py checks both). Torch-free, like the rest of the layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+from batchjob.engine.config import EngineConfig
+from batchjob.engine.outputs import Request, RequestOutput, StepMetrics
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.engine.token_budget import AutoTokenBudget
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+class JobEngine(Protocol):
+    config: EngineConfig  # block_size for planning, max_num_seqs for `plan`
+    tokenizer: Tokenizer
+    max_model_len: int
+    model_digest: str  # sha256 of the weights, for the job's fingerprint
+    model_revision: str | None  # the Hub commit, where the model came from the Hub
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+
+    @property
+    def token_budget(self) -> int: ...
+
+    @property
+    def auto_budget(self) -> AutoTokenBudget | None: ...
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]: ...
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]: ...
+
+    def add_step_callback(self, fn: Callable[[StepMetrics], None]) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def abort_waiting(self) -> None: ...

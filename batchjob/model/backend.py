@@ -1,0 +1,37 @@
+"""The ops a model calls, as a Protocol: `batchjob.model.ops` (torch) and `batchjob.kernels.ops` (Triton) are two
+modules that implement it with the same signatures; the engine's model runner picks one."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from batchjob.model.attention_metadata import AttentionMetadata
+
+
+class OpsBackend(Protocol):
+    FP8_DTYPE: torch.dtype  # the dtype of an fp8 KV cache
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None: ...
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale_cache=None,
+        v_scale_cache=None,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,18 @@
+"""Both ops modules keep the model's ops contract (backend.OpsBackend) with the same signatures."""
+
+import pytest
+
+from batchjob.model import ops
+from batchjob.model.backend import OpsBackend
+from tests.helpers import protocol_gaps
+
+
+def test_the_torch_ops_keep_the_backend_contract():
+    assert protocol_gaps(ops, OpsBackend) == []
+
+
+def test_the_triton_kernels_keep_the_backend_contract():
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra)")
+    from batchjob.kernels import ops as kernels_ops  # conftest set TRITON_INTERPRET=1 on a CPU
+
+    assert protocol_gaps(kernels_ops, OpsBackend) == []
