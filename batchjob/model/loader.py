@@ -291,7 +291,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     digest = _digest_memo(path)
     cached = cache_dir() / "gguf" / digest
     if not (cached / "config.json").exists():
-        _convert_gguf(path, cached)
+        convert_gguf(path, cached)
     config = json.loads((cached / "config.json").read_text())
     config = ModelConfig(**{**config, "eos_token_ids": tuple(config["eos_token_ids"])})
     weights = load_file(str(cached / "model.safetensors"))
@@ -300,7 +300,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(config, weights, Tokenizer.from_folder(cached), path, digest, rope_freqs)
 
 
-def _convert_gguf(path: Path, out: Path) -> None:
+def convert_gguf(path: Path, out: Path) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

@@ -337,7 +337,7 @@ def test_gguf_second_load_uses_the_conversion_cache(tiny_gguf, cache, monkeypatc
     def no_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(model_loader, "convert_gguf", no_conversion)
     second = load_model(str(path))
     assert second.digest == first.digest and second.config == first.config
     assert all(torch.equal(second.weights[k], v) for k, v in first.weights.items())
@@ -354,7 +354,7 @@ def test_a_gguf_converted_by_two_processes_at_once_leaves_one_cache_and_no_part(
     path, _ = tiny_gguf
     first = load_model(str(path))
     out = cache / "gguf" / first.digest
-    model_loader._convert_gguf(path, out)  # the loser: converts too, finds the winner's folder in place
+    model_loader.convert_gguf(path, out)  # the loser: converts too, finds the winner's folder in place
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == [first.digest]
     assert load_model(str(path)).config == first.config
 
