@@ -40,7 +40,10 @@ class JobEngine(Protocol):
     def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]: ...
 
     def generate(
-        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]: ...
 
     def add_step_callback(self, fn: Callable[[StepMetrics], None]) -> None: ...

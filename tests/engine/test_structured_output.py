@@ -75,7 +75,7 @@ def test_n_samples_share_one_prefill(engine):
     try:
         outs = engine.generate(prompts, SamplingParams(n=4, temperature=0.8, max_tokens=6, seed=1), use_tqdm=False)
     finally:
-        engine._step_callbacks.remove(steps.append)
+        engine.remove_step_callback(steps.append)
     bs = engine.config.block_size
     for o in outs:
         assert len(o.outputs) == 4 and o.text == o.outputs[0].text
