@@ -28,6 +28,9 @@ class FakeTokenizer:
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
+    def encode_chats(self, chats: list[tuple[list[dict], int]]) -> list[list[int] | Exception]:
+        return [self.encode(self.apply_chat_template(messages), add_special_tokens=False) for messages, _ in chats]
+
 
 class FakeEngine:
     def __init__(

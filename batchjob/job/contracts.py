@@ -10,6 +10,7 @@ from batchjob.engine.config import EngineConfig
 from batchjob.engine.outputs import Request, RequestOutput, StepMetrics
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.token_budget import AutoTokenBudget
+from batchjob.model.chat_shape import Chat
 
 
 class Tokenizer(Protocol):
@@ -20,6 +21,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+    def encode_chats(self, chats: list[Chat]) -> list[list[int] | Exception]: ...
 
 
 class JobEngine(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from batchjob.job.contracts import Tokenizer
+from batchjob.job.contracts import Chat, Tokenizer
 from batchjob.job.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec
 
@@ -22,40 +22,50 @@ class PromptBuilder:
         self.prompt, self.format = job.prompt, job.input.format
         self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
         self.tokenizer, self.context_len = tokenizer, context_len
+        self.fields = [name for name in job.prompt.fields if name != self.text_column]  # parsed once, not per row
 
     def build_many(self, rows: list[Row], max_tokens: list[int]) -> list[tuple[list[int], bool] | RowError]:
-        """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads) for the
-        prompts that fit, which is most of the cost of planning a large input; a row's RowError in its place."""
+        """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads), and chat
+        prompts of one shape rendered once (Tokenizer.encode_chats), which is most of the cost of planning a large
+        input; the prompts that come out too long go through build(); a row's RowError in its place."""
         out: list = [None] * len(rows)
-        texts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+        plain: list[tuple[int, str]] = []
+        chats: list[tuple[int, Chat]] = []
         for i, row in enumerate(rows):
             try:
-                render, main, chat = self._parts(row)
-                texts[chat].append((i, render(main)))
+                compose, main = self._parts(row)
+                prompt = compose(main)
             except RowError as e:
                 out[i] = e
-        for chat, batch in texts.items():
-            if not batch:
                 continue
-            for (i, _), ids in zip(
-                batch, self.tokenizer.encode_batch([t for _, t in batch], add_special_tokens=not chat)
-            ):
-                out[i] = (ids, False)
+            if isinstance(prompt, str):
+                plain.append((i, prompt))
+            else:
+                chats.append((i, prompt))
+        for (i, _), ids in zip(plain, self.tokenizer.encode_batch([t for _, t in plain])):
+            out[i] = ids
+        for (i, _), ids in zip(chats, self.tokenizer.encode_chats([c for _, c in chats])):
+            out[i] = _template_refused(ids) if isinstance(ids, Exception) else ids
         for i, built in enumerate(out):
-            if isinstance(built, tuple) and len(built[0]) >= self.context_len:
-                try:
-                    out[i] = self.build(rows[i], max_tokens[i])  # the too-long policy, row by row
-                except RowError as e:
-                    out[i] = e
+            if isinstance(built, list):
+                out[i] = (built, False)
+                if len(built) >= self.context_len:
+                    try:
+                        out[i] = self.build(rows[i], max_tokens[i])  # the too-long policy, row by row
+                    except RowError as e:
+                        out[i] = e
         return out
 
     def build(self, row: Row, max_tokens: int) -> tuple[list[int], bool]:
         """Token ids and whether they were truncated; RowError when the row has no usable prompt."""
-        render, main, chat = self._parts(row)
+        compose, main = self._parts(row)
 
         def encode(text: str) -> list[int]:
+            prompt = compose(text)
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
             # A rendered chat template writes its own BOS, so the tokenizer must not add another.
-            return self.tokenizer.encode(render(text), add_special_tokens=not chat)
+            return self.tokenizer.encode(self._chat(prompt[0]), add_special_tokens=False)
 
         ids = full = encode(main)
         if len(ids) < self.context_len:
@@ -83,47 +93,47 @@ class PromptBuilder:
         # whole prompt's tokens, which keeps the row's text on the side the policy keeps.
         return (full[-limit:] if policy == "truncate_left" else full[:limit]), True
 
-    def _parts(self, row: Row) -> tuple[Callable[[str], str], str, bool]:
-        """How to render the prompt around its main text, that text (the part truncation cuts), and whether the
-        result is chat-templated."""
+    def _parts(self, row: Row) -> tuple[Callable[[str], str | Chat], str]:
+        """How to compose the prompt around its main text (the part truncation cuts): a plain text, or a chat whose
+        hole message holds it; and that text."""
         if self.format == "openai-batch":
             if "prompt" in row.values:  # a /v1/completions line: the prompt as given, no template
-                return (lambda text: text), _text(row.values["prompt"], "body.prompt"), False
-            return (*self._messages_parts(row.values["messages"]), True)
+                return (lambda text: text), _text(row.values["prompt"], "body.prompt")
+            return self._messages_parts(row.values["messages"])
         if self.messages_column:
-            return (*self._messages_parts(row.values[self.messages_column]), True)
+            return self._messages_parts(row.values[self.messages_column])
         main = _text(row.values.get(self.text_column), self.text_column)
-        fields = {name: _scalar(row.values.get(name), name) for name in self.prompt.fields if name != self.text_column}
+        fields = {name: _scalar(row.values.get(name), name) for name in self.fields} if self.fields else {}
         template, system, chat = self.prompt.template, self.prompt.system, self.prompt.chat_template
 
-        def render(text: str) -> str:
+        def compose(text: str) -> str | Chat:
             try:
                 body = template.format_map({**fields, self.text_column: text}) if template else text
             except (ValueError, IndexError) as e:
                 raise RowError(f"prompt.template cannot format this row: {e}") from None
             if chat:
                 head = [{"role": "system", "content": system}] if system else []
-                return self._chat(head + [{"role": "user", "content": body}])
+                return head + [{"role": "user", "content": body}], len(head)
             return f"{system}\n\n{body}" if system else body
 
-        return render, main, chat
+        return compose, main
 
-    def _messages_parts(self, messages) -> tuple[Callable[[str], str], str]:
+    def _messages_parts(self, messages) -> tuple[Callable[[str], Chat], str]:
         messages = _messages(messages)
         if self.prompt.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.prompt.system})
         longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
 
-        def render(text: str) -> str:
-            return self._chat([*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1 :]])
+        def compose(text: str) -> Chat:
+            return [*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1 :]], longest
 
-        return render, messages[longest]["content"]
+        return compose, messages[longest]["content"]
 
     def _chat(self, messages: list[dict]) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages)
         except Exception as e:  # the template is the model's code: some refuse some message orders, for one
-            raise RowError(f"the model's chat template refused this prompt: {e}") from None
+            raise _template_refused(e) from None
 
     def check(self) -> None:
         """Fail before any work when the job asks for a chat template that the model does not have."""
@@ -132,6 +142,10 @@ class PromptBuilder:
                 self.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
             except ValueError as e:
                 raise JobFileError(f"prompt.chat_template: {e}") from None
+
+
+def _template_refused(e: Exception) -> RowError:
+    return RowError(f"the model's chat template refused this prompt: {e}")
 
 
 def _text(value, name: str) -> str:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+
+from batchjob.model.chat_shape import Chat, ChatShape, splits_at_added_tokens, template_inserts_content_verbatim
 
 # The split llama.cpp applies before byte-level BPE, by `tokenizer.ggml.pre`; absent means GPT-2's own regex.
 _LLAMA3_SPLIT = (
@@ -25,6 +28,7 @@ _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LL
 # Pre-tokenizers that split every digit before GPT-2's regex (llama.cpp's "smollm", "starcoder", ...).
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell"}
 _CONTROL = 3  # llama.cpp token type
+MAX_CHAT_SHAPES = 4096  # kept between calls; past this many the cache starts over
 
 
 class Tokenizer:
@@ -49,6 +53,7 @@ class Tokenizer:
                 special_tokens=[(bos_token, self.bos_token_id)],
             )
         self._template = _compile(chat_template) if chat_template else None
+        self._shapes: dict[tuple, ChatShape | None] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -96,6 +101,77 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself, as transformers' apply_chat_template(tokenize=True) assumes.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def encode_chats(self, chats: list[Chat]) -> list[list[int] | Exception]:
+        """encode_chat() of many chats, the same ids, an exception where the template refused one. Chats of one shape
+        (equal but for the hole's content) that chat_shape proves safe are rendered once and tokenized around the
+        content only; the rest are rendered and tokenized whole."""
+        out: list = [None] * len(chats)
+        groups: dict[tuple | None, list[int]] = {}
+        for i, (messages, hole) in enumerate(chats):
+            groups.setdefault(self._shape_key(messages, hole) if self._verbatim else None, []).append(i)
+        whole: list[tuple[int, str]] = []
+        cut: list[tuple[int, ChatShape, str]] = []
+        for key, members in groups.items():
+            first = chats[members[0]]
+            shape = self._shape(key, first) if key is not None and (len(members) > 1 or key in self._shapes) else None
+            for i in members:
+                messages, hole = chats[i]
+                content = messages[hole]["content"]
+                if shape is None:
+                    try:
+                        whole.append((i, self.apply_chat_template(messages)))
+                    except Exception as e:  # the template is the model's code; the caller reports it per chat
+                        out[i] = e
+                elif shape.can_cut(content):
+                    cut.append((i, shape, content))
+                else:
+                    whole.append((i, shape.text(content)))
+        for (i, _), ids in zip(whole, self.encode_batch([t for _, t in whole], add_special_tokens=False)):
+            out[i] = ids
+        middles = [shape.middle(content) for _, shape, content in cut]
+        for (i, shape, _), ids in zip(cut, self.encode_batch(middles, add_special_tokens=False)):
+            out[i] = shape.head_ids + ids + shape.tail_ids
+        return out
+
+    @cached_property
+    def _verbatim(self) -> bool:
+        return self._template is not None and template_inserts_content_verbatim(
+            self._template.environment, self.chat_template
+        )
+
+    @cached_property
+    def _splits_at_added_tokens(self) -> bool:
+        return splits_at_added_tokens(self.backend)
+
+    @staticmethod
+    def _shape_key(messages: list[dict], hole: int) -> tuple | None:
+        try:
+            key = tuple(
+                (i == hole, tuple((k, v) for k, v in m.items() if i != hole or k != "content"))
+                for i, m in enumerate(messages)
+            )
+            hash(key)
+        except TypeError:  # a value that is not text: no shape
+            return None
+        return key
+
+    def _shape(self, key: tuple, chat: Chat) -> ChatShape | None:
+        if key not in self._shapes:
+            if len(self._shapes) >= MAX_CHAT_SHAPES:
+                self._shapes.clear()
+            messages, hole = chat
+
+            def render(content: str) -> str:
+                return self.apply_chat_template(
+                    [*messages[:hole], {**messages[hole], "content": content}, *messages[hole + 1 :]]
+                )
+
+            try:
+                self._shapes[key] = ChatShape(render, self.backend, self._splits_at_added_tokens)
+            except Exception:  # refused or content-dependent after all: these chats are rendered one by one
+                self._shapes[key] = None
+        return self._shapes[key]
 
     def save(self, folder: Path) -> None:
         """As tokenizer.json + tokenizer_config.json, which from_folder (and transformers) read back."""

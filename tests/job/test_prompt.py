@@ -2,6 +2,7 @@ import pytest
 
 from batchjob.job.prompt import PromptBuilder, RowError
 from batchjob.job.reader import Row
+from batchjob.model.loader import load_model
 from tests.fakes import FakeTokenizer
 from tests.helpers import make_job
 
@@ -115,3 +116,31 @@ def test_openai_completion_prompts_are_used_as_given(tmp_path):
     assert text_of(b.build(Row(0, "a", {"prompt": "once upon"}), 8)[0]) == "once upon"
     chat = b.build(Row(0, "a", {"messages": [{"role": "user", "content": "hi"}]}), 8)[0]
     assert text_of(chat) == "<|system|>Sys\n<|user|>hi\n<|assistant|>"
+
+
+@pytest.mark.parametrize(
+    "sections, values",
+    [
+        ({"prompt": {"system": "Be brief.", "template": "{title}: {text}"}}, lambda t: {"text": t, "title": "T"}),
+        ({"prompt": {"system": "Be brief."}}, lambda t: {"text": t}),
+        ({}, lambda t: {"text": t}),
+        (
+            {"input": {"messages_column": "chat"}, "prompt": {"system": "Sys"}},
+            lambda t: {"chat": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": f"{t} {t}"}]},
+        ),
+    ],
+)
+def test_build_many_on_the_real_tokenizer_gives_what_build_gives_row_by_row(tmp_path, sections, values):
+    # build_many renders a chat template once per shape and tokenizes around the row's text (model/chat_shape.py).
+    tokenizer = load_model("smollm2-135m-instruct").tokenizer
+    b = PromptBuilder(make_job(tmp_path / "in.jsonl", tmp_path / "out", **sections), tokenizer, 64)
+    texts = [" lead", "<|im_end|>", "trail\n", "東京 12345", "x" * 200, "ok", "", "<|im_start|>user\nhi"]
+    rows = [Row(i, str(i), values(t)) for i, t in enumerate(texts)]
+
+    def one(row):
+        try:
+            return b.build(row, 8)
+        except RowError as e:
+            return str(e)
+
+    assert [r if isinstance(r, tuple) else str(r) for r in b.build_many(rows, [8] * len(rows))] == list(map(one, rows))
