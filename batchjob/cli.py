@@ -23,7 +23,7 @@ from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.state import OutputDir, StateError
 from batchjob.job.storage import is_url
 from batchjob.model.builtin import DEFAULT_MODEL
-from batchjob.model.loader import ModelNotFoundError
+from batchjob.model.errors import ModelNotFoundError
 
 _set_option = click.option(
     "--set",
@@ -69,6 +69,12 @@ def _failures() -> Iterator[None]:
 @_set_option
 @click.option("--restart", is_flag=True, help="Discard the output folder's earlier results and start over.")
 @click.option(
+    "--allow-numerics-change",
+    is_flag=True,
+    help="Resume even where the earlier results were computed under another device, dtype or ops backend "
+    "(recorded in _job.json); refused otherwise.",
+)
+@click.option(
     "--executor",
     type=click.Choice(["local", "ray"]),
     default=None,
@@ -94,6 +100,7 @@ def run(
     job_file: str,
     overrides: tuple[str, ...],
     restart: bool,
+    allow_numerics_change: bool,
     executor: str | None,
     log_format: str,
     log_interval: float,
@@ -112,7 +119,7 @@ def run(
         else LogProgress(interval=log_interval, json_lines=log_format == "json")
     )
     with _failures():
-        code = run_job(job, progress, restart=restart, grace=grace)
+        code = run_job(job, progress, restart=restart, allow_numerics_change=allow_numerics_change, grace=grace)
     sys.exit(code)
 
 

@@ -49,6 +49,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.model_digest = f"digest-of-{model}"
         self.model_revision = None
+        self.numerics = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "ops_backend": "fake"}
         self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
         self.token_budget, self.auto_budget = 64, None
         # send `signum` to this process after these numbers of outputs, as a scheduler (or a closed terminal) would

@@ -78,3 +78,9 @@ def test_an_unexpected_exception_exits_70_naming_a_log_with_the_traceback(tmp_pa
     assert line.startswith("error: internal error: RuntimeError: something nobody planned for (the traceback is in ")
     log = Path(line.rsplit(" ", 1)[-1].rstrip(")")).read_text()
     assert "Traceback" in log and "something nobody planned for" in log
+
+
+def test_the_cli_starts_without_importing_torch():
+    """`batchjob status` or a bad job file answers in a moment: torch (seconds to import) loads with the model only."""
+    code = "import sys, batchjob.cli; print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

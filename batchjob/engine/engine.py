@@ -47,6 +47,7 @@ class Engine:
             self.config.model_copy(update={"max_num_batched_tokens": cap}) if auto else self.config, loaded
         )
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.numerics = self.runner.numerics
         self.num_kv_blocks = self.runner.num_blocks
         self.budget_cap = budget_cap(
             self.config.max_num_seqs, self.max_model_len, self.num_kv_blocks * self.config.block_size

@@ -29,11 +29,14 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def pick_ops(config: EngineConfig, device: torch.device) -> OpsBackend:
+def pick_ops_backend(config: EngineConfig, device: torch.device) -> str:
     """Triton kernels on a CUDA device (or when asked for, e.g. under TRITON_INTERPRET=1); torch otherwise."""
-    backend = config.ops_backend
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    if config.ops_backend != "auto":
+        return config.ops_backend
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+
+
+def load_ops(backend: str) -> OpsBackend:
     return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.ops")
 
 
@@ -49,12 +52,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.dtype = pick_dtype(config, self.device)
+        self.ops_backend = pick_ops_backend(config, self.device)
         self.model = LlamaModel(
             loaded.config,
             # Taken out of `loaded`: weights drawn on the GPU (load_format dummy) would otherwise stay there unfused
             # beside the fused copies while the KV pool is sized.
             {k: loaded.weights.pop(k).to(self.dtype) for k in list(loaded.weights)},
-            pick_ops(config, self.device),
+            load_ops(self.ops_backend),
             loaded.rope_freqs,
             self.device,
         )
@@ -67,6 +71,20 @@ class ModelRunner:
         self.kv_bytes_per_token = 2 * c.num_hidden_layers * per_slot
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self.kv_caches = self._make_caches(self.num_blocks)
+
+    @property
+    def numerics(self) -> dict[str, str]:
+        """What decides the numbers beyond the weights, as resolved (dtype `auto` is float32 on a CPU, bfloat16 on
+        a GPU): results computed under two of these differ in their last bits, and so in some greedy tokens."""
+        device = self.device.type
+        if device == "cuda":  # kernels (and their reduction orders) are tuned per GPU model
+            device += f":{torch.cuda.get_device_name(self.device)}"
+        return {
+            "device": device,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "ops_backend": self.ops_backend,
+        }
 
     def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         """Per layer: K and V [num_blocks, block_size, KVH, D], plus their scales when stored as fp8."""

@@ -31,6 +31,7 @@ class JobEngine(Protocol):
     max_model_len: int
     model_digest: str  # sha256 of the weights, for the job's fingerprint
     model_revision: str | None  # the Hub commit, where the model came from the Hub
+    numerics: dict[str, str]  # the resolved device, dtypes and ops backend: what else decides the numbers
     num_kv_blocks: int
     kv_bytes_per_token: int
 
@@ -54,3 +55,8 @@ class JobEngine(Protocol):
     def abort_all(self) -> None: ...
 
     def abort_waiting(self) -> None: ...
+
+
+def model_identity(engine: JobEngine) -> dict:
+    """The fingerprint's parts that are known only once the model is loaded."""
+    return {"model_digest": engine.model_digest, "model_revision": engine.model_revision, "numerics": engine.numerics}

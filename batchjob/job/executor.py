@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from batchjob.engine.outputs import RequestOutput, StepMetrics
-from batchjob.job.contracts import JobEngine
+from batchjob.job.contracts import JobEngine, model_identity
 from batchjob.job.planner import Work, job_planner, requests
 from batchjob.job.progress import Progress
 from batchjob.job.reader import Row, Scan
@@ -39,8 +39,8 @@ class Pending:
     writer: PartWriter
     progress: Progress
     stopper: Stopper
-    # the model's digest and Hub revision, once known and before the first result is committed
-    model_known: Callable[[str, str | None], None]
+    # contracts.model_identity of the engine, once loaded and before the first result is committed
+    model_known: Callable[[dict], None]
 
     def start(self) -> None:
         """Generation begins (after the model load, which the run's rates leave out)."""
@@ -80,7 +80,7 @@ class LocalExecutor:
         except Interrupted:
             return
         planner = job_planner(pending.job, self.engine, pending.row_failed)
-        pending.model_known(self.engine.model_digest, self.engine.model_revision)
+        pending.model_known(model_identity(self.engine))
         if pending.stopper.stopping:  # stopped during the model load: nothing started, nothing to commit
             return
         pending.start()

@@ -25,7 +25,7 @@ from batchjob.job.lock import LockHeld
 
 
 class LeaseLost(Exception):
-    """Another run took this run's lease: it must not commit anything more (exit code 2)."""
+    """Another run took this run's lease: it must not commit anything more (exit code 75, as for a held lock)."""
 
 
 def lease_expired(holder: dict) -> bool:

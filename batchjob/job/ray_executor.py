@@ -8,13 +8,14 @@ access to the output folder, and a shard that Ray redoes because its worker died
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import pickle
 from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
-from batchjob.job.contracts import JobEngine
+from batchjob.job.contracts import JobEngine, model_identity
 from batchjob.job.executor import Pending
 from batchjob.job.planner import job_planner, requests
 from batchjob.job.reader import Row
@@ -33,8 +34,8 @@ except ImportError:
     ) from None
 
 ROW = "row"  # the one column of an input shard: each Row pickled as the local reader made it
-# Result schema metadata: the model a worker ran, for the job's fingerprint.
-DIGEST, REVISION = b"model_digest", b"model_revision"
+# Result schema metadata: the model a worker ran (contracts.model_identity, as JSON), for the job's fingerprint.
+MODEL = b"model"
 
 
 class EngineWorker:
@@ -44,9 +45,7 @@ class EngineWorker:
         self.engine = engine_factory(job)
         self.records: list[dict] = []  # the result rows of the shard in hand
         self.planner = job_planner(job, self.engine, lambda row, error: self.records.append(failed_row(row, error)))
-        self.schema = result_schema(passthrough).with_metadata(
-            {DIGEST: self.engine.model_digest, REVISION: self.engine.model_revision or ""}
-        )
+        self.schema = result_schema(passthrough).with_metadata({MODEL: json.dumps(model_identity(self.engine))})
 
     def run_shard(self, shard: pa.Table) -> pa.Table:
         self.records, works = [], {}
@@ -63,7 +62,7 @@ class RayExecutor:
 
     def __init__(self, spec: RaySpec, engine_factory: Callable[[JobSpec], JobEngine]):
         self.spec, self.engine_factory = spec, engine_factory
-        self.digest: str | None = None
+        self.model: dict | None = None
         self.written: set[str] = set()  # ids committed by this run (earlier runs' ids never reach the workers)
 
     def execute(self, pending: Pending) -> None:
@@ -121,14 +120,14 @@ class RayExecutor:
         return True
 
     def _commit(self, table: pa.Table, pending: Pending) -> None:
-        digest = table.schema.metadata[DIGEST].decode()
-        if self.digest is None:  # the first results: now the model is known, and so is the whole job
-            pending.model_known(digest, table.schema.metadata[REVISION].decode() or None)
-            self.digest = digest
-        elif digest != self.digest:
+        model = json.loads(table.schema.metadata[MODEL])
+        if self.model is None:  # the first results: now the model is known, and so is the whole job
+            pending.model_known(model)
+            self.model = model
+        elif model != self.model:
             raise StateError(
-                f"Ray workers run different models (sha256 {self.digest} and {digest}): "
-                "the model path must hold the same files on every node"
+                f"Ray workers run different models or numerics ({self.model} and {model}): the model path must "
+                "hold the same files on every node, and the workers run on one kind of device"
             )
         # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
         written = self.written

@@ -17,21 +17,15 @@ from batchjob.job.progress import Progress
 from batchjob.job.prom import write_metrics
 from batchjob.job.reader import InputSource, Scan
 from batchjob.job.spec import JobSpec
-from batchjob.job.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, now_iso
+from batchjob.job.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
 from batchjob.job.stopper import Stopper
 from batchjob.job.storage import display
 from batchjob.job.writer import PartWriter, sort_parts, write_openai_output
 
-MODEL_KEYS = ("model_digest", "model_revision")  # the fingerprint's parts known only once the model is loaded
-# Truncation (max_model_len), output lengths (elastic_*), sampling draws (seed) and numbers by design (dtypes).
-RESULT_ENGINE_SETTINGS = {
-    "max_model_len",
-    "elastic_compression",
-    "elastic_max_tokens_floor",
-    "seed",
-    "dtype",
-    "kv_cache_dtype",
-}
+MODEL_KEYS = ("model_digest", "model_revision", "numerics")  # the parts known once the model is loaded
+# Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in
+# "numerics": `dtype: auto` is float32 on a CPU and bfloat16 on a GPU.
+RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed"}
 
 
 def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> dict:
@@ -41,6 +35,7 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
         "model": job.model,
         "model_digest": model_digest,
         "model_revision": None,  # the Hub commit, known with the digest
+        "numerics": None,  # the resolved device, dtypes and ops backend, known with the digest
         "prompt": job.prompt.model_dump(),
         "sampling": job.sampling.model_dump(),
         "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
@@ -59,11 +54,14 @@ def run_job(
     progress: Progress,
     *,
     restart: bool = False,
+    allow_numerics_change: bool = False,
     grace: float = 10.0,
     engine_factory: Callable[[JobSpec], JobEngine] = load_engine,
 ) -> int:
     """The exit code of a run that got going; LockHeld, InputError, StateError and JobFileError when it cannot."""
     out = OutputDir(job.output.path, job.output.storage_options, job.output.lease_seconds)
+    source = InputSource(job)
+    source.check_outside(job.output.path)  # before the lock, which would create the folder it refuses
     if job.executor == "ray":
         from batchjob.job.ray_executor import RayExecutor  # Ray is an optional extra, imported only when asked for
 
@@ -73,26 +71,33 @@ def run_job(
     with out.lock() as lock, Stopper(grace) as stopper:
         if lock.stale and lock.stale.get("pid"):
             progress.message(f"took over the lock of a run that is gone ({describe(lock.stale)})")
-        return JobRun(job, out, progress, stopper, executor).run(restart)
+        return JobRun(job, out, progress, stopper, executor, allow_numerics_change).run(source, restart)
 
 
 class JobRun:
     """Everything around generation: recover, fingerprint, resume, then the executor, then the final files."""
 
-    def __init__(self, job: JobSpec, out: OutputDir, progress: Progress, stopper: Stopper, executor: Executor):
+    def __init__(
+        self,
+        job: JobSpec,
+        out: OutputDir,
+        progress: Progress,
+        stopper: Stopper,
+        executor: Executor,
+        allow_numerics_change: bool = False,
+    ):
         self.job, self.out, self.progress, self.stopper, self.executor = job, out, progress, stopper, executor
+        self.allow_numerics_change = allow_numerics_change
 
-    def run(self, restart: bool) -> int:
+    def run(self, source: InputSource, restart: bool) -> int:
         job, out = self.job, self.out
         started = time.monotonic()
         for part in out.recover():
             self.progress.message(f"quarantined the damaged part {part.name} in {part.parent}; its rows will be redone")
-        source = InputSource(job)
-        source.check_outside(job.output.path)
         fp = fingerprint(job, source, None)
         if restart:
-            self.progress.message(f"--restart: discarding earlier results in {out.path}")
             out.reset()
+            self.progress.message(f"--restart: discarded earlier results in {out.path}")
         # Everything but the model digest is known before the slow model load, so a mismatch fails at once.
         out.check_fingerprint(fp, keys=[k for k in fp if k not in MODEL_KEYS])
         if out.succeeded:
@@ -121,10 +126,10 @@ class JobRun:
             before_commit=out.check_held,
         )
 
-        def model_known(digest: str, revision: str | None) -> None:
-            fp["model_digest"], fp["model_revision"] = digest, revision
-            out.check_fingerprint(fp, keys=list(MODEL_KEYS))
-            self._write_job(fp, scan)
+        def model_known(identity: dict) -> None:
+            fp.update(json.loads(json.dumps(identity)))
+            out.check_fingerprint(fp, keys=["model_digest", "model_revision"])
+            self._write_job(fp, scan, self._numerics_change(fp["numerics"]))
 
         done = committed.done_at(scan.ids)
         rows = (row for row in source.rows() if not done[row.index])
@@ -135,9 +140,34 @@ class JobRun:
             writer.flush()
             self.progress.close()
 
-    def _write_job(self, fp: dict, scan: Scan) -> None:
+    def _numerics_change(self, numerics: dict) -> dict | None:
+        """Refuse to add results computed under other numerics than the earlier ones, unless allowed; then the
+        change is what _job.json records."""
+        meta = self.out.read_job()
+        if meta is None or not self.out.committed(with_ids=False).rows:
+            return None
+        earlier = meta["fingerprint"].get("numerics")  # None: written by a batchjob that did not record them
+        if earlier == numerics:
+            return None
+        differs = ", ".join(
+            f"{k} {(earlier or {}).get(k, 'unrecorded')} -> {v}"
+            for k, v in numerics.items()
+            if (earlier or {}).get(k) != v
+        )
+        if not self.allow_numerics_change:
+            raise StateError(
+                f"{self.out.path} holds results computed under other numerics ({differs}): adding to them would mix "
+                "two sets of numbers in one dataset. Run where they were computed, pass --allow-numerics-change to "
+                "add to them anyway (recorded in _job.json), or --restart to start over"
+            )
+        self.progress.message(f"--allow-numerics-change: adding results computed with {differs}")
+        return {"at": now_iso(), "from": earlier, "to": numerics}
+
+    def _write_job(self, fp: dict, scan: Scan, numerics_change: dict | None = None) -> None:
         """Record the job before its first part is committed, so that every part belongs to a known job."""
         meta = self.out.read_job() or {"created": now_iso()}
+        if numerics_change:
+            meta["numerics_changes"] = [*meta.get("numerics_changes", []), numerics_change]
         self.out.write_job(
             {
                 **meta,

@@ -93,6 +93,16 @@ def _placeholders(template: str) -> list[str]:
     return out
 
 
+def _check_text_format(template: str, text_column: str) -> None:
+    """The text column is always a string: a format spec that no string takes (`{text:d}`) would fail every row."""
+    for _, name, format_spec, _ in string.Formatter().parse(template):
+        if name == text_column and format_spec and "{" not in format_spec:
+            try:
+                format("text", format_spec)
+            except ValueError as e:
+                raise ValueError(f"prompt.template: {{{name}:{format_spec}}} does not format a text: {e}") from None
+
+
 class ScheduleSpec(_Section):
     sort_window: int = Field(4096, ge=1, description="rows reordered together; bounds the memory of ordering")
     dedupe: bool = Field(True, description="compute identical deterministic requests once")
@@ -159,6 +169,7 @@ class JobSpec(_Section):
                     f"prompt.template: must contain {{{inp.text_column}}} (input.text_column), "
                     f"the text that is checked and truncated; it has {prompt.fields}"
                 )
+            _check_text_format(prompt.template, inp.text_column)
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self

@@ -52,7 +52,7 @@ class Committed:
     def done_at(self, ids: pa.ChunkedArray) -> np.ndarray:
         """For each of the input's ids (by position), whether it is committed: one hash join in polars, a byte a
         row, where a set of the ids would take a Python string each."""
-        return pl.Series(ids).is_in(pl.Series(self.ids, dtype=pl.String)).to_numpy()
+        return pl.Series(ids).is_in(pl.Series(self.ids, dtype=pl.String).implode()).to_numpy()
 
 
 class OutputDir:

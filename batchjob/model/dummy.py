@@ -20,7 +20,8 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from batchjob.model.builtin import DEFAULT_MODEL
 from batchjob.model.config import ModelConfig
-from batchjob.model.loader import LoadedModel, ModelNotFoundError, load_model
+from batchjob.model.errors import ModelNotFoundError
+from batchjob.model.loader import LoadedModel, load_model
 from batchjob.model.tokenizer import Tokenizer
 
 CONFIGS_DIR = Path(__file__).parent / "configs"

@@ -25,12 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from batchjob.model.builtin import BUILTIN_MODELS, BUILTIN_PINS, cache_dir
 from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig
+from batchjob.model.errors import ModelNotFoundError
 from batchjob.model.tokenizer import Tokenizer
-
-
-class ModelNotFoundError(RuntimeError):
-    pass
-
 
 # org/name, org/name@revision, or org/name/file.gguf (one GGUF file of the repo), as the Hub spells repo ids.
 _HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:/(?P<file>[^@]+\.gguf))?(?:@(?P<revision>[\w./-]+))?$")

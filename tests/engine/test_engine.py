@@ -173,3 +173,10 @@ def test_fp8_kv_cache_doubles_blocks_and_stays_close(prompts):
     agree = [(a.logprobs[0].logprob, b.logprobs[0].logprob) for a, b in pairs if a.token_ids == b.token_ids]
     assert len(agree) >= 6
     assert all(abs(x - y) < 0.25 for x, y in agree)
+
+
+def test_numerics_are_recorded_as_resolved(engine):
+    """`dtype: auto` means float32 on a CPU: the job fingerprint records what ran, not what was written."""
+    assert engine.numerics == {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "ops_backend": "torch"}
+    fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8)
+    assert fp8.numerics["kv_cache_dtype"] == "float8_e4m3fn" and fp8.numerics["dtype"] == "float32"

@@ -93,5 +93,5 @@ def test_the_dag_s_command_is_idempotent_and_restart_runs_again(tmp_path):
 
     again = dag_run("--restart")
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "--restart: discarding earlier results" in again.stdout and "done: 3 rows ok, 0 failed" in again.stdout
+    assert "--restart: discarded earlier results" in again.stdout and "done: 3 rows ok, 0 failed" in again.stdout
     assert {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()} != parts

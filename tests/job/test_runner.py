@@ -216,6 +216,49 @@ def test_a_changed_model_refuses_to_resume(tmp_path, docs, progress):
         run_job(job, progress, engine_factory=other_weights)
 
 
+def on_a_gpu(job):
+    engine = fake_factory()(job)
+    engine.numerics = {**engine.numerics, "device": "cuda:NVIDIA H200", "dtype": "bfloat16"}
+    return engine
+
+
+def test_a_resume_under_other_numerics_is_refused_unless_allowed_and_then_recorded(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out", output={"checkpoint_rows": 4})
+    assert run_job(job, progress, engine_factory=fake_factory(signal_at=(9,))) == 143
+    partial = results(tmp_path / "out")
+    with pytest.raises(StateError, match=r"other numerics \(device cpu -> cuda:NVIDIA H200, dtype float32 -> bf"):
+        run_job(job, progress, engine_factory=on_a_gpu)
+    assert results(tmp_path / "out") == partial  # refused before anything was added
+
+    assert run_job(job, progress, allow_numerics_change=True, engine_factory=on_a_gpu) == EXIT_OK
+    assert sorted(results(tmp_path / "out")) == sorted(d["id"] for d in documents(23))
+    meta = json.loads((tmp_path / "out" / "_job.json").read_text())
+    assert meta["fingerprint"]["numerics"]["dtype"] == "bfloat16"
+    [change] = meta["numerics_changes"]
+    assert (change["from"]["dtype"], change["to"]["dtype"]) == ("float32", "bfloat16")
+
+
+def test_numerics_that_an_older_batchjob_did_not_record_count_as_changed(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out")
+    run_job(job, progress, engine_factory=fake_factory(signal_at=(3,)))
+    meta_file = tmp_path / "out" / "_job.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["fingerprint"]["numerics"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(StateError, match="device unrecorded -> cpu"):
+        run_job(job, progress, engine_factory=fake_factory())
+    assert run_job(job, progress, allow_numerics_change=True, engine_factory=fake_factory()) == EXIT_OK
+
+
+def test_numerics_may_change_while_no_result_is_committed(tmp_path, docs, progress):
+    job = make_job(docs, tmp_path / "out")
+    run_job(job, progress, engine_factory=fake_factory(signal_at=(3,)))
+    for part in (tmp_path / "out" / "data").glob("*.parquet"):  # _job.json written, no result committed yet
+        part.unlink()
+    assert run_job(job, progress, engine_factory=on_a_gpu) == EXIT_OK
+    assert "numerics_changes" not in json.loads((tmp_path / "out" / "_job.json").read_text())
+
+
 def test_duplicate_ids_stop_the_job_before_the_model_loads(tmp_path, progress):
     job = make_job(write_jsonl(tmp_path / "d.jsonl", documents(3) + documents(1)), tmp_path / "out")
     with pytest.raises(InputError, match="1 duplicate ids"):
@@ -297,4 +340,14 @@ def test_an_output_folder_that_holds_the_input_is_refused_before_any_work(tmp_pa
         with pytest.raises(InputError, match=f"{data} is inside the output folder {out}; give output.path a folder"):
             run_job(make_job(tmp_path / "in" / "*.jsonl", out), progress, engine_factory=fake_factory())
     assert data.read_bytes() == write_jsonl(tmp_path / "copy.jsonl", documents(3)).read_bytes()
-    assert not list((tmp_path / "in").glob("data/*"))  # nothing written
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["d.jsonl"]  # nothing written, not even a lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.jsonl", "in"]
+
+
+def test_a_refused_restart_does_not_say_it_discarded_anything(tmp_path, docs, progress):
+    (tmp_path / "out" / "data").mkdir(parents=True)
+    (tmp_path / "out" / "data" / "mine.csv").write_text("a user's file")
+    with pytest.raises(StateError, match="did not write"):
+        run_job(make_job(docs, tmp_path / "out"), progress, restart=True, engine_factory=fake_factory())
+    assert not any("discard" in m for m in progress.messages)
+    assert (tmp_path / "out" / "data" / "mine.csv").read_text() == "a user's file"

@@ -57,6 +57,8 @@ def test_missing_sections_and_unclear_formats(tmp_path):
 
 def test_template_must_use_the_text_column_and_fit_the_input_kind(tmp_path):
     assert "must contain {text}" in error_of(tmp_path, MINIMAL + "prompt: {template: 'Say {title}'}\n")
+    assert "{text:d} does not format a text" in error_of(tmp_path, MINIMAL + "prompt: {template: 'Say {text:d}'}\n")
+    assert load(tmp_path, MINIMAL + "prompt: {template: 'Say {text:>12}'}\n").prompt.template == "Say {text:>12}"
     both = MINIMAL.replace("docs.parquet}", "docs.parquet, messages_column: chat}")
     assert "not used with input.messages_column" in error_of(tmp_path, both + "prompt: {template: '{text}'}\n")
     openai = "input: {path: b.jsonl, format: openai-batch, text_column: body}\noutput: {path: o}\n"

@@ -11,7 +11,7 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.config import ModelConfig
 from batchjob.model.dummy import CONFIGS_DIR, dummy_config_path, load_dummy, synthetic_tokenizer, weight_shapes
-from batchjob.model.loader import ModelNotFoundError
+from batchjob.model.errors import ModelNotFoundError
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],

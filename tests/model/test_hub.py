@@ -51,7 +51,8 @@ def run_offline(home, *args, **kwargs) -> subprocess.CompletedProcess:
 
 LOCATE = """
 import json, sys
-from batchjob.model.loader import ModelNotFoundError, locate_model
+from batchjob.model.errors import ModelNotFoundError
+from batchjob.model.loader import locate_model
 out = []
 for name in sys.argv[1:]:
     try:

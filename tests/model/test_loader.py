@@ -18,7 +18,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from batchjob.model import loader as model_loader
-from batchjob.model.loader import ModelNotFoundError, load_model, resolve_model, unpermute_qk
+from batchjob.model.errors import ModelNotFoundError
+from batchjob.model.loader import load_model, resolve_model, unpermute_qk
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
