@@ -32,8 +32,9 @@ class _Section(BaseModel):
 
 class InputSpec(_Section):
     path: str = Field(
+        min_length=1,
         description="a file or a glob, local or an fsspec URL (s3://, gs://, hf://); relative paths are taken from "
-        "the current directory"
+        "the current directory",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for a URL (endpoint, profile, ...); default: the environment"
@@ -109,7 +110,7 @@ class ScheduleSpec(_Section):
 
 
 class OutputSpec(_Section):
-    path: str = Field(description="a folder, local or an fsspec URL (s3://bucket/prefix, gs://...)")
+    path: str = Field(min_length=1, description="a folder, local or an fsspec URL (s3://bucket/prefix, gs://...)")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for a URL")
     lease_seconds: float = Field(
         60.0, gt=0, description="on an object store: how long a killed run's lock lasts (a live run renews it)"

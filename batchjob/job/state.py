@@ -66,6 +66,8 @@ class OutputDir:
         if is_remote(self.path):
             self.held = LeaseLock(self.path / LOCK, self.lease_seconds)
             return self.held
+        if self.path.exists() and not self.path.is_dir():
+            raise StateError(f"output.path: {self.path} is a file; give it a folder (batchjob writes parts into it)")
         self.path.mkdir(parents=True, exist_ok=True)
         lock = self.path / LOCK
         if lock.is_symlink() or (lock.exists() and not lock.is_file()):  # OutputLock refuses these too, less clearly

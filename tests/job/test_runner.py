@@ -344,6 +344,13 @@ def test_an_output_folder_that_holds_the_input_is_refused_before_any_work(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.jsonl", "in"]
 
 
+def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, docs, progress):
+    (tmp_path / "out").write_text("a user's file")
+    with pytest.raises(StateError, match="is a file; give it a folder"):
+        run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=fake_factory())
+    assert (tmp_path / "out").read_text() == "a user's file"
+
+
 def test_a_refused_restart_does_not_say_it_discarded_anything(tmp_path, docs, progress):
     (tmp_path / "out" / "data").mkdir(parents=True)
     (tmp_path / "out" / "data" / "mine.csv").write_text("a user's file")

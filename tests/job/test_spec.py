@@ -53,6 +53,9 @@ def test_missing_sections_and_unclear_formats(tmp_path):
     assert "cannot tell the format of 'a.csv'" in error_of(tmp_path, "input: {path: a.csv}\noutput: {path: o}\n")
     assert "not valid YAML" in error_of(tmp_path, "input: [\n")
     assert "must be a mapping" in error_of(tmp_path, "- a\n")
+    assert "output.path: String should have at least 1 character" in error_of(
+        tmp_path, "input: {path: a.parquet}\noutput: {path: ''}\n"
+    )
 
 
 def test_template_must_use_the_text_column_and_fit_the_input_kind(tmp_path):
