@@ -100,7 +100,7 @@ class JobRun:
             self.progress.message(f"--restart: discarded earlier results in {out.path}")
         # Everything but the model digest is known before the slow model load, so a mismatch fails at once.
         out.check_fingerprint(fp, keys=[k for k in fp if k not in MODEL_KEYS])
-        if out.succeeded:
+        if out.succeeded and out.read_job() is not None:  # a _SUCCESS that no _job.json explains proves nothing
             return self._already_done()
         scan = source.scan()
         committed = out.committed()
@@ -112,6 +112,8 @@ class JobRun:
         if result.rows < scan.total and self.stopper.stopping:
             self.progress.message(f"interrupted: {result.rows} of {scan.total} rows committed; run again to resume")
             return self._write_metrics(result, scan.total, EXIT_SIGNAL[self.stopper.signum])
+        if out.read_job() is None:  # no row needed the model (an empty input): the job is recorded all the same
+            self._write_job(fp, scan)
         return self._finish(result, scan.total, time.monotonic() - started)
 
     def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
@@ -128,7 +130,10 @@ class JobRun:
 
         def model_known(identity: dict) -> None:
             fp.update(json.loads(json.dumps(identity)))
-            out.check_fingerprint(fp, keys=["model_digest", "model_revision"])
+            recorded = (out.read_job() or {}).get("fingerprint", {})
+            # A job recorded without a model (its input was empty) has no result that a model computed.
+            if recorded.get("model_digest") is not None:
+                out.check_fingerprint(fp, keys=["model_digest", "model_revision"])
             self._write_job(fp, scan, self._numerics_change(fp["numerics"]))
 
         done = committed.done_at(scan.ids)

@@ -358,3 +358,26 @@ def test_a_refused_restart_does_not_say_it_discarded_anything(tmp_path, docs, pr
         run_job(make_job(docs, tmp_path / "out"), progress, restart=True, engine_factory=fake_factory())
     assert not any("discard" in m for m in progress.messages)
     assert (tmp_path / "out" / "data" / "mine.csv").read_text() == "a user's file"
+
+
+def test_an_empty_input_is_recorded_so_a_filled_one_is_not_taken_as_done(tmp_path, progress):
+    """Seen: a job run on an empty file left _SUCCESS and no _job.json; after the file was filled, a rerun said
+    "already complete" and exited 0 without computing a row."""
+    data = write_jsonl(tmp_path / "d.jsonl", [])
+    job = make_job(data, tmp_path / "out")
+    assert run_job(job, progress, engine_factory=lambda job: pytest.fail("loaded the model")) == EXIT_OK
+    assert json.loads((tmp_path / "out" / "_job.json").read_text())["rows_total"] == 0
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    assert "already complete" in progress.messages[-1]
+    write_jsonl(data, documents(4))
+    with pytest.raises(StateError, match="input changed"):
+        run_job(job, progress, engine_factory=fake_factory())
+    assert run_job(job, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
+    assert len(results(tmp_path / "out")) == 4
+
+
+def test_a_success_marker_that_no_job_record_explains_is_not_taken_as_done(tmp_path, docs, progress):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "_SUCCESS").write_text("")
+    assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=fake_factory()) == EXIT_OK
+    assert len(results(tmp_path / "out")) == 23
