@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from batchjob.engine.grammar import GrammarKey, check_grammar, grammar_key
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+# OpenAI's limit too; beyond it one row's n would hold the whole batch's memory (and a rerun would do it again).
+MAX_N = 128
 
 
 class JsonSchemaSpec(BaseModel):
@@ -41,7 +43,7 @@ class ResponseFormat(BaseModel):
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    n: int = Field(1, ge=1, description="samples per prompt; the prompt is computed once")
+    n: int = Field(1, ge=1, le=MAX_N, description="samples per prompt; the prompt is computed once")
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_k: int = Field(0, ge=0, description="0 disables")

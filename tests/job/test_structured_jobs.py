@@ -9,7 +9,7 @@ import pytest
 from batchjob.job.openai_batch import RequestLineError, parse_request
 from batchjob.job.runner import EXIT_OK, run_job
 from batchjob.job.spec import JobFileError, load_job
-from tests.helpers import make_job, short_documents, write_jsonl
+from tests.helpers import fake_factory, make_job, short_documents, write_jsonl
 
 SCHEMA = {
     "type": "object",
@@ -71,6 +71,14 @@ def test_openai_fields_are_honoured_or_fail_the_row():
         parse_request(line("a", stream=True))
     _, overrides = parse_request(line("a", "/v1/completions", logprobs=2, n=3, logit_bias={"15": 5}))
     assert overrides == {"max_tokens": 6, "logprobs": True, "top_logprobs": 2, "n": 3, "logit_bias": {"15": 5}}
+
+
+def test_a_huge_n_fails_its_row_and_no_other(tmp_path, progress):
+    lines = [line("ok"), line("huge", n=10**12)]
+    job = make_job(write_jsonl(tmp_path / "batch.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "data").to_pylist()}
+    assert rows["ok"]["error"] is None and "n: Input should be less than or equal to 128" in rows["huge"]["error"]
 
 
 def test_openai_batch_with_n_logprobs_and_response_format(tmp_path, engine, progress):
