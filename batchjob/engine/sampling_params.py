@@ -12,6 +12,7 @@ from batchjob.engine.grammar import GrammarKey, check_grammar, grammar_key
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 # OpenAI's limit too; beyond it one row's n would hold the whole batch's memory (and a rerun would do it again).
 MAX_N = 128
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 
 
 class JsonSchemaSpec(BaseModel):
@@ -41,7 +42,8 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # An infinite temperature or penalty turns masked (-inf) logits into NaN, and the sampler would fail the step.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=MAX_N, description="samples per prompt; the prompt is computed once")
     max_tokens: int = Field(64, ge=1)
@@ -91,7 +93,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM does: dividing by a temperature this small overflows the logits to inf, and softmax to NaN.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def deterministic(self) -> bool:

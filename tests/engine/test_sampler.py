@@ -95,3 +95,10 @@ def test_bad_sampling_params_name_the_field():
         SamplingParams(top_p=0)
     with pytest.raises(ValidationError, match="stop"):
         SamplingParams(stop=[""])
+
+
+def test_non_finite_and_vanishing_temperatures():
+    with pytest.raises(ValueError, match="finite number"):
+        SamplingParams(temperature=float("inf"))
+    [seq] = seqs(SamplingParams(temperature=1e-300, top_p=0.5))
+    assert seq.params.greedy and Sampler()(torch.tensor([[1.0, 3.0, 2.0]]), [seq])[0] == [1]
