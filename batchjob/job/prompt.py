@@ -151,6 +151,11 @@ def _template_refused(e: Exception) -> RowError:
 def _text(value, name: str) -> str:
     if value is None:
         raise RowError(f"missing prompt: {name} is missing or null")
+    if isinstance(value, bytes):  # a Parquet BYTE_ARRAY column written without its UTF8 annotation
+        try:
+            value = value.decode()
+        except UnicodeDecodeError as e:
+            raise RowError(f"{name} is bytes that are not UTF-8 ({e})") from None
     if not isinstance(value, str):
         raise RowError(f"{name} must be text, got {type(value).__name__}")
     if not value.strip():

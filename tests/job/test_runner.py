@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -381,3 +382,12 @@ def test_a_success_marker_that_no_job_record_explains_is_not_taken_as_done(tmp_p
     (tmp_path / "out" / "_SUCCESS").write_text("")
     assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=fake_factory()) == EXIT_OK
     assert len(results(tmp_path / "out")) == 23
+
+
+def test_a_binary_text_column_is_read_as_utf8_and_bad_bytes_fail_their_row(tmp_path, progress):
+    texts = [b"a fine text", "\u00e9t\u00e9 ok".encode(), b"\xff\xfe not utf-8"]
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": pa.array(texts, pa.binary())}), tmp_path / "b.parquet")
+    assert run_job(make_job(tmp_path / "b.parquet", tmp_path / "out"), progress, engine_factory=fake_factory()) == 0
+    rows = results(tmp_path / "out")
+    assert rows["a"]["output"] == "text fine a" and rows["b"]["output"] == "ok \u00e9t\u00e9"
+    assert "text is bytes that are not UTF-8" in rows["c"]["error"]
