@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from batchjob.engine.outputs import RequestOutput, StepMetrics
 from batchjob.job.contracts import JobEngine, model_identity
 from batchjob.job.planner import Work, job_planner, requests
 from batchjob.job.progress import Progress
-from batchjob.job.reader import Row, Scan
+from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.state import Committed
 from batchjob.job.stopper import Interrupted, Stopper
@@ -34,8 +36,10 @@ class Pending:
 
     job: JobSpec
     rows: Iterable[Row]  # in input order, without the rows earlier runs committed
+    source: InputSource  # where `rows` come from
     scan: Scan
     committed: Committed  # by earlier runs
+    done: np.ndarray  # by input position, whether an earlier run committed the row
     writer: PartWriter
     progress: Progress
     stopper: Stopper

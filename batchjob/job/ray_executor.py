@@ -3,7 +3,12 @@
 The driver does what a local run does around the work (lock, fingerprint, resume, bad rows, the final files) and is
 the only writer of the output folder: a worker returns each shard's result rows and the driver commits them as the
 parts a local run writes. So the layout, resume, `status` and `_SUCCESS` are a local run's, the workers need no
-access to the output folder, and a shard that Ray redoes because its worker died is committed once."""
+access to the output folder, and a shard that Ray redoes because its worker died is committed once.
+
+A Parquet input at a URL (s3://, gs://, ...) is read by the workers themselves: a shard is a range of input positions
+and which of them are done, and the worker reads those rows from the store, so they never pass through the driver.
+Local files and JSON lines are read by the driver and sent in shards (a local path may not exist on other nodes, and
+a JSON line's position is known only by reading its file up to it)."""
 
 from __future__ import annotations
 
@@ -12,16 +17,19 @@ import json
 import logging
 import pickle
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from batchjob.job.contracts import JobEngine, model_identity
 from batchjob.job.executor import Pending
 from batchjob.job.planner import job_planner, requests
-from batchjob.job.reader import Row
+from batchjob.job.reader import InputSource, Row
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
 from batchjob.job.state import StateError
 from batchjob.job.stopper import Interrupted
+from batchjob.job.storage import is_url
 from batchjob.job.timeline import Timeline
 from batchjob.job.writer import failed_row, result_rows, result_schema
 
@@ -38,18 +46,40 @@ ROW = "row"  # the one column of an input shard: each Row pickled as the local r
 MODEL = b"model"
 
 
+@dataclass(frozen=True)
+class RowRange:
+    """A shard that a worker reads itself: input positions start..stop-1, and which an earlier run committed."""
+
+    start: int
+    stop: int
+    done: bytes  # a byte a position, 1 where done
+
+
 class EngineWorker:
     """A Ray actor: loads the model once, then turns shards of rows into result rows, in the planner's order."""
 
-    def __init__(self, job: JobSpec, passthrough: pa.Schema, engine_factory: Callable[[JobSpec], JobEngine]):
+    def __init__(
+        self,
+        job: JobSpec,
+        passthrough: pa.Schema,
+        engine_factory: Callable[[JobSpec], JobEngine],
+        files: list[str],
+    ):
+        self.job, self.files = job, files
+        self.source: InputSource | None = None  # opened with the first RowRange
         self.engine = engine_factory(job)
         self.records: list[dict] = []  # the result rows of the shard in hand
         self.planner = job_planner(job, self.engine, lambda row, error: self.records.append(failed_row(row, error)))
         self.schema = result_schema(passthrough).with_metadata({MODEL: json.dumps(model_identity(self.engine))})
 
-    def run_shard(self, shard: pa.Table) -> pa.Table:
+    def run_shard(self, shard: pa.Table | RowRange) -> pa.Table:
+        if isinstance(shard, RowRange):
+            self.source = self.source or InputSource(self.job, self.files)
+            rows = self.source.rows_between(shard.start, shard.stop)
+            rows = (row for row in rows if not shard.done[row.index - shard.start])
+        else:
+            rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         self.records, works = [], {}
-        rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         for output in self.engine.stream(requests(self.planner.works(rows), works)):
             self.records += result_rows(works.pop(output.request_id), output, self.engine.tokenizer)
         return pa.Table.from_pylist(self.records, schema=self.schema)
@@ -84,16 +114,21 @@ class RayExecutor:
             max_restarts=-1,  # a worker that dies comes back (loading the model again) ...
             max_task_retries=-1,  # ... and redoes the shard it had
         )
+        source = pending.source
         actors = [
-            worker.remote(pending.job, pending.scan.passthrough_schema, self.engine_factory)
+            worker.remote(pending.job, pending.scan.passthrough_schema, self.engine_factory, source.files)
             for _ in range(spec.num_workers)
         ]
         pool = ActorPool(actors)
         pending.start()
+        if source.format == "parquet" and is_url(pending.job.input.path):
+            shards: Iterable[pa.Table | RowRange] = ranges(pending.done, spec.shard_rows)
+        else:
+            shards = to_shards(pending.rows, spec.shard_rows)
         try:
             # One shard a worker in flight, and the next in the driver's hand: the input streams through, and the
             # object store never holds more than num_workers shards of it.
-            for shard in to_shards(pending.rows, spec.shard_rows):
+            for shard in shards:
                 while not pool.has_free():
                     if not self._commit_next(pool, pending):
                         return
@@ -148,6 +183,14 @@ def connect(spec: RaySpec) -> bool:
         return False  # the caller's own Ray (a notebook, a test), used as it is
     ray.init(address=spec.address, logging_level=logging.WARNING)
     return True
+
+
+def ranges(done: np.ndarray, size: int) -> Iterator[RowRange]:
+    """The input positions in shards of `size`, leaving out shards whose rows are all done."""
+    for start in range(0, len(done), size):
+        mask = done[start : start + size]
+        if not mask.all():
+            yield RowRange(start, start + len(mask), mask.astype(np.uint8).tobytes())
 
 
 def to_shards(rows: Iterable[Row], size: int) -> Iterator[pa.Table]:

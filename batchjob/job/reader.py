@@ -52,14 +52,15 @@ class Scan:
 
 
 class InputSource:
-    def __init__(self, job: JobSpec):
+    def __init__(self, job: JobSpec, files: list[str] | None = None):
+        """`files`: the files a driver's InputSource found (a Ray worker reads the same ones); default: input.path's."""
         spec: InputSpec = job.input
         self.spec, self.format = spec, spec.format
         # A URL is read through fsspec (credentials and endpoint from the environment or input.storage_options);
         # a local path as it always was, so its synthetic ids and fingerprint stay the same.
         self.fs, root = url_to_fs(spec.path, spec.storage_options) if is_url(spec.path) else (None, spec.path)
         lister = self.fs.glob if self.fs else glob.glob
-        self.files = sorted(lister(root)) if glob.has_magic(root) else [root]
+        self.files = files or (sorted(lister(root)) if glob.has_magic(root) else [root])
         if not self.files:
             raise InputError(f"input.path: no file matches {spec.path!r}")
         if self.format == "openai-batch":
@@ -157,19 +158,27 @@ class InputSource:
 
     def rows(self) -> Iterator[Row]:
         """All rows in input order; scan() first, which types the JSON pass-through columns."""
+        if self.format == "parquet":
+            yield from self.rows_between(0, sum(m.num_rows for m in self._parquet.values()))
+            return
         index = 0
         for path in self.files:
-            if self.format == "parquet":
+            for row in self._json_rows(path, index):
+                row.passthrough = {
+                    c: _normalize(v, self.passthrough_schema.field(c).type) for c, v in row.passthrough.items()
+                }
+                yield row
+                index += 1
+
+    def rows_between(self, start: int, stop: int) -> Iterator[Row]:
+        """The Parquet rows at input positions start..stop-1, without converting the others (a Ray worker reads its
+        shard so; a JSON line's position is known only by reading its file up to it)."""
+        index = 0
+        for path, metadata in self._parquet.items():
+            if index < stop and start < index + metadata.num_rows:
                 with pq.ParquetFile(path, filesystem=self.fs) as pf:
-                    yield from self._parquet_rows(path, pf, index)
-                index += self._parquet[path].num_rows
-            else:
-                for row in self._json_rows(path, index):
-                    row.passthrough = {
-                        c: _normalize(v, self.passthrough_schema.field(c).type) for c, v in row.passthrough.items()
-                    }
-                    yield row
-                    index += 1
+                    yield from self._parquet_rows(path, pf, index, start, stop)
+            index += metadata.num_rows
 
     # --- Parquet
 
@@ -181,18 +190,23 @@ class InputSource:
                 f"input: the files' pass-through columns have types that do not fit together: {e}"
             ) from None
 
-    def _parquet_rows(self, path: str, pf: pq.ParquetFile, index: int) -> Iterator[Row]:
+    def _parquet_rows(self, path: str, pf: pq.ParquetFile, index: int, start: int, stop: int) -> Iterator[Row]:
         columns = list(dict.fromkeys([self.spec.id_column, *self.prompt_columns, *self.passthrough]))
         for rg in range(pf.num_row_groups):
             n, done = pf.metadata.row_group(rg).num_rows, 0
-            try:
-                for batch in pf.iter_batches(self.spec.batch_rows, row_groups=[rg], columns=columns):
-                    yield from self._batch_rows(path, batch, index + done)
-                    done += batch.num_rows
-            except (OSError, pa.ArrowException) as e:
-                ids = self._row_group_ids(path, pf, rg, index)[done:]
-                for k, row_id in enumerate(ids):
-                    yield Row(index + done + k, row_id, {}, error=f"unreadable Parquet data in {path}: {e}")
+            if start < index + n and index < stop:
+                try:
+                    for batch in pf.iter_batches(self.spec.batch_rows, row_groups=[rg], columns=columns):
+                        lo, hi = max(start - index - done, 0), min(stop - index - done, batch.num_rows)
+                        if lo < hi:
+                            yield from self._batch_rows(path, batch.slice(lo, hi - lo), index + done + lo)
+                        done += batch.num_rows
+                        if index + done >= stop:
+                            break
+                except (OSError, pa.ArrowException) as e:
+                    ids = self._row_group_ids(path, pf, rg, index)
+                    for k in range(max(done, start - index), min(n, stop - index)):
+                        yield Row(index + k, ids[k], {}, error=f"unreadable Parquet data in {path}: {e}")
             index += n
 
     def _row_group_ids(self, path: str, pf: pq.ParquetFile, rg: int, index: int) -> list[str]:

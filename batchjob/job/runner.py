@@ -138,7 +138,7 @@ class JobRun:
 
         done = committed.done_at(scan.ids)
         rows = (row for row in source.rows() if not done[row.index])
-        pending = Pending(job, rows, scan, committed, writer, self.progress, self.stopper, model_known)
+        pending = Pending(job, rows, source, scan, committed, done, writer, self.progress, self.stopper, model_known)
         try:
             self.executor.execute(pending)
         finally:

@@ -98,6 +98,23 @@ def test_an_unreadable_parquet_page_fails_only_its_rows(tmp_path):
     assert [r.id for r in rows] == [d["id"] for d in documents(30)]
     assert all(r.error is None for r in rows[:10] + rows[20:])
     assert all(r.error.startswith("unreadable Parquet data") for r in rows[10:20])
+    # A range, as a Ray worker reads its shard, gives the same rows (the broken row group included).
+    for start, stop in [(0, 30), (8, 12), (12, 15), (19, 21), (25, 26), (3, 3)]:
+        assert [(r.index, r.id, r.error) for r in source.rows_between(start, stop)] == [
+            (r.index, r.id, r.error) for r in rows[start:stop]
+        ]
+
+
+def test_a_range_of_rows_across_files_row_groups_and_batches(tmp_path):
+    write_parquet(tmp_path / "a.parquet", documents(11), row_group_size=4)
+    write_parquet(tmp_path / "b.parquet", documents(9, start=11), row_group_size=5)
+    source = source_for(tmp_path / "*.parquet", tmp_path, batch_rows=3)
+    rows = list(source.rows())
+    assert [r.index for r in rows] == list(range(20))
+    for start in range(21):
+        for stop in range(start, 21):
+            got = list(source.rows_between(start, stop))
+            assert [(r.index, r.id, r.values) for r in got] == [(r.index, r.id, r.values) for r in rows[start:stop]]
 
 
 def test_non_utf8_parquet_text_fails_its_row(tmp_path):

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from batchjob.job.lock import LockHeld
+from batchjob.job.reader import InputSource
 from batchjob.job.runner import run_job
 from batchjob.job.state import OutputDir
 from tests.helpers import REPO, documents, fake_factory, make_job, short_documents, write_jsonl, write_parquet
@@ -141,3 +143,68 @@ def test_kill_9_twice_mid_run_then_resume_gives_every_id_exactly_once(s3, tmp_pa
     )
     assert status.returncode == 0 and ": done" in status.stdout and f"{ROWS} of {ROWS} done" in status.stdout
     assert Path(tmp_path / "kill0.log").exists()
+
+
+@pytest.mark.slow
+def test_ray_workers_read_their_shards_from_s3_and_a_stop_and_resume_commit_every_id_once(
+    s3, tmp_path, progress, monkeypatch
+):
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
+    from tests.job.test_ray import outputs, with_stream
+
+    rows = documents(30) + [{"id": "no-text", "title": "t", "source": "s", "text": None}]
+    local = write_parquet(tmp_path / "docs.parquet", rows, row_group_size=7)
+    s3.put(str(local), f"{BUCKET}/ray-in/docs.parquet")
+    reference = tmp_path / "reference"
+    assert run_job(make_job(local, reference), progress, engine_factory=fake_factory()) == 0
+    expected = {r["id"]: r for r in pq.read_table(reference / "data").to_pylist()}
+
+    read_by_driver, rows_between = [], InputSource.rows_between
+
+    def counted(self, start, stop):  # every Parquet row read in this process, the driver (Ray workers are others)
+        for row in rows_between(self, start, stop):
+            read_by_driver.append(row.id)
+            yield row
+
+    monkeypatch.setattr(InputSource, "rows_between", counted)
+    url = f"s3://{BUCKET}/ray-out"
+    job = make_job(
+        f"s3://{BUCKET}/ray-in/*.parquet",
+        url,
+        executor="ray",
+        ray={"num_workers": 2, "shard_rows": 4},
+        output={"checkpoint_rows": 1},
+    )
+    marker = tmp_path / "died"
+
+    def slow_and_one_worker_dies(stream, requests):
+        if not marker.exists():
+            marker.touch()
+            os._exit(1)  # Ray restarts the worker and gives it the shard again
+        for output in stream(requests):
+            time.sleep(0.2)
+            yield output
+
+    def stop_after_the_first_commit():
+        while not results(s3, url):
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    started = not ray.is_initialized()
+    if started:  # after the s3 fixture set the AWS environment, so that the workers have it too
+        ray.init(num_cpus=2, logging_level="WARNING")
+    try:
+        threading.Thread(target=stop_after_the_first_commit, daemon=True).start()
+        assert run_job(job, progress, engine_factory=with_stream(slow_and_one_worker_dies)) == 143
+        partial = results(s3, url)
+        assert marker.exists() and 0 < len(partial) < len(rows)
+        assert run_job(job, progress, engine_factory=fake_factory()) == 0
+        assert f"resuming: {len(partial)} of {len(rows)} rows already done" in progress.messages
+    finally:
+        if started:
+            ray.shutdown()
+    got = results(s3, url)
+    assert sorted(r["id"] for r in got) == sorted(expected)  # every id exactly once
+    assert outputs({r["id"]: r for r in got}) == outputs(expected)
+    assert {r["id"]: r["error"] for r in got}["no-text"] == "missing prompt: text is missing or null"
+    assert read_by_driver == []  # the workers read their rows from S3 themselves
