@@ -74,6 +74,9 @@ class InputSource:
         for path in self.files:
             if not (self.fs.isfile(path) if self.fs else Path(path).is_file()):
                 raise InputError(f"input.path: {path} is not a readable file")
+        # Each file's full name, however input.path spelled it: the URL with its scheme, or the resolved local path.
+        # It names the file in the fingerprint and in the synthetic ids of rows whose id cannot be read.
+        self.names = {p: self.fs.unstrip_protocol(p) if self.fs else str(Path(p).resolve()) for p in self.files}
         # Metadata only: a file is opened when it is read, so a glob may name more files than the open-file limit.
         self._parquet: dict[str, pq.FileMetaData] = {}
         self._passthrough_schemas: list[pa.Schema] = []
@@ -111,8 +114,7 @@ class InputSource:
         out = []
         for path in self.files:
             size = self.fs.size(path) if self.fs else Path(path).stat().st_size
-            name = self.fs.unstrip_protocol(path) if self.fs else str(Path(path).resolve())
-            out.append({"path": name, "size": size, "sha256": file_sha256(path, self.fs)})
+            out.append({"path": self.names[path], "size": size, "sha256": file_sha256(path, self.fs)})
         return out
 
     def _open(self, path: str) -> BinaryIO:
@@ -215,15 +217,15 @@ class InputSource:
         ids: list[str] = []
         try:
             for batch in pf.iter_batches(self.spec.batch_rows, row_groups=[rg], columns=[self.spec.id_column]):
-                ids += _ids(path, batch.column(0), self.spec.id_column, index + len(ids), {})
+                ids += _ids(self.names[path], batch.column(0), self.spec.id_column, index + len(ids), {})
         except (OSError, pa.ArrowException):
             pass
         n = pf.metadata.row_group(rg).num_rows
-        return ids + [_synthetic_id(path, index + k) for k in range(len(ids), n)]
+        return ids + [_synthetic_id(self.names[path], index + k) for k in range(len(ids), n)]
 
     def _batch_rows(self, path: str, batch: pa.RecordBatch, index: int) -> Iterator[Row]:
         errors: dict[int, str] = {}
-        ids = _ids(path, batch.column(self.spec.id_column), self.spec.id_column, index, errors)
+        ids = _ids(self.names[path], batch.column(self.spec.id_column), self.spec.id_column, index, errors)
         values = {c: _decode_column(batch.column(c), c, errors) for c in self.prompt_columns}
         passthrough = {c: _decode_column(batch.column(c), c, errors) for c in self.passthrough}
         for i, row_id in enumerate(ids):
@@ -247,7 +249,7 @@ class InputSource:
                     index += 1
 
     def _json_row(self, path: str, lineno: int, raw: bytes, index: int) -> Row:
-        synthetic = _synthetic_id(path, lineno, line=True)
+        synthetic = _synthetic_id(self.names[path], lineno, line=True)
         error = None
         try:
             text = raw.decode("utf-8")
@@ -289,20 +291,20 @@ def _encodable(obj: Any) -> bool:
         return False
 
 
-def _synthetic_id(path: str, n: int, line: bool = False) -> str:
-    """An id for a row whose own id cannot be read: the file and its line (JSONL) or row number (Parquet). The path
-    is resolved, as in the fingerprint, so a resume that spells it otherwise finds the same ids."""
-    path = str(Path(path).resolve())
-    return f"{path}:{n}" if line else f"{path}#{n}"
+def _synthetic_id(name: str, n: int, line: bool = False) -> str:
+    """An id for a row whose own id cannot be read: the file's full name (InputSource.names: with its scheme, or
+    resolved, as in the fingerprint, so a resume that spells it otherwise finds the same ids) and its line (JSONL) or
+    row number (Parquet)."""
+    return f"{name}:{n}" if line else f"{name}#{n}"
 
 
-def _ids(path: str, column: pa.Array, name: str, index: int, errors: dict[int, str]) -> list[str]:
+def _ids(file: str, column: pa.Array, name: str, index: int, errors: dict[int, str]) -> list[str]:
     """The ids of a batch as text; a null, NaN or undecodable id gets a synthetic one and fails its row."""
     ids = []
     for i, value in enumerate(_decode_column(column, name, errors)):
         if value is None or value != value:  # NaN is not equal to itself
             errors.setdefault(i, "the id is null or NaN")
-            ids.append(_synthetic_id(path, index + i))
+            ids.append(_synthetic_id(file, index + i))
         else:
             ids.append(str(value))
     return ids

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -23,7 +24,7 @@ from batchjob.job.lock import LockHeld
 from batchjob.job.reader import InputSource
 from batchjob.job.runner import run_job
 from batchjob.job.state import OutputDir
-from tests.helpers import REPO, documents, fake_factory, make_job, short_documents, write_jsonl, write_parquet
+from tests.helpers import REPO, Messages, documents, fake_factory, make_job, short_documents, write_jsonl, write_parquet
 
 s3fs = pytest.importorskip("s3fs", reason="the S3 tests need the test extra (s3fs, moto[server])")
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need the test extra (moto[server])")
@@ -208,3 +209,89 @@ def test_ray_workers_read_their_shards_from_s3_and_a_stop_and_resume_commit_ever
     assert outputs({r["id"]: r for r in got}) == outputs(expected)
     assert {r["id"]: r["error"] for r in got}["no-text"] == "missing prompt: text is missing or null"
     assert read_by_driver == []  # the workers read their rows from S3 themselves
+
+
+# A run (in a fresh interpreter: a fork of this process, with its S3 server and event-loop threads, could inherit a
+# held lock) that kills itself at its N-th S3 copy or delete; a rename on S3 is a copy, then a delete.
+CRASHING_RUN = """
+import os, signal, sys
+import s3fs
+from batchjob.job.runner import run_job
+from batchjob.job.spec import JobSpec
+from tests.helpers import Messages, fake_factory
+
+job, crash_at, reached = JobSpec.model_validate_json(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+count = 0
+
+def counted(real):
+    async def op(self, *a, **k):
+        global count
+        count += 1
+        if count == crash_at:
+            open(reached, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await real(self, *a, **k)
+    return op
+
+for name in ("_cp_file", "_rm"):
+    setattr(s3fs.S3FileSystem, name, counted(getattr(s3fs.S3FileSystem, name)))
+sys.exit(run_job(job, Messages(), grace=0.0, engine_factory=fake_factory()))
+"""
+
+
+def run_crashing(job, crash_at: int, reached: Path) -> tuple[int, bool]:
+    """Exit status of a run killed at its crash_at-th S3 copy or delete, and whether it got there."""
+    reached.unlink(missing_ok=True)
+    args = [sys.executable, "-c", CRASHING_RUN, job.model_dump_json(), str(crash_at), str(reached)]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return proc.returncode, reached.exists()
+
+
+@pytest.mark.slow
+def test_order_input_publish_on_s3_killed_at_any_copy_or_delete_resumes_to_every_row_once(s3, tmp_path):
+    docs = write_parquet(tmp_path / "docs.parquet", documents(5))
+    # Two parts, published as two sorted files.
+    output = {"checkpoint_rows": 3, "order": "input", "rows_per_file": 3, "lease_seconds": 0.3}
+    reference = tmp_path / "reference"
+    assert run_job(make_job(docs, reference, output=output), Messages(), engine_factory=fake_factory()) == 0
+    expected = {r["id"]: (r["output"], r["error"]) for r in pq.read_table(reference / "data").to_pylist()}
+    n = 0
+    while True:
+        n += 1
+        url = f"s3://{BUCKET}/publish-{n}"
+        job = make_job(docs, url, output=output)
+        code, crashed = run_crashing(job, n, tmp_path / "reached")
+        if not crashed:
+            assert code == 0
+            break
+        assert code == -signal.SIGKILL, (n, code)
+        time.sleep(0.4)  # the killed run's lease expires
+        assert run_job(job, Messages(), engine_factory=fake_factory()) == 0, n
+        got = results(s3, url)
+        assert len(got) == len({r["id"] for r in got}), f"crash point {n}: a row is there twice"
+        assert {r["id"]: (r["output"], r["error"]) for r in got} == expected, n
+        names = [p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/publish-{n}/data", refresh=True)]
+        assert names == ["sorted-000000.parquet", "sorted-000001.parquet"], n
+    assert n > 5  # the parts' deletes, the copies and deletes of the publish, the staging's cleanup
+
+
+def test_rows_without_a_readable_id_get_ids_naming_the_object_with_its_scheme(s3, tmp_path, progress):
+    pq.write_table(pa.table({"id": ["a", None, "c"], "text": ["x", "y", "z"]}), tmp_path / "ids.parquet")
+    s3.put(str(tmp_path / "ids.parquet"), f"{BUCKET}/ids/ids.parquet")
+    s3.put(
+        str(write_jsonl(tmp_path / "ids.jsonl", [{"id": "d", "text": "x"}, b"{not json"])), f"{BUCKET}/ids/ids.jsonl"
+    )
+    failed = {}
+    # Two spellings of the same objects (a glob, and s3fs's s3a:// alias) give the same ids.
+    for k, (pq_path, jsonl_path) in enumerate(
+        [
+            (f"s3://{BUCKET}/ids/*.parquet", f"s3://{BUCKET}/ids/*.jsonl"),
+            (f"s3a://{BUCKET}/ids/ids.parquet", f"s3a://{BUCKET}/ids/ids.jsonl"),
+        ]
+    ):
+        for name, path in (("pq", pq_path), ("jsonl", jsonl_path)):
+            url = f"s3://{BUCKET}/ids-out-{k}-{name}"
+            assert run_job(make_job(path, url), progress, engine_factory=fake_factory()) == 0
+            failed.setdefault(name, []).append(sorted(r["id"] for r in results(s3, url) if r["error"]))
+    assert failed["pq"] == [[f"s3://{BUCKET}/ids/ids.parquet#1"]] * 2
+    assert failed["jsonl"] == [[f"s3://{BUCKET}/ids/ids.jsonl:2"]] * 2
