@@ -118,7 +118,7 @@ class Tokenizer:
             for i in members:
                 messages, hole = chats[i]
                 content = messages[hole]["content"]
-                if shape is None:
+                if shape is None or not isinstance(content, str):
                     try:
                         whole.append((i, self.apply_chat_template(messages)))
                     except Exception as e:  # the template is the model's code; the caller reports it per chat

@@ -162,3 +162,5 @@ def test_a_template_that_refuses_a_shape_fails_those_chats_only(tok):
     got = other.encode_chats(chats)
     assert got[:2] == [oracle(other, m) for m, _ in chats[:2]]
     assert all(isinstance(g, Exception) and "no assistant turns" in str(g) for g in got[2:])
+    # A content that is not text goes to the template as it is, row by row.
+    check(tok, [([{"role": "user", "content": c}], 0) for c in [None, 5, "ok", ["a"]]])
