@@ -2,10 +2,15 @@
 
 The run is forked (a fresh process per crash point, no interpreter start-up); in the child, each os.replace, os.fsync,
 rename and unlink counts as one operation, and at the N-th the child signals itself. N goes from 1 until a run gets
-through without reaching N, so every step of the commit path, `order: input`'s publish included, is a crash point."""
+through without reaching N, so every step of the commit path, `order: input`'s publish included, is a crash point.
+
+A child forked from pytest inherits locks that other tests' threads (Ray, moto's server, polars' pool) held at that
+moment, and can hang on one: a run that outlives HANG_SECONDS is killed and run again once, so that artifact of
+forking a threaded test process neither hangs the suite nor passes unnoticed twice in a row."""
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,9 +20,10 @@ from batchjob.job.runner import run_job
 from tests.helpers import Messages, documents, fake_factory, make_job, write_parquet
 
 OPS = [(os, "replace"), (os, "fsync"), (Path, "rename"), (Path, "unlink")]
+HANG_SECONDS = 60  # a run of 7 rows on the fake engine takes well under a second
 
 
-def run_forked(job, crash_at: int | None, signum: int) -> tuple[int, bool]:
+def run_forked(job, crash_at: int | None, signum: int, tries: int = 2) -> tuple[int, bool]:
     """Run `job` in a child; returns (its exit status, whether it reached the crash point)."""
     reached = Path(job.output.path).with_name("crash-point-reached")
     reached.unlink(missing_ok=True)
@@ -41,7 +47,15 @@ def run_forked(job, crash_at: int | None, signum: int) -> tuple[int, bool]:
         except BaseException:
             code = 99
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + HANG_SECONDS
+    while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            assert tries > 1, f"a run hung twice (crash point {crash_at})"
+            return run_forked(job, crash_at, signum, tries - 1)  # resumes what the hung run left
+        time.sleep(0.01)
+    status = waited[1]
     return (-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)), reached.exists()
 
 
