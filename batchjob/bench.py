@@ -1,7 +1,9 @@
 """`batchjob bench`: one workload through this engine and through baselines in the same process, interleaved in
 rounds so that machine drift cancels, reported as ratios to this engine.
 
-Systems: `engine` (continuous batching); `static` (the seed's fixed batch: prompts padded to the batch's longest,
+Systems: `engine` (continuous batching); `unconstrained` (the engine on the same requests without their output
+constraint, each held to the tokens its constrained run made: the same work token for token, so that the ratio is
+what constrained decoding costs); `static` (the seed's fixed batch: prompts padded to the batch's longest,
 the whole batch decoded until its longest request is done, then the next batch; it reproduces padding's cost, not
 its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vllm` and `llama-cpp` when installed.
 The sweep instead runs this engine at several fixed token budgets and at `auto` (token_budget.py).
@@ -98,12 +100,15 @@ class Result:
     decode_steps: int = 0
     token_budget: int | None = None  # the engine's at the end of the run: what `auto` chose
     cpu_s: float = 0.0  # this process's CPU time: steadier than wall time on a host shared with other work
+    constraint_s: float = 0.0  # of the wall time, spent on output constraints (grammar masks and matchers)
     note: str = ""  # how the system was run, where it differs from its defaults or from the others
     outputs: dict[str, list[int]] | None = None  # output token ids by request id, to compare systems' greedy outputs
+    sample_tokens: dict[str, int] | None = None  # by request id, its longest sample's output tokens
 
     def row(self) -> dict:
         d = dict(self.__dict__)
         d.pop("outputs")
+        d.pop("sample_tokens")
         d.update(
             requests_per_s=self.num_requests / self.wall,
             total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.wall,
@@ -142,15 +147,33 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     steps: list[StepMetrics] = []
     engine.reset_prefix_cache()  # each run starts cold, not with the previous run's prompts cached
     engine.add_step_callback(steps.append)
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, g0 = time.perf_counter(), time.process_time(), engine.structured.seconds
     try:
         outs = list(engine.stream(wl.requests))
     finally:
         engine.remove_step_callback(steps.append)
-    result = _summarize(system, time.perf_counter() - t0, wl, sum(len(o.token_ids) for o in outs), steps)
+    tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
+    result = _summarize(system, time.perf_counter() - t0, wl, tokens, steps)
     result.token_budget, result.cpu_s = engine.token_budget, time.process_time() - c0
+    result.constraint_s = engine.structured.seconds - g0
     result.outputs = {o.request_id: o.token_ids for o in outs}
+    result.sample_tokens = {o.request_id: max(len(s.token_ids) for s in o.samples) for o in outs}
     return result
+
+
+def unconstrained(wl: Workload, sample_tokens: dict[str, int]) -> Workload:
+    """The workload without output constraints, each request held to exactly the tokens its constrained run made
+    (its longest sample's; ignore_eos), so that both runs compute the same tokens."""
+    free = {"response_format": None, "regex": None, "choice": None, "ignore_eos": True}
+    reqs = [
+        Request(
+            r.request_id,
+            r.prompt_token_ids,
+            r.params.model_copy(update={**free, "max_tokens": max(1, sample_tokens[r.request_id])}),
+        )
+        for r in wl.requests
+    ]
+    return Workload(reqs, f"{wl.name}, unconstrained")
 
 
 def _fitting_batches(requests: list[Request], batch_size: int, free_blocks: int, block_size: int):
@@ -416,7 +439,13 @@ def run_bench(
 ) -> dict:
     """Every system once per round, rounds interleaved; the median wall time per system is reported."""
     skipped = {k: v for k, v in peer_status().items() if k in systems and v}
-    systems = [s for s in systems if s not in skipped]
+    constrained = sum(r.params.grammar_key is not None for r in wl.requests)
+    if "unconstrained" in systems and not constrained:
+        skipped["unconstrained"] = "no request of the workload has an output constraint"
+    elif "unconstrained" in systems and "engine" not in systems:
+        skipped["unconstrained"] = "it runs the engine's requests at their lengths: needs the engine in --systems"
+    # The engine runs first in each round: the unconstrained run takes its lengths from the engine's first run.
+    systems = sorted((s for s in systems if s not in skipped), key=lambda s: s != "engine")
     engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     if "vllm" in systems and engine.config.load_format == "dummy":
         skipped["vllm"] = "load_format dummy: vLLM would draw other random weights"
@@ -424,10 +453,15 @@ def run_bench(
     hf_model = None
     vllm = load_vllm(engine, model_path) if "vllm" in systems else None
     runs: dict[str, list[Result]] = {s: [] for s in systems}
+    free = None
     for _ in range(repeats):
         for system in systems:
             if system == "engine":
                 runs[system].append(run_engine(engine, wl))
+            elif system == "unconstrained":
+                free = free or unconstrained(wl, runs["engine"][0].sample_tokens)
+                runs[system].append(run_engine(engine, free, system))
+                runs[system][-1].outputs = None  # other text by design: not compared
             elif system == "static":
                 runs[system].append(run_static(engine, wl, batch_size))
             elif system == "hf":
@@ -457,6 +491,19 @@ def run_bench(
         "engine_config": engine.config.model_dump(),
         "num_kv_blocks": engine.num_kv_blocks,
     }
+    if "unconstrained" in results:
+        cpu = {s: statistics.median(r.cpu_s for r in runs[s]) for s in ("engine", "unconstrained")}
+        report["constrained"] = {
+            "requests": constrained,
+            "total": len(wl.requests),
+            "ratio": results["unconstrained"].wall / base.wall,
+            "cpu_ratio": cpu["unconstrained"] / cpu["engine"],
+            "round_ratios": [f.wall / e.wall for e, f in zip(runs["engine"], runs["unconstrained"])],
+            "constraint_share": statistics.median(r.constraint_s / r.wall for r in runs["engine"]),
+        }
+        rows[systems.index("unconstrained")]["note"] = (
+            f"engine at {report['constrained']['ratio']:.2f}x of this (constrained: {constrained}/{len(wl.requests)})"
+        )
     if base:
         report["roofline"] = roofline(engine, base)
         report["agreement"] = {
@@ -603,6 +650,13 @@ def format_report(report: dict) -> str:
     buf = StringIO()
     console = Console(file=buf, width=160)
     console.print(table)
+    if c := report.get("constrained"):
+        console.print(
+            f"constrained decoding ({c['requests']}/{c['total']} requests constrained): the engine runs at "
+            f"{c['ratio']:.2f}x the throughput of the same requests unconstrained ({c['cpu_ratio']:.2f}x by CPU "
+            f"time; rounds {', '.join(f'{r:.2f}x' for r in c['round_ratios'])}), same prompts and output lengths; "
+            f"{100 * c['constraint_share']:.1f}% of its wall time went to the grammar (masks and matchers)"
+        )
     for phase, v in report.get("roofline", {}).items():
         console.print(
             f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "

@@ -272,7 +272,10 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 )
 @click.option("--prefix-len", default=0, show_default=True, type=click.IntRange(min=0), help="shared prefix tokens")
 @click.option(
-    "--systems", default="engine,static,hf", show_default=True, help="comma list of engine, static, hf, vllm, llama-cpp"
+    "--systems",
+    default="engine,static,hf",
+    show_default=True,
+    help="comma list of engine, unconstrained, static, hf, vllm, llama-cpp",
 )
 @click.option(
     "--batch-size",

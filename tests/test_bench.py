@@ -2,6 +2,7 @@
 
 from batchjob.bench import agreement, format_report, job_workload, run_bench, run_sweep, synthetic
 from batchjob.engine.engine import Engine
+from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource
 from tests.fakes import FakeEngine
@@ -55,3 +56,23 @@ def test_agreement_counts_equal_outputs_and_where_the_others_part():
     ours = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8]}
     theirs = {"a": [1, 2, 3], "b": [4, 9, 6], "c": [7, 8, 2]}
     assert agreement(ours, theirs) == {"equal": 1, "total": 3, "first_difference_at": [1, 2]}
+
+
+def test_unconstrained_peer_runs_the_same_requests_at_the_same_lengths():
+    engine = Engine("smollm2-135m-instruct", num_kv_blocks=64, max_num_batched_tokens=64)
+    workload = synthetic(engine.model_config.vocab_size, 2, 16, 6)
+    workload.requests[0].params = SamplingParams(max_tokens=6, regex=r"[a-z]{1,4}( [a-z]{1,4}){0,3}")
+    # One constrained request, one free: the peer runs both at the engine's lengths.
+    report = run_bench(engine, None, workload, ["unconstrained", "engine"], batch_size=4, repeats=1, threads=1)
+    rows = {r["system"]: r for r in report["systems"]}
+    assert list(rows) == ["engine", "unconstrained"]  # the engine first: its lengths make the peer's workload
+    assert rows["engine"]["output_tokens"] == rows["unconstrained"]["output_tokens"] > 0
+    c = report["constrained"]
+    assert c["requests"] == 1 and c["total"] == 2 and c["ratio"] > 0 and c["cpu_ratio"] > 0
+    assert len(c["round_ratios"]) == 1 and 0 < c["constraint_share"] < 1
+    assert "agreement" not in report or "unconstrained" not in report["agreement"]
+    assert f"engine runs at {c['ratio']:.2f}x" in format_report(report)
+    assert "engine at" in rows["unconstrained"]["note"]
+    free = synthetic(engine.model_config.vocab_size, 1, 8, 1)
+    report = run_bench(engine, None, free, ["engine", "unconstrained"], batch_size=4, repeats=1, threads=1)
+    assert "no request of the workload has an output constraint" in report["skipped"]["unconstrained"]

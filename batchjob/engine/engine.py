@@ -215,10 +215,10 @@ class Engine:
             if len(rows) > logits.shape[0]:  # new samples draw their first token from their root's row
                 logits = logits[rows]
             tokens, logprobs = self.sampler(logits, seqs, self.structured.apply) if seqs else ([], [])
+            self.structured.accept(seqs, tokens)
             now = time.time()
             for seq, token, logprob in zip(seqs, tokens, logprobs):
                 seq.token_ids.append(token)
-                self.structured.accept(seq, token)
                 if logprob is not None:
                     seq.logprobs.append(logprob)
                 if seq.metrics.first_token_time is None:

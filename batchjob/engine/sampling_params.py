@@ -13,6 +13,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 # OpenAI's limit too; beyond it one row's n would hold the whole batch's memory (and a rerun would do it again).
 MAX_N = 128
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+CONSTRAINTS = ("response_format", "regex", "choice")  # at most one per request
 
 
 class JsonSchemaSpec(BaseModel):
@@ -75,7 +76,7 @@ class SamplingParams(BaseModel):
             raise ValueError("top_logprobs: needs logprobs: true")
         if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise ValueError("logit_bias: biases must be within [-100, 100]")
-        constraints = [k for k in ("response_format", "regex", "choice") if getattr(self, k) is not None]
+        constraints = [k for k in CONSTRAINTS if getattr(self, k) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             constraints.remove("response_format")
         if len(constraints) > 1:
@@ -85,6 +86,15 @@ class SamplingParams(BaseModel):
         if self.grammar_key is not None:
             check_grammar(self.grammar_key)
         return self
+
+    def with_overrides(self, overrides: dict[str, Any]) -> SamplingParams:
+        """These settings with a request's own fields on top, validated. A request's output constraint replaces
+        these settings' constraint whole (its regex drops a job-level schema; `response_format: {type: text}` frees
+        it), as any other per-request field replaces the job's value."""
+        base = self.model_dump()
+        if any(k in overrides for k in CONSTRAINTS):
+            base.update(dict.fromkeys(CONSTRAINTS))
+        return SamplingParams.model_validate({**base, **overrides})
 
     @property
     def grammar_key(self) -> GrammarKey | None:

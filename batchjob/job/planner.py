@@ -132,7 +132,7 @@ class Planner:
         if not row.overrides:
             return self.params
         try:
-            return SamplingParams.model_validate({**self.params.model_dump(), **row.overrides})
+            return self.params.with_overrides(row.overrides)
         except pydantic.ValidationError as e:
             raise RowError("; ".join(_describe(err) for err in e.errors())) from None
 

@@ -95,3 +95,25 @@ def test_top_logprobs(engine):
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= lp.top[0][1] + 1e-6
     # greedy: the chosen token is the likeliest
     assert all(lp.top[0][0] == lp.token_id for lp in o.logprobs)
+
+
+def test_the_progress_bar_shows_requests_done_and_tokens_per_second(engine, capsys):
+    outs = engine.chat(PEOPLE[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=True)
+    assert [len(o.token_ids) for o in outs] == [3, 3]
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]  # tqdm's last (closing) render
+    assert re.search(r"Processed prompts: 100%.* 2/2 \[.*output [\d,]+ tok/s", bar), bar
+    engine.chat(PEOPLE[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_request_constraint_replaces_the_jobs_whole():
+    job = SamplingParams(max_tokens=9, temperature=0.5, response_format=json_schema(SCHEMA))
+    assert job.with_overrides({"temperature": 0.0}).response_format == job.response_format  # kept when not named
+    row = job.with_overrides({"regex": "[a-z]+"})
+    assert row.regex == "[a-z]+" and row.response_format is None and row.max_tokens == 9
+    assert row.grammar_key == ("regex", "[a-z]+")
+    assert job.with_overrides({"response_format": {"type": "text"}}).grammar_key is None  # a row may ask for text
+    choice = SamplingParams(choice=["a", "b"]).with_overrides({"response_format": json_schema(SCHEMA)})
+    assert choice.choice is None and choice.grammar_key == job.grammar_key
+    with pytest.raises(ValidationError, match="at most one"):
+        job.with_overrides({"regex": "a", "choice": ["a"]})  # within one request, still one constraint

@@ -1,6 +1,7 @@
 """Job files and OpenAI Batch lines with response_format, n and logprobs, run in-process on the real model."""
 
 import json
+import re
 
 import jsonschema
 import pyarrow.parquet as pq
@@ -114,3 +115,34 @@ def test_openai_batch_with_n_logprobs_and_response_format(tmp_path, engine, prog
         assert isinstance(json.loads(choice["message"]["content"]), dict)
     logprobs = out["text"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"])
+
+
+def test_a_rows_constraint_replaces_the_jobs_and_a_bad_one_fails_only_its_row(tmp_path, engine, progress):
+    pattern = "[A-Z][a-z]{1,8}"  # the job's constraint, a regex; OpenAI lines can only bring a response_format
+    schema = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+    lines = [
+        line("job"),  # no constraint of its own: the job's regex
+        line("schema", max_tokens=30, response_format=schema),
+        line("text", response_format={"type": "text"}),
+        line("bad", response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": 3}}}),
+    ]
+    job = make_job(
+        write_jsonl(tmp_path / "batch.jsonl", lines),
+        tmp_path / "out",
+        model="smollm2-135m-instruct",
+        input={"format": "openai-batch"},
+        output={"format": "openai-batch"},
+        sampling={"regex": pattern},
+        engine=ENGINE,
+    )
+    assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
+    out = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
+    assert out["bad"]["response"] is None
+    assert "response_format.json_schema.schema: cannot be compiled" in out["bad"]["error"]["message"]
+    choice = {k: out[k]["response"]["body"]["choices"][0] for k in ("job", "schema", "text")}
+    assert choice["job"]["finish_reason"] == "stop" and re.fullmatch(pattern, choice["job"]["message"]["content"])
+    if choice["schema"]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(choice["schema"]["message"]["content"]), SCHEMA)
+    else:
+        assert choice["schema"]["message"]["content"].startswith('{"topic":')
+    assert not re.fullmatch(pattern, choice["text"]["message"]["content"])  # free text: neither regex nor JSON
