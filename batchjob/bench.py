@@ -437,14 +437,15 @@ def roofline(engine: Engine, result: Result) -> dict:
 def run_bench(
     engine: Engine, model_path, wl: Workload, systems: list[str], batch_size: int, repeats: int, threads: int
 ) -> dict:
-    """Every system once per round, rounds interleaved; the median wall time per system is reported."""
+    """Every system once per round, rounds interleaved in rotating order; the median wall time per system is
+    reported."""
     skipped = {k: v for k, v in peer_status().items() if k in systems and v}
     constrained = sum(r.params.grammar_key is not None for r in wl.requests)
     if "unconstrained" in systems and not constrained:
         skipped["unconstrained"] = "no request of the workload has an output constraint"
     elif "unconstrained" in systems and "engine" not in systems:
         skipped["unconstrained"] = "it runs the engine's requests at their lengths: needs the engine in --systems"
-    # The engine runs first in each round: the unconstrained run takes its lengths from the engine's first run.
+    # The engine runs first in the first round: the unconstrained run takes its lengths from the engine's first run.
     systems = sorted((s for s in systems if s not in skipped), key=lambda s: s != "engine")
     engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     if "vllm" in systems and engine.config.load_format == "dummy":
@@ -454,8 +455,9 @@ def run_bench(
     vllm = load_vllm(engine, model_path) if "vllm" in systems else None
     runs: dict[str, list[Result]] = {s: [] for s in systems}
     free = None
-    for _ in range(repeats):
-        for system in systems:
+    for k in range(repeats):
+        # The order rotates so that no system always runs first (the engine does in the first round).
+        for system in systems[k % len(systems) :] + systems[: k % len(systems)]:
             if system == "engine":
                 runs[system].append(run_engine(engine, wl))
             elif system == "unconstrained":

@@ -24,17 +24,24 @@ def shared(engine):
     return lambda job: engine
 
 
-def test_json_schema_job_over_sample_data_validates(tmp_path, engine, progress):
-    job = make_job(
-        short_documents(tmp_path, rows=4, words=30),
+def documents_job(tmp_path, rows: int, template: str, sampling: dict):
+    """A job over the first sample documents, cut short, on the real default model."""
+    return make_job(
+        short_documents(tmp_path, rows=rows, words=30),
         tmp_path / "out",
         model="smollm2-135m-instruct",
-        prompt={"template": "Describe the topic and tone of this text as JSON:\n\n{text}"},
-        sampling={
-            "max_tokens": 40,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
-        },
+        prompt={"template": template},
+        sampling=sampling,
         engine=ENGINE,
+    )
+
+
+def test_json_schema_job_over_sample_data_validates(tmp_path, engine, progress):
+    job = documents_job(
+        tmp_path,
+        4,
+        "Describe the topic and tone of this text as JSON:\n\n{text}",
+        {"max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}},
     )
     assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
     rows = pq.read_table(tmp_path / "out" / "data").to_pylist()
@@ -43,6 +50,30 @@ def test_json_schema_job_over_sample_data_validates(tmp_path, engine, progress):
         assert r["outputs"] == [r["output"]] and r["finish_reasons"] == [r["finish_reason"]]
         if r["finish_reason"] == "stop":
             jsonschema.validate(json.loads(r["output"]), SCHEMA)
+
+
+def test_n_samples_with_logprobs_and_a_choice_in_a_parquet_job(tmp_path, engine, progress):
+    choices = ["formal", "casual", "technical"]
+    # 12 tokens hold any choice spelled letter by letter, and the stop token: every sample stops.
+    sampling = {"max_tokens": 12, "n": 3, "temperature": 0.8, "seed": 7, "choice": choices}
+    job = documents_job(
+        tmp_path,
+        2,
+        "Is the tone of this text formal, casual or technical?\n\n{text}",
+        sampling | {"logprobs": True, "top_logprobs": 2},
+    )
+    assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
+    rows = pq.read_table(tmp_path / "out" / "data").to_pylist()
+    assert len(rows) == 2
+    for r in rows:
+        assert len(r["outputs"]) == len(r["finish_reasons"]) == len(r["output_token_counts"]) == 3
+        assert r["output"] == r["outputs"][0] and r["finish_reason"] == r["finish_reasons"][0]
+        assert set(r["outputs"]) <= set(choices) and set(r["finish_reasons"]) == {"stop"}
+        assert r["output_tokens"] == sum(r["output_token_counts"])
+        assert [len(lp) for lp in r["logprobs"]] == r["output_token_counts"]
+        for sample, text in zip(r["logprobs"], r["outputs"]):
+            assert "".join(t["token"] for t in sample).startswith(text)  # then the stop token
+            assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in sample)
 
 
 def test_bad_schema_is_a_job_file_error(tmp_path):
@@ -82,13 +113,8 @@ def test_a_huge_n_fails_its_row_and_no_other(tmp_path, progress):
     assert rows["ok"]["error"] is None and "n: Input should be less than or equal to 128" in rows["huge"]["error"]
 
 
-def test_openai_batch_with_n_logprobs_and_response_format(tmp_path, engine, progress):
-    lines = [
-        line("n2", n=2, temperature=0.8, seed=3, logprobs=True, top_logprobs=2),
-        line("json", max_tokens=24, response_format={"type": "json_object"}),
-        line("text", "/v1/completions", logprobs=1),
-        line("bad", tools=[{"type": "function"}]),
-    ]
+def run_batch(tmp_path, engine, progress, lines: list[dict], **sections) -> dict[str, dict]:
+    """An OpenAI Batch job of these lines on the real default model; its output lines by custom_id."""
     job = make_job(
         write_jsonl(tmp_path / "batch.jsonl", lines),
         tmp_path / "out",
@@ -96,9 +122,20 @@ def test_openai_batch_with_n_logprobs_and_response_format(tmp_path, engine, prog
         input={"format": "openai-batch"},
         output={"format": "openai-batch"},
         engine=ENGINE,
+        **sections,
     )
     assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
-    out = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
+    return {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
+
+
+def test_openai_batch_with_n_logprobs_and_response_format(tmp_path, engine, progress):
+    lines = [
+        line("n2", n=2, temperature=0.8, seed=3, logprobs=True, top_logprobs=2),
+        line("json", max_tokens=24, response_format={"type": "json_object"}),
+        line("text", "/v1/completions", logprobs=1),
+        line("bad", tools=[{"type": "function"}]),
+    ]
+    out = run_batch(tmp_path, engine, progress, lines)
     assert out["bad"]["error"]["message"].endswith("unsupported field tools")
     body = out["n2"]["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1]
@@ -126,17 +163,7 @@ def test_a_rows_constraint_replaces_the_jobs_and_a_bad_one_fails_only_its_row(tm
         line("text", response_format={"type": "text"}),
         line("bad", response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": 3}}}),
     ]
-    job = make_job(
-        write_jsonl(tmp_path / "batch.jsonl", lines),
-        tmp_path / "out",
-        model="smollm2-135m-instruct",
-        input={"format": "openai-batch"},
-        output={"format": "openai-batch"},
-        sampling={"regex": pattern},
-        engine=ENGINE,
-    )
-    assert run_job(job, progress, engine_factory=shared(engine)) == EXIT_OK
-    out = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
+    out = run_batch(tmp_path, engine, progress, lines, sampling={"regex": pattern})
     assert out["bad"]["response"] is None
     assert "response_format.json_schema.schema: cannot be compiled" in out["bad"]["error"]["message"]
     choice = {k: out[k]["response"]["body"]["choices"][0] for k in ("job", "schema", "text")}
