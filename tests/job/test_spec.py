@@ -1,5 +1,7 @@
 import pytest
+import yaml
 
+from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 from tests.helpers import REPO
 
@@ -23,6 +25,21 @@ def test_the_shipped_job_is_valid():
     assert job.input.path == "sample_data/documents.parquet" and job.input.format == "parquet"
     assert job.sampling.greedy and job.prompt.chat_template and job.prompt.system
     assert job.output.path == "out/summarize"
+
+
+def test_the_structured_output_examples_are_valid(tmp_path):
+    job = load_job(REPO / "jobs" / "structured.yaml")
+    assert job.sampling.response_format.type == "json_schema" and job.sampling.grammar_key is not None
+    # The README's example sampling block.
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Structured output") :]
+    block = section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml"))]
+    job = load(tmp_path, MINIMAL + block)
+    assert job.sampling.n == 4 and job.sampling.top_logprobs == 3 and job.sampling.response_format.json_schema
+    for constraint in ("regex", "choice"):  # the commented-out alternatives, each in place of response_format
+        line = next(x for x in block.splitlines() if x.lstrip().startswith(f"# {constraint}:"))
+        sampling = job.sampling.model_dump(exclude={"response_format"}) | yaml.safe_load(line.lstrip()[2:])
+        assert SamplingParams.model_validate(sampling).grammar_key[0] == constraint
 
 
 def test_defaults_and_format_inference(tmp_path):
