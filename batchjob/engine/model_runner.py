@@ -11,6 +11,7 @@ import torch
 
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.fp8 import FP8_DTYPE
@@ -137,37 +138,12 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return total * self.config.kv_cache_memory_fraction - peak
 
-    def prepare(self, out: SchedulerOutput):
-        input_ids, positions, slots, qlens, seq_lens, sample_rows = [], [], [], [], [], []
-        bs = self.block_size
-        for seq, n in out.scheduled:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            qlens.append(n)
-            seq_lens.append(start + n)
-            if start + n == seq.num_tokens:  # all its tokens computed: it needs the next one
-                sample_rows.append(len(input_ids) - 1)
-        max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
-        tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq, _ in out.scheduled]
-        dev = self.device
-        meta = AttentionMetadata.build(qlens, seq_lens, tables, slots, dev)
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            sample_rows,
-        )
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order."""
-        input_ids, positions, meta, sample_rows = self.prepare(out)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        if not sample_rows:
+        step = build_step_inputs(out, self.block_size, self.device)
+        hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
+        if not step.num_samples:
             return torch.empty(0, self.model.config.vocab_size)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu()
+        # the step's one host synchronisation: the logits the sampler reads
+        return self.model.compute_logits(hidden[step.sample_rows]).cpu()
