@@ -6,8 +6,11 @@ run cut short still leaves what it measured:
   kernels     every Triton kernel against the torch reference, per activation dtype, fp8 KV among the cases;
   equality    the engine on dummy weights, Triton ops against torch ops on the same device, greedy, fp32, mixed-length
               prompts, chunked prefill and preemption forced (both are counted, and the check fails without them);
-  throughput  engine (Triton ops) against engine (torch ops) and HF generate at a fixed batch, on a fixed-length and
-              a mixed-length workload, per model shape, with achieved FLOP/s and HBM bytes/s against measured peaks;
+  graphs      decode steps through CUDA graphs against the same engine with enforce_eager: greedy tokens equal, and
+              the decode tokens/s of each;
+  throughput  engine (Triton ops; CUDA graphs unless the graphs part failed) against engine (torch ops) and HF
+              generate at a fixed batch, on a fixed-length and a mixed-length workload, per model shape, with achieved
+              FLOP/s and HBM bytes/s against measured peaks;
   kv_sizing   the KV pool against kv_cache_memory_fraction of device memory, and a step at the largest token budget.
 On a CPU the same parts run on tiny shapes in Triton's interpreter (the tiny-llama config)."""
 
@@ -40,8 +43,10 @@ PLANS = {
 # greedy-equality step: (prompts, input len, output len, token budget, block size, KV blocks); prompts longer than
 # the budget are prefilled in chunks, and the pool holds fewer blocks than the sequences want (preemption)
 EQUALITY = {"cuda": (8, 120, 32, 64, 16, 24), "cpu": (3, 30, 6, 16, 4, 14)}
+# graphs step: (prompts = max_num_seqs, input len, output len), lengths mixed so that batches shrink through sizes
+GRAPHS = {"cuda": (48, 32, 96), "cpu": (3, 6, 4)}
 # seconds per part; 8 minutes on an H200 in all, start-up included
-CAPS = {"kernels": 150, "equality": 60, "throughput": 200, "kv_sizing": 30}
+CAPS = {"kernels": 140, "equality": 60, "throughput": 180, "graphs": 40, "kv_sizing": 30}
 
 
 class TimeCap(Exception):
@@ -125,6 +130,7 @@ class Check:
         for part, fn in (
             ("kernels", self.kernels),
             ("equality", self.equality),
+            ("graphs", self.graphs),
             ("throughput", self.throughput),
             ("kv_sizing", self.kv_sizing),
         ):
@@ -186,7 +192,7 @@ class Check:
         outputs, counts = {}, {}
         for ops in ("triton", "torch"):
             self._within(deadline, f"equality with {ops} ops")
-            engine = self._engine(model, ops, **config)
+            engine = self._engine(model, ops, enforce_eager=True, **config)  # the kernels' check; graphs have theirs
             wl = synthetic(engine.model_config.vocab_size, n, inp, out, range_ratio=0.65, seed=1)
             steps = []
             engine.add_step_callback(steps.append)
@@ -222,13 +228,17 @@ class Check:
             matmul_tflops=peaks["matmul_flops"] / 1e12,
             copy_gb_per_s=peaks["copy_bytes_per_s"] / 1e9,
         )
+        # the engine as users run it, decode through CUDA graphs, unless the graphs part found them failing
+        graphs = self.report["parts"].get("graphs", {}).get("status") == "passed"
         for model in self.models:
             results: dict[str, dict] = {}
             for system in ("triton", "torch", "hf"):
                 self._within(deadline, f"{model} {system} and after")
                 # the HF peer needs the engine's config, device and dtype, not its KV pool
                 engine = (
-                    self._engine(model, "torch", num_kv_blocks=16) if system == "hf" else self._engine(model, system)
+                    self._engine(model, "torch", num_kv_blocks=16)
+                    if system == "hf"
+                    else self._engine(model, system, enforce_eager=not graphs)
                 )
                 workloads = [
                     (name, synthetic(engine.model_config.vocab_size, n, inp, out, ratio))
@@ -259,6 +269,8 @@ class Check:
                         "speed_vs_triton": r["requests_per_s"] / base["requests_per_s"] if base else None,
                     }
                     figures |= {k: r[k] for k in ("prefill_tflops", "decode_tflops", "decode_hbm_gb_per_s") if k in r}
+                    if system == "triton":
+                        figures["cuda_graphs"] = graphs and self.device.type == "cuda"
                     self.row("throughput", f"{model} {name} {system}", None, **figures)
         self.report["throughput"] = results
 
@@ -288,6 +300,52 @@ class Check:
         if "prefill_tflops" in out:
             out["prefill_fraction"] = out["prefill_tflops"] * 1e12 / peaks["matmul_flops"]
         return out
+
+    def graphs(self, deadline: float) -> None:
+        """Decode steps through CUDA graphs against the same engine with enforce_eager, on mixed output lengths (so
+        that batches shrink through several graph sizes): greedy tokens equal in fp32, and in each dtype the decode
+        tokens/s of a second run (the first captures the sizes it replays). On a CPU graphs are off: the padded body
+        a graph captures runs eagerly in their place, checked the same way."""
+        from batchjob.bench import run_engine, synthetic
+
+        model = self.models[0]
+        n, inp, out = GRAPHS["cpu" if self.small else "cuda"]
+        config = dict(max_num_seqs=n, num_kv_blocks=n * -(-(2 * inp + 2 * out) // 16) + 1, block_size=16)
+        cuda = self.device.type == "cuda"
+        for dtype in ("float32", "auto") if cuda else ("float32",):
+            runs = {}
+            for mode in ("graphs", "eager"):
+                self._within(deadline, f"{mode} in {dtype} and after")
+                engine = self._engine(model, "triton", enforce_eager=mode == "eager", dtype=dtype, **config)
+                graphs = engine.runner.decode_graphs
+                if mode == "graphs" and not cuda:
+                    graphs = engine.runner.decode_graphs = engine.runner.make_decode_graphs(capture=False)
+                wl = synthetic(engine.model_config.vocab_size, n, inp, out, range_ratio=0.75, seed=3)
+                first, second = run_engine(engine, wl, mode), run_engine(engine, wl, mode)
+                runs[mode] = {
+                    "outputs": first.outputs,
+                    "in_use": graphs is not None,
+                    "captured": sorted(graphs.graphs) if graphs else [],
+                    "decode_tokens_per_s": second.decode_tokens / second.decode_time if second.decode_time else None,
+                }
+                del engine, graphs
+                _free(self.device)
+            g, e = runs["graphs"], runs["eager"]
+            same = sum(g["outputs"][k] == e["outputs"][k] for k in e["outputs"])
+            # graphs on where asked for (captured on a GPU), off with enforce_eager
+            wiring = g["in_use"] and not e["in_use"] and (bool(g["captured"]) or not cuda)
+            self.row(
+                "graphs",
+                f"{model} {dtype} decode graphs == eager, greedy ({n} prompts)",
+                wiring and (same == len(e["outputs"]) or dtype != "float32"),
+                sequences_equal=f"{same}/{len(e['outputs'])}",
+                captured_sizes=",".join(map(str, g["captured"])) or None,
+                graphs_decode_tokens_per_s=g["decode_tokens_per_s"],
+                eager_decode_tokens_per_s=e["decode_tokens_per_s"],
+                speedup=g["decode_tokens_per_s"] / e["decode_tokens_per_s"]
+                if g["decode_tokens_per_s"] and e["decode_tokens_per_s"]
+                else None,
+            )
 
     def kv_sizing(self, deadline: float) -> None:
         """On a GPU: weights + KV pool + the activation peak of a step at the largest token budget against

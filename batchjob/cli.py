@@ -301,6 +301,7 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     type=click.Choice(["auto", "dummy"]),
     help="dummy: random weights with the model's config (a built-in or shipped name, or a config.json)",
 )
+@click.option("--enforce-eager", is_flag=True, help="decode without CUDA graphs (vLLM's flag)")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(
     model,
@@ -317,6 +318,7 @@ def bench(
     max_num_batched_tokens,
     budgets,
     load_format,
+    enforce_eager,
     json_path,
 ) -> None:
     """Throughput of this engine against baselines on one workload, in one process."""
@@ -334,6 +336,7 @@ def bench(
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("load_format", load_format),
+            ("enforce_eager", enforce_eager or None),  # a flag: absent leaves the job file's setting
         )
         if v is not None
     }

@@ -22,7 +22,7 @@ def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
     report = json.loads(out.read_text())
     assert result.exit_code == 0, result.output
     assert {p: v["status"] for p, v in report["parts"].items()} == dict.fromkeys(
-        ("kernels", "equality", "throughput", "kv_sizing"), "passed"
+        ("kernels", "equality", "throughput", "graphs", "kv_sizing"), "passed"
     )
     rows = report["rows"]
     kernels = {r["check"].split()[0] for r in rows if r["part"] == "kernels"}
@@ -31,6 +31,8 @@ def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
     [eq] = [r for r in rows if r["part"] == "equality"]
     assert eq["ok"] and eq["sequences_equal"] == "3/3" and eq["preemptions_torch"] > 0
     assert eq["longest_prompt_torch"] > eq["token_budget_torch"]  # prefilled in chunks
+    [graphs] = [r for r in rows if r["part"] == "graphs"]  # the padded decode body against eager steps
+    assert graphs["ok"] and graphs["sequences_equal"] == "3/3" and graphs["graphs_decode_tokens_per_s"] > 0
     systems = {r["check"].rsplit(" ", 1)[1] for r in rows if r["part"] == "throughput" and "tiny-llama" in r["check"]}
     assert systems == {"triton", "torch", "hf"}
     assert report["peaks"]["matmul_flops"] > 0 and "decode_hbm_gb_per_s" in report["throughput"]["2x8/2/torch"]
@@ -51,6 +53,7 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch)
     monkeypatch.setattr(Check, "kernels", boom)
     monkeypatch.setattr(Check, "equality", capped)
     monkeypatch.setattr(Check, "throughput", measured)
+    monkeypatch.setattr(Check, "graphs", lambda self, deadline: None)
     monkeypatch.setattr(Check, "kv_sizing", lambda self, deadline: self.row("kv_sizing", "pool", False))
     out = tmp_path / "check.json"
     report = Check("cpu", str(out)).run()
@@ -58,6 +61,7 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch)
         "kernels": "failed",
         "equality": "capped",
         "throughput": "passed",
+        "graphs": "passed",
         "kv_sizing": "failed",
     }
     saved = json.loads(out.read_text())

@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="dummy: random weights (seeded by `seed`) with the named model's config, nothing read"
     )
+    enforce_eager: bool = Field(
+        False, description="decode steps without CUDA graphs (vLLM's name); graphs are never used on a CPU"
+    )
     num_threads: int | None = Field(None, ge=1)
     seed: int = 0
 

@@ -44,7 +44,9 @@ class Engine:
         # With "auto" the runner leaves activation memory for the largest budget the tuner may pick.
         cap = budget_cap(self.config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(
-            self.config.model_copy(update={"max_num_batched_tokens": cap}) if auto else self.config, loaded
+            self.config.model_copy(update={"max_num_batched_tokens": cap}) if auto else self.config,
+            loaded,
+            self.max_model_len,
         )
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.numerics = self.runner.numerics

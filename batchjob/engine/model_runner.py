@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from batchjob.engine.config import EngineConfig
+from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.model.attention_metadata import AttentionMetadata
@@ -46,9 +47,15 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES.get(config.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
+def use_cuda_graphs(config: EngineConfig, device: torch.device, ops: OpsBackend) -> bool:
+    """Decode steps through CUDA graphs: on a CUDA device, unless enforce_eager, with ops that never wait on the host
+    inside a step (a capture fails on a host synchronisation)."""
+    return device.type == "cuda" and not config.enforce_eager and ops.CAPTURABLE
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel):
-        self.config = config
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int):
+        self.config, self.max_model_len = config, max_model_len
         self.device = pick_device(config)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
@@ -71,7 +78,18 @@ class ModelRunner:
             per_slot += c.num_key_value_heads * 4  # the fp32 scale of each (slot, head)
         self.kv_bytes_per_token = 2 * c.num_hidden_layers * per_slot
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
-        self.kv_caches = self._make_caches(self.num_blocks)
+        # One block beyond those the block manager hands out: padded decode rows write and read it (decode_graphs.py).
+        self.kv_caches = self._make_caches(self.num_blocks + 1)
+        graphs = use_cuda_graphs(config, self.device, self.model.ops)
+        self.decode_graphs: DecodeGraphs | None = self.make_decode_graphs(capture=True) if graphs else None
+
+    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Padded decode steps over this runner's model and cache: captured as CUDA graphs, or without `capture` run
+        eagerly (how a CPU runs the body a graph captures)."""
+        c = self.config
+        return DecodeGraphs(
+            self.model, self.kv_caches, self.block_size, c.max_num_seqs, self.max_model_len, self.num_blocks, capture
+        )
 
     @property
     def numerics(self) -> dict[str, str]:
@@ -141,9 +159,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order."""
-        step = build_step_inputs(out, self.block_size, self.device)
-        hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
-        if not step.num_samples:
+        if self.decode_graphs is not None and self.decode_graphs.fits(out):
+            hidden, rows = self.decode_graphs.run(out)
+        else:
+            step = build_step_inputs(out, self.block_size, self.device)
+            hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
+            rows = step.sample_rows
+        if not rows.shape[0]:
             return torch.empty(0, self.model.config.vocab_size)
         # the step's one host synchronisation: the logits the sampler reads
-        return self.model.compute_logits(hidden[step.sample_rows]).cpu()
+        return self.model.compute_logits(hidden[rows]).cpu()

@@ -10,4 +10,7 @@ from batchjob.kernels.elementwise import rms_norm, rotary, silu_and_mul
 from batchjob.kernels.kv_cache import store_kv
 from batchjob.model.fp8 import FP8_DTYPE  # either ops module names the fp8 cache dtype it writes
 
-__all__ = ["rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "FP8_DTYPE"]
+# The wrappers size every launch from host values and never read a device tensor: a CUDA graph can capture a step.
+CAPTURABLE = True
+
+__all__ = ["rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "FP8_DTYPE", "CAPTURABLE"]

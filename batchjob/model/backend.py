@@ -12,6 +12,7 @@ from batchjob.model.attention_metadata import AttentionMetadata
 
 class OpsBackend(Protocol):
     FP8_DTYPE: torch.dtype  # the dtype of an fp8 KV cache
+    CAPTURABLE: bool  # no op waits on the host inside a step, so that a CUDA graph can capture one
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

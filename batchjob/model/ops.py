@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.fp8 import FP8_DTYPE, quantize_fp8
 
+# store_kv and paged_attention's plan read device values on the host (masks, lengths): no CUDA graph can hold a step
+CAPTURABLE = False
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm; with `residual`, first adds it to x and returns (normed, x + residual) as HF's decoder layer does."""

@@ -16,3 +16,10 @@ def test_the_triton_kernels_keep_the_backend_contract():
     from batchjob.kernels import ops as kernels_ops  # conftest set TRITON_INTERPRET=1 on a CPU
 
     assert protocol_gaps(kernels_ops, OpsBackend) == []
+
+
+def test_only_the_triton_kernels_can_be_captured_in_a_cuda_graph():
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra)")
+    from batchjob.kernels import ops as kernels_ops
+
+    assert kernels_ops.CAPTURABLE and not ops.CAPTURABLE
