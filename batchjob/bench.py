@@ -445,8 +445,7 @@ def run_bench(
         skipped["unconstrained"] = "no request of the workload has an output constraint"
     elif "unconstrained" in systems and "engine" not in systems:
         skipped["unconstrained"] = "it runs the engine's requests at their lengths: needs the engine in --systems"
-    # The engine runs first in the first round: the unconstrained run takes its lengths from the engine's first run.
-    systems = sorted((s for s in systems if s not in skipped), key=lambda s: s != "engine")
+    systems = [s for s in systems if s not in skipped]
     engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     if "vllm" in systems and engine.config.load_format == "dummy":
         skipped["vllm"] = "load_format dummy: vLLM would draw other random weights"
@@ -454,14 +453,15 @@ def run_bench(
     hf_model = None
     vllm = load_vllm(engine, model_path) if "vllm" in systems else None
     runs: dict[str, list[Result]] = {s: [] for s in systems}
-    free = None
+    # With the unconstrained peer, an untimed constrained run first: it compiles the grammars, warms the engine up at
+    # the workload's shapes and gives the lengths the unconstrained requests are held to.
+    free = unconstrained(wl, run_engine(engine, wl).sample_tokens) if "unconstrained" in systems else None
     for k in range(repeats):
-        # The order rotates so that no system always runs first (the engine does in the first round).
+        # The order rotates so that no system always runs first.
         for system in systems[k % len(systems) :] + systems[: k % len(systems)]:
             if system == "engine":
                 runs[system].append(run_engine(engine, wl))
             elif system == "unconstrained":
-                free = free or unconstrained(wl, runs["engine"][0].sample_tokens)
                 runs[system].append(run_engine(engine, free, system))
                 runs[system][-1].outputs = None  # other text by design: not compared
             elif system == "static":
