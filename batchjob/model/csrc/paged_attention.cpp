@@ -1,0 +1,245 @@
+// Paged attention on a CPU that reads K/V blocks where they lie in the cache, for all sequences of a step in one
+// call: decodes and prefill chunks (with cached context) alike. The torch path in batchjob/model/ops.py gathers a
+// copy of every sequence's K/V per layer first; at ~150 running sequences that copy bounds decode.
+//
+// Work items are (sequence, tile of query rows), taken dynamically by OpenMP threads, largest first. An item walks
+// its context block by block, twice (scores, then the weighted sum of V), and within a block one KV head at a time
+// for the G query heads that share it, so that each K/V row is loaded once for all G of them. For head sizes that
+// are a multiple of 16 (64, 128) and G <= 8, a templated path keeps a row's G queries and G output accumulators in
+// vector registers; other shapes take the generic loops.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // query rows per work item: bounds the scores scratch, balances long prefills
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));  // unaligned 16-float vector (GCC lowers per ISA)
+
+struct Item {
+  int64_t seq, row0, row1, cost;
+};
+
+// One work item's view of the step: rows [row0, row1) of sequence `seq`, at positions first_pos + j.
+struct Tile {
+  const float* q;  // [rows, H, D]
+  float* out;      // [rows, H, D]
+  const float* k;  // cache base
+  const float* v;
+  const int32_t* table;
+  int64_t rows, first_pos, ctx, h, kvh, d, bs, row_stride, block_stride;
+  float scale;
+  float* scores;  // [rows, H, ctx]
+};
+
+inline int64_t first_row(int64_t pos, const Tile& t) { return std::max<int64_t>(0, pos - t.first_pos); }
+
+void softmax_rows(const Tile& t) {
+  for (int64_t j = 0; j < t.rows; ++j) {
+    const int64_t n = t.first_pos + j + 1;  // keys row j sees; the unseen tail stays 0 and adds nothing to the sum
+    for (int64_t hq = 0; hq < t.h; ++hq) {
+      float* s = t.scores + (j * t.h + hq) * t.ctx;
+      float mx = s[0];
+      for (int64_t i = 1; i < n; ++i) mx = std::max(mx, s[i]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        s[i] = std::exp(s[i] - mx);
+        sum += s[i];
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+    }
+  }
+}
+
+template <int NV, int G>
+void attend_fast(const Tile& t) {
+  constexpr int64_t D = NV * 16;
+  const int64_t nblocks = (t.ctx + t.bs - 1) / t.bs;
+  // Pass 1: scaled scores.
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx);
+    const float* kb = t.k + t.table[b] * t.block_stride;
+    for (int64_t kh = 0; kh < t.kvh; ++kh) {
+      for (int64_t j = first_row(p0, t); j < t.rows; ++j) {
+        v16 q[G][NV];
+        const float* qr = t.q + (j * t.h + kh * G) * D;
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < NV; ++i) q[g][i] = *reinterpret_cast<const v16*>(qr + g * D + i * 16) * t.scale;
+        float* s = t.scores + (j * t.h + kh * G) * t.ctx;
+        const int64_t last = std::min(p1, t.first_pos + j + 1);
+        for (int64_t p = p0; p < last; ++p) {
+          const v16* kr = reinterpret_cast<const v16*>(kb + (p - p0) * t.row_stride + kh * D);
+          v16 kv[NV];
+          for (int i = 0; i < NV; ++i) kv[i] = kr[i];
+          for (int g = 0; g < G; ++g) {
+            v16 a = q[g][0] * kv[0];
+            for (int i = 1; i < NV; ++i) a += q[g][i] * kv[i];
+            float sum = 0.f;
+            for (int l = 0; l < 16; ++l) sum += a[l];
+            s[g * t.ctx + p] = sum;
+          }
+        }
+      }
+    }
+  }
+  softmax_rows(t);
+  // Pass 2: out = P V, accumulated in registers per (row, KV head) over a block.
+  std::fill(t.out, t.out + t.rows * t.h * D, 0.f);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx);
+    const float* vb = t.v + t.table[b] * t.block_stride;
+    for (int64_t kh = 0; kh < t.kvh; ++kh) {
+      for (int64_t j = first_row(p0, t); j < t.rows; ++j) {
+        v16 acc[G][NV];
+        float* orow = t.out + (j * t.h + kh * G) * D;
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < NV; ++i) acc[g][i] = *reinterpret_cast<v16*>(orow + g * D + i * 16);
+        const float* s = t.scores + (j * t.h + kh * G) * t.ctx;
+        const int64_t last = std::min(p1, t.first_pos + j + 1);
+        for (int64_t p = p0; p < last; ++p) {
+          const v16* vr = reinterpret_cast<const v16*>(vb + (p - p0) * t.row_stride + kh * D);
+          v16 vv[NV];
+          for (int i = 0; i < NV; ++i) vv[i] = vr[i];
+          for (int g = 0; g < G; ++g) {
+            const float w = s[g * t.ctx + p];
+            for (int i = 0; i < NV; ++i) acc[g][i] += w * vv[i];
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < NV; ++i) *reinterpret_cast<v16*>(orow + g * D + i * 16) = acc[g][i];
+      }
+    }
+  }
+}
+
+void attend_generic(const Tile& t) {
+  const int64_t g = t.h / t.kvh, d = t.d;
+  for (int64_t pos = 0; pos < t.ctx; ++pos) {
+    const float* krow = t.k + t.table[pos / t.bs] * t.block_stride + (pos % t.bs) * t.row_stride;
+    for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
+      const float* qrow = t.q + j * t.h * d;
+      for (int64_t hq = 0; hq < t.h; ++hq) {
+        const float* a = qrow + hq * d;
+        const float* b = krow + (hq / g) * d;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+        t.scores[(j * t.h + hq) * t.ctx + pos] = s * t.scale;
+      }
+    }
+  }
+  softmax_rows(t);
+  std::fill(t.out, t.out + t.rows * t.h * d, 0.f);
+  for (int64_t pos = 0; pos < t.ctx; ++pos) {
+    const float* vrow = t.v + t.table[pos / t.bs] * t.block_stride + (pos % t.bs) * t.row_stride;
+    for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
+      for (int64_t hq = 0; hq < t.h; ++hq) {
+        const float w = t.scores[(j * t.h + hq) * t.ctx + pos];
+        float* o = t.out + (j * t.h + hq) * d;
+        const float* x = vrow + (hq / g) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] += w * x[i];
+      }
+    }
+  }
+}
+
+using AttendFn = void (*)(const Tile&);
+
+template <int NV>
+AttendFn pick_g(int64_t g) {
+  switch (g) {
+    case 1: return attend_fast<NV, 1>;
+    case 2: return attend_fast<NV, 2>;
+    case 3: return attend_fast<NV, 3>;
+    case 4: return attend_fast<NV, 4>;
+    case 5: return attend_fast<NV, 5>;
+    case 6: return attend_fast<NV, 6>;
+    case 7: return attend_fast<NV, 7>;
+    case 8: return attend_fast<NV, 8>;
+    default: return attend_generic;
+  }
+}
+
+AttendFn pick(int64_t d, int64_t g) {
+  if (d == 64) return pick_g<4>(g);
+  if (d == 128) return pick_g<8>(g);
+  return attend_generic;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "int32 metadata");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous();
+  const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "head_dim or head counts do not match");
+  const int64_t num_seqs = seq_lens.size(0), max_blocks = tables.size(1);
+  const AttendFn attend = pick(d, h / kvh);
+
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  at::Tensor out = at::empty_like(qc);
+
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
+      const int64_t r1 = std::min<int64_t>(r + kQueryTile, qsl[s + 1]);
+      items.push_back({s, r, r1, (r1 - r) * lens[s]});
+    }
+  }
+  // Largest first, so that the dynamic schedule ends with small items on every thread.
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& item = items[it];
+      const int64_t seq_len = lens[item.seq], q_len = qsl[item.seq + 1] - qsl[item.seq];
+      Tile t;
+      t.q = qc.data_ptr<float>() + item.row0 * h * d;
+      t.out = out.data_ptr<float>() + item.row0 * h * d;
+      t.k = k_cache.data_ptr<float>();
+      t.v = v_cache.data_ptr<float>();
+      t.table = tables.data_ptr<int32_t>() + item.seq * max_blocks;
+      t.rows = item.row1 - item.row0;
+      t.first_pos = seq_len - q_len + (item.row0 - qsl[item.seq]);
+      t.ctx = t.first_pos + t.rows;  // keys the item's last row sees
+      t.h = h, t.kvh = kvh, t.d = d, t.bs = bs, t.row_stride = kvh * d, t.block_stride = bs * kvh * d;
+      t.scale = static_cast<float>(scale);
+      scores.assign(t.rows * h * t.ctx, 0.f);
+      t.scores = scores.data();
+      attend(t);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(batchjob_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}
