@@ -62,65 +62,67 @@ void softmax_rows(const Tile& t) {
   }
 }
 
+// G heads' rows of NV * 16 floats, back to back at src, times mul, into registers.
+template <int NV, int G>
+inline void load_heads(v16 (&dst)[G][NV], const float* src, float mul) {
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) dst[g][i] = *reinterpret_cast<const v16*>(src + (g * NV + i) * 16) * mul;
+}
+
+// Calls f(block_base, p0, last, kh, j) for each block of the context (its rows start at block_base, position p0),
+// each KV head kh, and each query row j that sees part of the block: positions [p0, last).
+template <typename F>
+inline void walk_blocks(const Tile& t, const float* cache, F&& f) {
+  const int64_t nblocks = (t.ctx + t.bs - 1) / t.bs;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx);
+    const float* base = cache + t.table[b] * t.block_stride;
+    for (int64_t kh = 0; kh < t.kvh; ++kh)
+      for (int64_t j = first_row(p0, t); j < t.rows; ++j) f(base, p0, std::min(p1, t.first_pos + j + 1), kh, j);
+  }
+}
+
 template <int NV, int G>
 void attend_fast(const Tile& t) {
   constexpr int64_t D = NV * 16;
-  const int64_t nblocks = (t.ctx + t.bs - 1) / t.bs;
   // Pass 1: scaled scores.
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx);
-    const float* kb = t.k + t.table[b] * t.block_stride;
-    for (int64_t kh = 0; kh < t.kvh; ++kh) {
-      for (int64_t j = first_row(p0, t); j < t.rows; ++j) {
-        v16 q[G][NV];
-        const float* qr = t.q + (j * t.h + kh * G) * D;
-        for (int g = 0; g < G; ++g)
-          for (int i = 0; i < NV; ++i) q[g][i] = *reinterpret_cast<const v16*>(qr + g * D + i * 16) * t.scale;
-        float* s = t.scores + (j * t.h + kh * G) * t.ctx;
-        const int64_t last = std::min(p1, t.first_pos + j + 1);
-        for (int64_t p = p0; p < last; ++p) {
-          const v16* kr = reinterpret_cast<const v16*>(kb + (p - p0) * t.row_stride + kh * D);
-          v16 kv[NV];
-          for (int i = 0; i < NV; ++i) kv[i] = kr[i];
-          for (int g = 0; g < G; ++g) {
-            v16 a = q[g][0] * kv[0];
-            for (int i = 1; i < NV; ++i) a += q[g][i] * kv[i];
-            float sum = 0.f;
-            for (int l = 0; l < 16; ++l) sum += a[l];
-            s[g * t.ctx + p] = sum;
-          }
-        }
+  walk_blocks(t, t.k, [&](const float* kb, int64_t p0, int64_t last, int64_t kh, int64_t j) {
+    v16 q[G][NV];
+    load_heads(q, t.q + (j * t.h + kh * G) * D, t.scale);
+    float* s = t.scores + (j * t.h + kh * G) * t.ctx;
+    for (int64_t p = p0; p < last; ++p) {
+      const v16* kr = reinterpret_cast<const v16*>(kb + (p - p0) * t.row_stride + kh * D);
+      v16 kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = kr[i];
+      for (int g = 0; g < G; ++g) {
+        v16 a = q[g][0] * kv[0];
+        for (int i = 1; i < NV; ++i) a += q[g][i] * kv[i];
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += a[l];
+        s[g * t.ctx + p] = sum;
       }
     }
-  }
+  });
   softmax_rows(t);
   // Pass 2: out = P V, accumulated in registers per (row, KV head) over a block.
   std::fill(t.out, t.out + t.rows * t.h * D, 0.f);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx);
-    const float* vb = t.v + t.table[b] * t.block_stride;
-    for (int64_t kh = 0; kh < t.kvh; ++kh) {
-      for (int64_t j = first_row(p0, t); j < t.rows; ++j) {
-        v16 acc[G][NV];
-        float* orow = t.out + (j * t.h + kh * G) * D;
-        for (int g = 0; g < G; ++g)
-          for (int i = 0; i < NV; ++i) acc[g][i] = *reinterpret_cast<v16*>(orow + g * D + i * 16);
-        const float* s = t.scores + (j * t.h + kh * G) * t.ctx;
-        const int64_t last = std::min(p1, t.first_pos + j + 1);
-        for (int64_t p = p0; p < last; ++p) {
-          const v16* vr = reinterpret_cast<const v16*>(vb + (p - p0) * t.row_stride + kh * D);
-          v16 vv[NV];
-          for (int i = 0; i < NV; ++i) vv[i] = vr[i];
-          for (int g = 0; g < G; ++g) {
-            const float w = s[g * t.ctx + p];
-            for (int i = 0; i < NV; ++i) acc[g][i] += w * vv[i];
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          for (int i = 0; i < NV; ++i) *reinterpret_cast<v16*>(orow + g * D + i * 16) = acc[g][i];
+  walk_blocks(t, t.v, [&](const float* vb, int64_t p0, int64_t last, int64_t kh, int64_t j) {
+    v16 acc[G][NV];
+    float* orow = t.out + (j * t.h + kh * G) * D;
+    load_heads(acc, orow, 1.f);
+    const float* s = t.scores + (j * t.h + kh * G) * t.ctx;
+    for (int64_t p = p0; p < last; ++p) {
+      const v16* vr = reinterpret_cast<const v16*>(vb + (p - p0) * t.row_stride + kh * D);
+      v16 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = vr[i];
+      for (int g = 0; g < G; ++g) {
+        const float w = s[g * t.ctx + p];
+        for (int i = 0; i < NV; ++i) acc[g][i] += w * vv[i];
       }
     }
-  }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < NV; ++i) *reinterpret_cast<v16*>(orow + (g * NV + i) * 16) = acc[g][i];
+  });
 }
 
 void attend_generic(const Tile& t) {
