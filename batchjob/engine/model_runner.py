@@ -15,6 +15,7 @@ from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
+from batchjob.model.cpu_attention import native_op_for
 from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import LoadedModel
@@ -98,11 +99,14 @@ class ModelRunner:
         device = self.device.type
         if device == "cuda":  # kernels (and their reduction orders) are tuned per GPU model
             device += f":{torch.cuda.get_device_name(self.device)}"
+        ops = self.ops_backend
+        if ops == "torch" and native_op_for(self.device, self.dtype, self.kv_dtype) is not None:
+            ops += "+cpp_attention"  # its sums run in another order than SDPA's
         return {
             "device": device,
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
-            "ops_backend": self.ops_backend,
+            "ops_backend": ops,
         }
 
     def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:

@@ -69,3 +69,8 @@ def native_op() -> Callable | None:
                     log.warning("C++ CPU attention unavailable, using the torch path: %s", str(e)[-800:])
                     _state["op"] = None
     return _state["op"]
+
+
+def native_op_for(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> Callable | None:
+    """The op where paged attention with these queries and this KV cache goes to it (fp32 on a CPU), else None."""
+    return native_op() if device.type == "cpu" and dtype == kv_dtype == torch.float32 else None

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
-from batchjob.model.cpu_attention import native_op
+from batchjob.model.cpu_attention import native_op_for
 from batchjob.model.fp8 import FP8_DTYPE, quantize_fp8
 
 # store_kv and paged_attention's plan read device values on the host (masks, lengths): no CUDA graph can hold a step
@@ -153,7 +153,7 @@ def paged_attention(
     block table, in a few batched calls (see _plan). The G query heads that share a KV head are folded into query
     rows, so K/V are never expanded to H heads. An fp32 step on a CPU goes to the C++ op (cpu_attention) where it
     is built: one call for all sequences, reading the blocks in place."""
-    if q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and (op := native_op()) is not None:
+    if (op := native_op_for(q.device, q.dtype, k_cache.dtype)) is not None:
         return op(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
     return torch_paged_attention(q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache)
 
