@@ -309,6 +309,7 @@ def run_hf(wl: Workload, batch_size: int, hf_model) -> Result:
 
 # vLLM-CPU reserves one core for its scheduler by default: on a 2-core machine that halves its model's compute.
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+VLLM_CPU_MEMORY_SHARE = 0.6
 
 
 def load_vllm(engine: Engine, model_path):
@@ -328,6 +329,9 @@ def load_vllm(engine: Engine, model_path):
         enable_prefix_caching=True,
         max_model_len=engine.max_model_len,
         seed=engine.config.seed,
+        # On the CPU backend this is the share of RAM vLLM reserves at start-up; its default 0.92 refuses to start
+        # while this process (our engine) and others hold a few GiB.
+        gpu_memory_utilization=VLLM_CPU_MEMORY_SHARE,
     )
 
 
