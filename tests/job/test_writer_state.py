@@ -57,6 +57,17 @@ def test_parts_commit_after_checkpoint_seconds(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["part-000000.parquet"]
 
 
+def committed_dir(tmp_path, records: list[dict], rows: int) -> OutputDir:
+    """An output folder whose parts, of `rows` records each, hold `records`."""
+    out = OutputDir(tmp_path)
+    out.recover()
+    w = writer(out.data, rows=rows)
+    for r in records:
+        w.add(r)
+    w.flush()
+    return out
+
+
 def test_a_crash_while_writing_leaves_no_part_and_recover_cleans_up(tmp_path, monkeypatch):
     out = OutputDir(tmp_path)
     out.recover()
@@ -139,12 +150,7 @@ def test_staged_sorted_files_replace_the_parts_once_complete(tmp_path):
 
 
 def test_committed_rows_come_from_the_parts(tmp_path):
-    out = OutputDir(tmp_path)
-    out.recover()
-    w = writer(out.data, rows=2)
-    for i in range(5):
-        w.add(record(i, error="bad" if i == 4 else None))
-    w.flush()
+    out = committed_dir(tmp_path, [record(i, error="bad" if i == 4 else None) for i in range(5)], rows=2)
     done = out.committed()
     assert sorted(done.ids.to_pylist()) == [f"r{i}" for i in range(5)] and (done.rows, done.failed) == (5, 1)
     # Which input positions are done, by id (the input's ids are large_string, the parts' string).
@@ -234,12 +240,7 @@ def test_a_truncated_part_is_quarantined_and_status_still_works(tmp_path):
 
 def test_a_rerun_with_another_rows_per_file_leaves_no_stale_sorted_files(tmp_path):
     """Seen: killed after publishing, before _SUCCESS; rerun with another rows_per_file gave 75 rows, 40 unique."""
-    out = OutputDir(tmp_path)
-    out.recover()
-    w = writer(out.data, rows=7)
-    for i in range(40):
-        w.add(record(i))
-    w.flush()
+    out = committed_dir(tmp_path, [record(i) for i in range(40)], rows=7)
     for rows_per_file in (5, 8):
         out.staging.mkdir()
         sort_parts(out.parts(), out.staging, rows_per_file)
@@ -250,12 +251,7 @@ def test_a_rerun_with_another_rows_per_file_leaves_no_stale_sorted_files(tmp_pat
 
 
 def test_a_publish_killed_half_way_finishes_on_recover(tmp_path):
-    out = OutputDir(tmp_path)
-    out.recover()
-    w = writer(out.data, rows=3)
-    for i in range(10):
-        w.add(record(i))
-    w.flush()
+    out = committed_dir(tmp_path, [record(i) for i in range(10)], rows=3)
     out.staging.mkdir()
     sort_parts(out.parts(), out.staging, 4)
     out.stage_complete()
