@@ -113,7 +113,7 @@ class JobRun:
             self.progress.message(f"interrupted: {result.rows} of {scan.total} rows committed; run again to resume")
             return self._write_metrics(result, scan.total, EXIT_SIGNAL[self.stopper.signum])
         if out.read_job() is None:  # no row needed the model (an empty input): the job is recorded all the same
-            self._write_job(fp, scan)
+            self._write_job(fp, scan, None)
         return self._finish(result, scan.total, time.monotonic() - started)
 
     def _generate(self, source: InputSource, scan: Scan, committed: Committed, fp: dict) -> None:
@@ -130,11 +130,11 @@ class JobRun:
 
         def model_known(identity: dict) -> None:
             fp.update(json.loads(json.dumps(identity)))
-            recorded = (out.read_job() or {}).get("fingerprint", {})
+            meta = out.read_job()
             # A job recorded without a model (its input was empty) has no result that a model computed.
-            if recorded.get("model_digest") is not None:
+            if meta and meta["fingerprint"].get("model_digest") is not None:
                 out.check_fingerprint(fp, keys=["model_digest", "model_revision"])
-            self._write_job(fp, scan, self._numerics_change(fp["numerics"]))
+            self._write_job(fp, scan, meta, self._numerics_change(meta, fp["numerics"], committed.rows))
 
         done = committed.done_at(scan.ids)
         rows = (row for row in source.rows() if not done[row.index])
@@ -145,20 +145,16 @@ class JobRun:
             writer.flush()
             self.progress.close()
 
-    def _numerics_change(self, numerics: dict) -> dict | None:
-        """Refuse to add results computed under other numerics than the earlier ones, unless allowed; then the
-        change is what _job.json records."""
-        meta = self.out.read_job()
-        if meta is None or not self.out.committed(with_ids=False).rows:
+    def _numerics_change(self, meta: dict | None, numerics: dict, committed_rows: int) -> dict | None:
+        """Refuse to add results computed under other numerics than the `committed_rows` earlier ones (as `meta`,
+        the _job.json, records them), unless allowed; then the change is what _job.json records."""
+        if meta is None or not committed_rows:
             return None
         earlier = meta["fingerprint"].get("numerics")  # None: written by a batchjob that did not record them
         if earlier == numerics:
             return None
-        differs = ", ".join(
-            f"{k} {(earlier or {}).get(k, 'unrecorded')} -> {v}"
-            for k, v in numerics.items()
-            if (earlier or {}).get(k) != v
-        )
+        was = earlier or {}
+        differs = ", ".join(f"{k} {was.get(k, 'unrecorded')} -> {v}" for k, v in numerics.items() if was.get(k) != v)
         if not self.allow_numerics_change:
             raise StateError(
                 f"{self.out.path} holds results computed under other numerics ({differs}): adding to them would mix "
@@ -168,9 +164,10 @@ class JobRun:
         self.progress.message(f"--allow-numerics-change: adding results computed with {differs}")
         return {"at": now_iso(), "from": earlier, "to": numerics}
 
-    def _write_job(self, fp: dict, scan: Scan, numerics_change: dict | None = None) -> None:
-        """Record the job before its first part is committed, so that every part belongs to a known job."""
-        meta = self.out.read_job() or {"created": now_iso()}
+    def _write_job(self, fp: dict, scan: Scan, meta: dict | None, numerics_change: dict | None = None) -> None:
+        """Record the job before its first part is committed, so that every part belongs to a known job; `meta` is
+        what _job.json held."""
+        meta = dict(meta or {"created": now_iso()})
         if numerics_change:
             meta["numerics_changes"] = [*meta.get("numerics_changes", []), numerics_change]
         self.out.write_job(
