@@ -11,7 +11,9 @@ run cut short still leaves what it measured:
   throughput  engine (Triton ops; CUDA graphs unless the graphs part failed) against engine (torch ops) and HF
               generate at a fixed batch, on a fixed-length and a mixed-length workload, per model shape, with achieved
               FLOP/s and HBM bytes/s against measured peaks;
-  kv_sizing   the KV pool against kv_cache_memory_fraction of device memory, and a step at the largest token budget.
+  host_sync   the engine (Triton ops) stepping with every host synchronisation inside a step raising;
+  kv_sizing   torch's peak memory against kv_cache_memory_fraction of device memory, with CUDA graphs captured up to
+              max_num_seqs and a step at the largest token budget.
 On a CPU the same parts run on tiny shapes in Triton's interpreter (the tiny-llama config)."""
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ EQUALITY = {"cuda": (8, 120, 32, 64, 16, 24), "cpu": (3, 30, 6, 16, 4, 14)}
 # graphs step: (prompts = max_num_seqs, input len, output len), lengths mixed so that batches shrink through sizes
 GRAPHS = {"cuda": (48, 32, 96), "cpu": (3, 6, 4)}
 # seconds per part; 8 minutes on an H200 in all, start-up included
-CAPS = {"kernels": 140, "equality": 60, "throughput": 180, "graphs": 40, "kv_sizing": 30}
+CAPS = {"kernels": 140, "equality": 60, "throughput": 170, "graphs": 40, "host_sync": 15, "kv_sizing": 35}
 
 
 class TimeCap(Exception):
@@ -132,6 +134,7 @@ class Check:
             ("equality", self.equality),
             ("graphs", self.graphs),
             ("throughput", self.throughput),
+            ("host_sync", self.host_sync),
             ("kv_sizing", self.kv_sizing),
         ):
             t0 = time.perf_counter()
@@ -347,10 +350,40 @@ class Check:
                 else None,
             )
 
+    def host_sync(self, deadline: float) -> None:
+        """The Triton engine (eager: a capture waits for the device by design) steps through chunked prefills, mixed
+        steps, decodes and preemption with every host synchronisation inside a step raising (torch's sync debug mode
+        on a GPU; on a CPU the ops that would wait on one)."""
+        from batchjob.bench import synthetic
+
+        n, inp, out, budget, block, blocks = EQUALITY["cpu" if self.small else "cuda"]
+        config = dict(max_num_batched_tokens=budget, num_kv_blocks=blocks, block_size=block, max_num_seqs=n)
+        engine = self._engine(self.models[0], "triton", enforce_eager=True, **config)
+        engine.runner.forbid_host_sync = True
+        wl = synthetic(engine.model_config.vocab_size, n, inp, out, range_ratio=0.65, seed=2)
+        steps = []
+        engine.add_step_callback(steps.append)
+        error = None
+        try:
+            list(engine.stream(wl.requests))
+        except Exception as e:  # the guard's, or torch's on a GPU: recorded with the step count it reached
+            error = f"{type(e).__name__}: {e}"[:300]
+        self.row(
+            "host_sync",
+            f"{self.models[0]} triton steps without a host synchronisation",
+            error is None,
+            steps=len(steps),
+            mixed_steps=sum(bool(s.num_prefill_tokens and s.num_decode_tokens) for s in steps),
+            preemptions=sum(s.num_preemptions for s in steps),
+            error=error,
+        )
+
     def kv_sizing(self, deadline: float) -> None:
-        """On a GPU: weights + KV pool + the activation peak of a step at the largest token budget against
-        kv_cache_memory_fraction x device memory (within 2 % of it), and that step runs without OOM. On a CPU the
-        pool against kv_cache_memory_gb."""
+        """On a GPU, decode through CUDA graphs: what torch's allocator holds at its peak (weights, KV pool,
+        activations, the graphs' pool) against kv_cache_memory_fraction x device memory, within 2 % of it, over a
+        run that takes a step at the largest token budget and captures the largest graph batch (decode batches
+        shrinking from max_num_seqs) without OOM. Each row is written with what was measured, even when the run
+        fails. On a CPU the pool against kv_cache_memory_gb."""
         from batchjob.engine.sampling_params import SamplingParams
 
         model = self.models[0]
@@ -362,32 +395,53 @@ class Check:
             )
             return
         total = torch.cuda.get_device_properties(self.device).total_memory
+        seqs = 256
         for fraction, budget in ((0.5, 8192), (0.9, 16384)):
             self._within(deadline, f"fraction {fraction}")
             _free(self.device)
-            base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            engine = self._engine(
-                model, "triton", kv_cache_memory_fraction=fraction, max_num_batched_tokens=budget, max_num_seqs=256
-            )
-            n = min(budget, engine.max_model_len - 1)
+            engine, figures, ran = None, {}, False
             try:
-                engine.generate([[7] * n], SamplingParams(max_tokens=1, ignore_eos=True))
-                oom = None
+                engine = self._engine(
+                    model, "triton", kv_cache_memory_fraction=fraction, max_num_batched_tokens=budget, max_num_seqs=seqs
+                )
+                m = engine.runner.memory
+                figures |= {
+                    "kv_blocks": engine.num_kv_blocks,
+                    "step_peak_gib": m.step_peak / 2**30,
+                    "graph_pool_gib": m.graph_pool / 2**30,
+                }
+                # prompts that fill the first step's budget to the token (none longer than the model allows, none
+                # sharing a prefix), then decode batches from seqs - 1 rows down, 8 fewer a step
+                longs = -(-budget // (engine.max_model_len - 1))
+                lengths = [budget // longs + (j < budget % longs) for j in range(longs)]
+                prompts = [[7 + j] * n for j, n in enumerate(lengths)] + [[11 + i] * 8 for i in range(seqs - 1)]
+                params = [SamplingParams(max_tokens=1, ignore_eos=True)] * longs + [
+                    SamplingParams(max_tokens=2 + i // 8, ignore_eos=True) for i in range(seqs - 1)
+                ]
+                steps = []
+                engine.add_step_callback(steps.append)
+                engine.generate(prompts, params, use_tqdm=False)
+                figures["largest_step"] = max(s.num_prefill_tokens + s.num_decode_tokens for s in steps)
+                ran = True
             except torch.OutOfMemoryError as e:
-                oom = str(e)[:200]
-            _sync(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - base
-            share = peak / total
-            self.row(
-                "kv_sizing",
-                f"{model} fraction {fraction}, step of {n} tokens",
-                oom is None and abs(share - fraction) <= 0.02,
-                peak_share=share,
-                kv_blocks=engine.num_kv_blocks,
-                oom=oom,
-            )
-            del engine
+                figures["oom"] = str(e)[:200]
+            finally:
+                _sync(self.device)
+                share = torch.cuda.max_memory_reserved(self.device) / total
+                free, _ = torch.cuda.mem_get_info(self.device)
+                graphs = engine.runner.decode_graphs if engine is not None else None
+                captured = sorted(graphs.graphs) if graphs is not None else []
+                self.row(
+                    "kv_sizing",
+                    f"{model} fraction {fraction}, budget {budget}, graphs to {seqs}",
+                    ran and abs(share - fraction) <= 0.02 and seqs in captured and figures["largest_step"] == budget,
+                    peak_share=share,
+                    device_used_share=(total - free) / total,  # the CUDA context and graph executables as well
+                    graph_sizes=len(captured),
+                    **figures,
+                )
+            del engine, graphs
             _free(self.device)
 
 

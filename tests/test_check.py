@@ -22,7 +22,7 @@ def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
     report = json.loads(out.read_text())
     assert result.exit_code == 0, result.output
     assert {p: v["status"] for p, v in report["parts"].items()} == dict.fromkeys(
-        ("kernels", "equality", "throughput", "graphs", "kv_sizing"), "passed"
+        ("kernels", "equality", "throughput", "graphs", "host_sync", "kv_sizing"), "passed"
     )
     rows = report["rows"]
     kernels = {r["check"].split()[0] for r in rows if r["part"] == "kernels"}
@@ -33,6 +33,8 @@ def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
     assert eq["longest_prompt_torch"] > eq["token_budget_torch"]  # prefilled in chunks
     [graphs] = [r for r in rows if r["part"] == "graphs"]  # the padded decode body against eager steps
     assert graphs["ok"] and graphs["sequences_equal"] == "3/3" and graphs["graphs_decode_tokens_per_s"] > 0
+    [sync] = [r for r in rows if r["part"] == "host_sync"]
+    assert sync["ok"] and sync["error"] is None and sync["mixed_steps"] > 0 and sync["preemptions"] > 0
     systems = {r["check"].rsplit(" ", 1)[1] for r in rows if r["part"] == "throughput" and "tiny-llama" in r["check"]}
     assert systems == {"triton", "torch", "hf"}
     assert report["peaks"]["matmul_flops"] > 0 and "decode_hbm_gb_per_s" in report["throughput"]["2x8/2/torch"]
@@ -54,6 +56,7 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch)
     monkeypatch.setattr(Check, "equality", capped)
     monkeypatch.setattr(Check, "throughput", measured)
     monkeypatch.setattr(Check, "graphs", lambda self, deadline: None)
+    monkeypatch.setattr(Check, "host_sync", lambda self, deadline: None)
     monkeypatch.setattr(Check, "kv_sizing", lambda self, deadline: self.row("kv_sizing", "pool", False))
     out = tmp_path / "check.json"
     report = Check("cpu", str(out)).run()
@@ -62,6 +65,7 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch)
         "equality": "capped",
         "throughput": "passed",
         "graphs": "passed",
+        "host_sync": "passed",
         "kv_sizing": "failed",
     }
     saved = json.loads(out.read_text())
@@ -69,3 +73,20 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch)
     assert any(r.get("tokens_per_s") == 12.5 for r in saved["rows"])
     table = format_check(report)
     assert "RuntimeError: no kernel today" in table and table.endswith("NOT ALL PASSED")
+
+
+def test_a_host_synchronisation_inside_a_step_fails_the_host_sync_part(tmp_path, monkeypatch):
+    from batchjob.model.llama import LlamaModel
+
+    logits = LlamaModel.compute_logits
+
+    def reads_a_value(self, hidden):
+        out = logits(self, hidden)
+        out.max().item()  # what a stray `.item()` in a step would do: wait for the device
+        return out
+
+    monkeypatch.setattr(LlamaModel, "compute_logits", reads_a_value)
+    check = Check("cpu", str(tmp_path / "check.json"))
+    check.host_sync(deadline=float("inf"))
+    [row] = check.rows
+    assert row["ok"] is False and row["error"].startswith("HostSync: aten._local_scalar_dense") and row["steps"] == 0

@@ -70,8 +70,7 @@ class DecodeGraphs:
         """Hidden states of the padded step's rows, and the rows that sample (views of the static buffers: read them
         before the next step)."""
         size = padded_size(self.sizes, len(out.scheduled))
-        packed = pack_step(out, self.block_size, replace(self.pad, num_seqs=size), pinned=self.capture)
-        self.static[: packed.host.numel()].copy_(packed.host, non_blocking=self.capture)
+        packed = self._load(out, size)
         if not self.capture:
             self._forward(packed)
         elif size in self.graphs:
@@ -79,6 +78,18 @@ class DecodeGraphs:
         else:
             self._capture(size, packed)
         return self.hidden[:size], packed.sample_rows(self.static)
+
+    @torch.inference_mode()
+    def run_padding(self) -> None:
+        """The body of the largest size's graph, every row padding: what its capture allocates (the model runner
+        measures it on a scratch cache before sizing the KV pool, memory_profile.py)."""
+        self._forward(self._load(SchedulerOutput(), self.sizes[-1]))
+
+    def _load(self, out: SchedulerOutput, size: int) -> PackedStep:
+        """The step padded to `size` rows, copied into the static buffer."""
+        packed = pack_step(out, self.block_size, replace(self.pad, num_seqs=size), pinned=self.capture)
+        self.static[: packed.host.numel()].copy_(packed.host, non_blocking=self.capture)
+        return packed
 
     def _forward(self, packed: PackedStep) -> None:
         """The body a graph captures: static inputs to static hidden states."""

@@ -3,6 +3,7 @@ rows that need a token."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -11,6 +12,8 @@ import torch
 
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
+from batchjob.engine.host_sync import forbid_host_sync
+from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.model.attention_metadata import AttentionMetadata
@@ -78,19 +81,25 @@ class ModelRunner:
         if config.kv_cache_dtype == "fp8":
             per_slot += c.num_key_value_heads * 4  # the fp32 scale of each (slot, head)
         self.kv_bytes_per_token = 2 * c.num_hidden_layers * per_slot
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        graphs = use_cuda_graphs(config, self.device, self.model.ops)
+        self.memory: MemoryProfile | None = None  # what the pool was sized against, on a GPU
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(graphs)
         # One block beyond those the block manager hands out: padded decode rows write and read it (decode_graphs.py).
         self.kv_caches = self._make_caches(self.num_blocks + 1)
-        graphs = use_cuda_graphs(config, self.device, self.model.ops)
         self.decode_graphs: DecodeGraphs | None = self.make_decode_graphs(capture=True) if graphs else None
+        # The self-check's: raise at a host synchronisation inside a step (with enforce_eager: a capture waits).
+        self.forbid_host_sync = False
 
-    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
-        """Padded decode steps over this runner's model and cache: captured as CUDA graphs, or without `capture` run
-        eagerly (how a CPU runs the body a graph captures)."""
+    def make_decode_graphs(
+        self, capture: bool, kv_caches: list[tuple[torch.Tensor, ...]] | None = None
+    ) -> DecodeGraphs:
+        """Padded decode steps over this runner's model and cache (or a scratch one), the cache's last block the
+        padding rows' own: captured as CUDA graphs, or without `capture` run eagerly (how a CPU runs the body a graph
+        captures)."""
+        caches = self.kv_caches if kv_caches is None else kv_caches
         c = self.config
-        return DecodeGraphs(
-            self.model, self.kv_caches, self.block_size, c.max_num_seqs, self.max_model_len, self.num_blocks, capture
-        )
+        pad_block = caches[0][0].shape[0] - 1
+        return DecodeGraphs(self.model, caches, self.block_size, c.max_num_seqs, self.max_model_len, pad_block, capture)
 
     @property
     def numerics(self) -> dict[str, str]:
@@ -128,41 +137,58 @@ class ModelRunner:
         raw = np.zeros((*shape[:-1], shape[-1] * dtype.itemsize), dtype=np.uint8)
         return torch.from_numpy(raw).view(dtype)
 
-    def _blocks_from_memory(self) -> int:
+    def _blocks_from_memory(self, graphs: bool) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
         if self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+            self.memory = self._measure_cuda_memory(graphs)
+            budget = self.memory.kv_budget(self.config.kv_cache_memory_fraction)
         else:
             budget = (self.config.kv_cache_memory_gb or DEFAULT_CPU_KV_GB) * 2**30
         return max(1, int(budget // block_bytes))
 
-    def _cuda_kv_budget(self) -> float:
-        """What is left of kv_cache_memory_fraction of the GPU after the weights and a measured activation peak
-        (a forward pass over a full token budget, with a scratch cache)."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n, bs = self.config.max_num_batched_tokens, self.block_size
-        blocks = -(-n // bs)
-        probe = self._make_caches(blocks)
-        meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), self.device)
-        with torch.inference_mode():
-            self.model.compute_logits(
-                self.model.forward(
-                    torch.zeros(n, dtype=torch.long, device=self.device),
-                    torch.arange(n, device=self.device),
-                    meta,
-                    probe,
-                )
-            )
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del probe
+    def _measure_cuda_memory(self, graphs: bool) -> MemoryProfile:
+        """The largest step, and with `graphs` the padded body of the largest graph batch, run on a scratch cache
+        (memory_profile.py says why both)."""
+        probe = self.make_scratch_caches()
+        probe_bytes = sum(t.nbytes for layer in probe for t in layer)
+        _, step_peak = reserved_peak(self.device, lambda: self.probe_step(probe))
+        graph_pool = 0
+        if graphs:
+            # its eager run also takes its temporaries from the pool every step shares
+            before, peak = reserved_peak(self.device, lambda: self.make_decode_graphs(False, probe).run_padding())
+            graph_pool, step_peak = peak - before, max(step_peak, peak)
+        probe.clear()  # the scratch cache's memory back before the pool is allocated
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return total * self.config.kv_cache_memory_fraction - peak
+        return MemoryProfile(total, step_peak - probe_bytes, graph_pool)
+
+    def make_scratch_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """A cache for probe_step, plus the block padded decode rows use."""
+        return self._make_caches(-(-self.config.max_num_batched_tokens // self.block_size) + 1)
+
+    @torch.inference_mode()
+    def probe_step(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """The largest step a KV pool sized now must leave room for, on a scratch cache (make_scratch_caches): a
+        prefill over the full token budget, and the logits of as many of its rows as a step samples at most
+        (max_num_seqs, as execute computes them)."""
+        n = self.config.max_num_batched_tokens
+        blocks = -(-n // self.block_size)
+        meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), self.device)
+        positions = torch.arange(n, device=self.device)
+        hidden = self.model.forward(torch.zeros_like(positions), positions, meta, kv_caches)
+        return self.model.compute_logits(hidden[: self.config.max_num_seqs])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order."""
+        with forbid_host_sync(self.device) if self.forbid_host_sync else contextlib.nullcontext():
+            logits = self._forward_step(out)
+        # the step's one host synchronisation: the logits the sampler reads
+        return logits.cpu()
+
+    def _forward_step(self, out: SchedulerOutput) -> torch.Tensor:
+        """The step on the device, where with the Triton ops the host never waits for it (forbid_host_sync):
+        float32 logits of the rows that need a token, in scheduled order."""
         if self.decode_graphs is not None and self.decode_graphs.fits(out):
             hidden, rows = self.decode_graphs.run(out)
         else:
@@ -170,6 +196,5 @@ class ModelRunner:
             hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
             rows = step.sample_rows
         if not rows.shape[0]:
-            return torch.empty(0, self.model.config.vocab_size)
-        # the step's one host synchronisation: the logits the sampler reads
-        return self.model.compute_logits(hidden[rows]).cpu()
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden[rows])
