@@ -402,8 +402,9 @@ def report(folder, output_dir) -> None:
 @click.option("--load-format", default="dummy", show_default=True, type=click.Choice(["auto", "dummy"]))
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write every figure as JSON")
 def selftest(device, load_format, json_path) -> None:
-    """The device check: Triton kernels against torch, Triton-vs-torch greedy equality of the engine, throughput
-    against torch ops and HF generate with a roofline, and KV pool sizing; each part guarded and time-capped.
+    """The device check: Triton kernels against torch, Triton-vs-torch greedy equality of the engine, decode
+    through CUDA graphs against eager, throughput against torch ops and HF generate with a roofline, steps without a
+    host synchronisation, and KV pool sizing with graphs captured; each part guarded and time-capped.
     `--device cpu` runs the same parts on tiny shapes in Triton's interpreter. Exit code 1 unless all passed."""
     import sys
 

@@ -3,6 +3,8 @@
 #   scripts/device_check.sh --fetch-wheels   here, with network: the packages the device image lacks, into .whl/
 #   scripts/device_check.sh                  on the device (the `run` tool, carry [".whl"], timeout_s 600):
 #                                            writes env.txt, check.txt and check.json under $OUT
+#   DEVICE=cpu scripts/device_check.sh       the same run on tiny shapes in Triton's interpreter (a dry run of
+#                                            the script here; about a minute on 2 cores)
 # The check itself is `batchjob selftest --device cuda` (batchjob/check.py): dummy weights, every part time-capped
 # (8 minutes in all), its JSON rewritten after each part, so a run cut short still returns what it measured.
 set -uo pipefail
@@ -33,7 +35,8 @@ fi
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
   python3 -c "import pydantic; print('pydantic', pydantic.VERSION)"
 } >"$OUT/env.txt" 2>&1
-timeout 540 python3 -m batchjob.cli selftest --device cuda --json "$OUT/check.json" 2>&1 | tee "$OUT/check.txt"
+timeout 540 python3 -m batchjob.cli selftest --device "${DEVICE:-cuda}" --json "$OUT/check.json" 2>&1 |
+  tee "$OUT/check.txt"
 rc=${PIPESTATUS[0]}
 echo "exit code $rc" | tee -a "$OUT/check.txt"
 exit "$rc"
