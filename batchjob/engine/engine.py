@@ -10,7 +10,7 @@ from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import PROFILES, EngineConfig
 from batchjob.engine.model_runner import ModelRunner, pick_device, pick_dtype
 from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, StepMetrics
-from batchjob.engine.sampler import Sampler
+from batchjob.engine.sampler import Sampler, takes_argmax
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import Scheduler
 from batchjob.engine.sequence import Sequence, SequenceStatus
@@ -212,11 +212,15 @@ class Engine:
         sched = self.scheduler.schedule()
         finished = []
         if sched.scheduled:
-            logits = self.runner.execute(sched)
+            argmax = all(takes_argmax(seq) for seq, _ in sched.scheduled)
+            result = self.runner.execute(sched, argmax=argmax)  # the rows' tokens with `argmax`, else their logits
             seqs, rows = self._fork(self.scheduler.advance(sched))
-            if len(rows) > logits.shape[0]:  # new samples draw their first token from their root's row
-                logits = logits[rows]
-            tokens, logprobs = self.sampler(logits, seqs, self.structured.apply) if seqs else ([], [])
+            if len(rows) > result.shape[0]:  # new samples draw their first token from their root's row
+                result = result[rows]
+            if argmax:
+                tokens, logprobs = result.tolist(), [None] * len(seqs)
+            else:
+                tokens, logprobs = self.sampler(result, seqs, self.structured.apply) if seqs else ([], [])
             self.structured.accept(seqs, tokens)
             now = time.time()
             for seq, token, logprob in zip(seqs, tokens, logprobs):

@@ -179,12 +179,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[: self.config.max_num_seqs])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order."""
+    def execute(self, out: SchedulerOutput, argmax: bool = False) -> torch.Tensor:
+        """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order, or with
+        `argmax` (every row greedy and plain, sampler.takes_argmax) their tokens, taken on the device, so that the
+        host reads one id a row instead of a vocabulary of logits."""
         with forbid_host_sync(self.device) if self.forbid_host_sync else contextlib.nullcontext():
             logits = self._forward_step(out)
-        # the step's one host synchronisation: the logits the sampler reads
-        return logits.cpu()
+            result = logits.argmax(-1) if argmax else logits
+        # the step's one host synchronisation: the tokens, or the logits the sampler reads
+        return result.cpu()
 
     def _forward_step(self, out: SchedulerOutput) -> torch.Tensor:
         """The step on the device, where with the Triton ops the host never waits for it (forbid_host_sync):

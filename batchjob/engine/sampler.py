@@ -34,6 +34,17 @@ def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
+def _unbiased(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias
+
+
+def takes_argmax(seq: Sequence) -> bool:
+    """A row whose token is its raw logits' argmax and nothing else of them is read: greedy, no bias or penalty, no
+    logprobs, no grammar. A step of only such rows is sampled on the device (ModelRunner.execute's `argmax`)."""
+    return seq.params.greedy and _unbiased(seq) and not seq.params.logprobs and seq.matcher is None
+
+
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask out what top-k, top-p and min-p exclude (logits already divided by temperature)."""
     if top_k and top_k < logits.numel():
@@ -67,8 +78,7 @@ class Sampler:
         tokens = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
             p = seq.params
-            plain = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            if plain and not p.logit_bias and p.greedy:
+            if p.greedy and _unbiased(seq):
                 continue
             row = _apply_penalties(logits[i].clone(), seq)
             if p.greedy:

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.outputs import Request
-from batchjob.engine.sampler import Sampler
+from batchjob.engine.sampler import Sampler, takes_argmax
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.sequence import Sequence
 
@@ -102,3 +102,35 @@ def test_non_finite_and_vanishing_temperatures():
         SamplingParams(temperature=float("inf"))
     [seq] = seqs(SamplingParams(temperature=1e-300, top_p=0.5))
     assert seq.params.greedy and Sampler()(torch.tensor([[1.0, 3.0, 2.0]]), [seq])[0] == [1]
+
+
+def test_which_rows_take_the_argmax_on_the_device():
+    plain, hot, logprobs, penalty, bias, constrained = seqs(
+        SamplingParams(),
+        SamplingParams(temperature=0.7),
+        SamplingParams(logprobs=True),
+        SamplingParams(repetition_penalty=1.2),
+        SamplingParams(logit_bias={3: 2.0}),
+        SamplingParams(),
+    )
+    constrained.matcher = object()  # any grammar matcher: the row's logits are masked on the host
+    assert takes_argmax(plain)
+    assert not any(map(takes_argmax, (hot, logprobs, penalty, bias, constrained)))
+
+
+def test_a_greedy_step_reads_tokens_not_logits_and_keeps_the_sampler_s_tokens():
+    """Plain greedy steps take their argmax on the device (the runner returns one id a row); the same prompts with
+    logprobs go through the host sampler: the same tokens, n > 1 samples included."""
+    from batchjob.engine.engine import Engine
+
+    engine = Engine("tiny-llama", load_format="dummy", device="cpu", num_kv_blocks=64, max_model_len=128)
+    seen = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda sched, argmax=False: seen.append(argmax) or execute(sched, argmax)
+    prompts = [[5, 9, 2, 7], [11, 3], [8] * 20]
+    fast = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, n=2), use_tqdm=False)
+    assert seen and all(seen)
+    seen.clear()
+    slow = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, n=2, logprobs=True), use_tqdm=False)
+    assert seen and not any(seen)
+    assert [[s.token_ids for s in o.samples] for o in fast] == [[s.token_ids for s in o.samples] for o in slow]
