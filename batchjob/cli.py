@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from batchjob.engine.errors import DeviceSettingError
 from batchjob.job.estimate import plan_job
 from batchjob.job.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_LOCKED, EXIT_USAGE
 from batchjob.job.lease import LeaseLost
@@ -54,7 +55,7 @@ def _failures() -> Iterator[None]:
         yield
     except (LockHeld, LeaseLost) as e:
         _fail(str(e), EXIT_LOCKED)
-    except (InputError, StateError, JobFileError, ModelNotFoundError) as e:
+    except (InputError, StateError, JobFileError, ModelNotFoundError, DeviceSettingError) as e:
         _fail(str(e), EXIT_USAGE)
     except OSError as e:  # a read-only folder, a full disk, a file that went away
         _fail(f"cannot read or write a file: {e}", EXIT_IO)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -47,6 +48,15 @@ def one_line(result: subprocess.CompletedProcess) -> str:
 def test_a_missing_model_exits_2_in_one_line(tmp_path):
     result = run(job_file(tmp_path, tmp_path / "out", model=str(tmp_path / "no-model")))
     assert result.returncode == EXIT_USAGE and "not found" in one_line(result)
+
+
+def test_a_device_setting_the_host_cannot_meet_exits_2_in_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a host without a CUDA device")
+    result = run(job_file(tmp_path, tmp_path / "out", engine={**ENGINE, "device": "cuda"}))
+    assert result.returncode == EXIT_USAGE and "torch sees no CUDA device" in one_line(result)
 
 
 def test_an_output_folder_that_cannot_be_created_exits_74_in_one_line(tmp_path):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchjob.engine.errors import DeviceSettingError
+
 
 @dataclass(frozen=True)
 class MemoryProfile:
@@ -26,7 +28,7 @@ class MemoryProfile:
         budget = int(self.total * fraction) - self.step_peak - self.graph_pool
         if budget <= 0:
             gib = 2**30
-            raise ValueError(
+            raise DeviceSettingError(
                 f"kv_cache_memory_fraction {fraction} of {self.total / gib:.1f} GiB leaves no room for the KV cache "
                 f"after the weights and the largest step ({self.step_peak / gib:.2f} GiB) and the CUDA graphs' "
                 f"pool ({self.graph_pool / gib:.2f} GiB): raise it, or lower max_num_batched_tokens or max_num_seqs"

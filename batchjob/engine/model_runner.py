@@ -12,6 +12,7 @@ import torch
 
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
+from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.scheduler import SchedulerOutput
@@ -31,7 +32,7 @@ def pick_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for, but torch sees no CUDA device")
+        raise DeviceSettingError("device: cuda was asked for, but torch sees no CUDA device")
     return torch.device(config.device)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from batchjob.engine.engine import Engine
+from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.memory_profile import MemoryProfile
 
 GIB = 2**30
@@ -23,9 +24,10 @@ def test_the_pool_gets_the_fraction_less_the_largest_step_and_the_graphs_pool():
 
 def test_no_room_for_the_pool_is_one_clear_error():
     profile = MemoryProfile(total=80 * GIB, step_peak=6 * GIB, graph_pool=GIB)
-    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction 0.05 of 80.0 GiB leaves no room .* \(6.00 GiB\)"):
+    no_room = r"kv_cache_memory_fraction 0.05 of 80.0 GiB leaves no room .* \(6.00 GiB\)"
+    with pytest.raises(DeviceSettingError, match=no_room):
         profile.kv_budget(0.05)
-    with pytest.raises(ValueError, match="CUDA graphs' pool"):
+    with pytest.raises(DeviceSettingError, match="CUDA graphs' pool"):
         MemoryProfile(total=80 * GIB, step_peak=4 * GIB, graph_pool=GIB).kv_budget(0.0625)
 
 
