@@ -44,9 +44,9 @@ def step(specs):
 
 def run(path, inputs):
     if path == "torch":
-        os.environ["BATCHJOB_CPU_ATTENTION"] = "torch"
+        os.environ["BATCHJOB_CPU_OPS"] = "torch"
     else:
-        os.environ.pop("BATCHJOB_CPU_ATTENTION", None)
+        os.environ.pop("BATCHJOB_CPU_OPS", None)
     ids, pos, meta = inputs
     meta.plan_cache.clear()
     t = time.perf_counter()

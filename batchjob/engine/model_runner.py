@@ -7,19 +7,19 @@ import contextlib
 import importlib
 import os
 
-import numpy as np
 import torch
 
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
+from batchjob.engine.host_memory import lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
-from batchjob.model.cpu_attention import native_op_for
+from batchjob.model.cpu_native import native_ops_for
 from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import LoadedModel
@@ -44,7 +44,8 @@ def pick_ops_backend(config: EngineConfig, device: torch.device) -> str:
 
 
 def load_ops(backend: str) -> OpsBackend:
-    return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.ops")
+    """Triton's kernels, or the torch ops with their C++ forms for float32 on a CPU (model/cpu_ops.py)."""
+    return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.cpu_ops")
 
 
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -110,8 +111,8 @@ class ModelRunner:
         if device == "cuda":  # kernels (and their reduction orders) are tuned per GPU model
             device += f":{torch.cuda.get_device_name(self.device)}"
         ops = self.ops_backend
-        if ops == "torch" and native_op_for(self.device, self.dtype, self.kv_dtype) is not None:
-            ops += "+cpp_attention"  # its sums run in another order than SDPA's
+        if ops == "torch" and native_ops_for(self.device, self.dtype, self.kv_dtype) is not None:
+            ops += "+cpp"  # the C++ kernels sum in other orders than torch's
         return {
             "device": device,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -134,9 +135,7 @@ class ModelRunner:
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
-        # numpy's calloc maps zero pages lazily; torch.zeros writes all of a GiB-sized pool up front.
-        raw = np.zeros((*shape[:-1], shape[-1] * dtype.itemsize), dtype=np.uint8)
-        return torch.from_numpy(raw).view(dtype)
+        return lazy_zeros(shape, dtype)
 
     def _blocks_from_memory(self, graphs: bool) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size

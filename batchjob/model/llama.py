@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache. Numeric ops come from an ops backend
-(backend.OpsBackend: `batchjob.model.ops` in torch, or `batchjob.kernels.ops` in Triton)."""
+(backend.OpsBackend: `batchjob.model.cpu_ops` on a CPU, `batchjob.kernels.ops` in Triton on a GPU)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The model's numeric ops, in torch. The model calls only these, so that the Triton kernels (package `kernels`)
-replace them on a CUDA device behind the same signatures; on a CPU these torch forms run."""
+"""The model's numeric ops, in torch: the reference of the other backends. The model calls only these, so that the
+Triton kernels (package `kernels`) replace them on a CUDA device behind the same signatures, and on a CPU the C++
+kernels of cpu_ops.py where they are built. None of these writes its input activations."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
-from batchjob.model.cpu_attention import native_op_for
 from batchjob.model.fp8 import FP8_DTYPE, quantize_fp8
 
 # store_kv and paged_attention's plan read device values on the host (masks, lengths): no CUDA graph can hold a step
@@ -150,18 +150,8 @@ def paged_attention(
     q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
 ) -> torch.Tensor:
     """Causal attention of the step's query rows q [T, H, D] over each sequence's cached context, read through its
-    block table, in a few batched calls (see _plan). The G query heads that share a KV head are folded into query
-    rows, so K/V are never expanded to H heads. An fp32 step on a CPU goes to the C++ op (cpu_attention) where it
-    is built: one call for all sequences, reading the blocks in place."""
-    if (op := native_op_for(q.device, q.dtype, k_cache.dtype)) is not None:
-        return op(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
-    return torch_paged_attention(q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache)
-
-
-def torch_paged_attention(
-    q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
-) -> torch.Tensor:
-    """paged_attention in torch ops: gathers each call's blocks, then SDPA."""
+    block table, in a few batched calls (see _plan): each call gathers its blocks, then SDPA. The G query heads that
+    share a KV head are folded into query rows, so K/V are never expanded to H heads."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     g = h // kvh

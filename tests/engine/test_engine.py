@@ -11,7 +11,7 @@ import pytest
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.model.cpu_attention import native_op
+from batchjob.model.cpu_native import native_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -178,12 +178,12 @@ def test_fp8_kv_cache_doubles_blocks_and_stays_close(prompts):
 
 def test_numerics_are_recorded_as_resolved(engine):
     """`dtype: auto` means float32 on a CPU: the job fingerprint records what ran, not what was written."""
-    attention = "+cpp_attention" if native_op() else ""  # the C++ op, where it builds (no compiler: torch's)
+    cpp = "+cpp" if native_ops() else ""  # the C++ kernels, where they build (no compiler: torch's)
     assert engine.numerics == {
         "device": "cpu",
         "dtype": "float32",
         "kv_cache_dtype": "float32",
-        "ops_backend": "torch" + attention,
+        "ops_backend": "torch" + cpp,
     }
     fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8)
     assert fp8.numerics["kv_cache_dtype"] == "float8_e4m3fn" and fp8.numerics["dtype"] == "float32"

@@ -1,5 +1,5 @@
 """The torch paged attention against plain causal attention over each sequence's dense K/V (the C++ op is checked
-against the torch path in test_cpu_attention.py)."""
+against the torch path in test_cpu_ops.py)."""
 
 from __future__ import annotations
 
@@ -53,11 +53,11 @@ def test_paged_attention_matches_dense_attention_on_a_mixed_step(seed):
         query_lens, seq_lens, [t + [-1] * (width - len(t)) for t in tables], [0] * sum(query_lens)
     )
     q = torch.randn(sum(query_lens), heads, dim)
-    out = ops.torch_paged_attention(q, k_cache, v_cache, meta, 0.25)
+    out = ops.paged_attention(q, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(out, dense_reference(q, ks, vs, query_lens, 0.25), atol=1e-5, rtol=1e-5)
     [groups] = meta.plan_cache.values()
     assert len(groups) > 2  # the lengths above do not fit in one padded call per kind
-    torch.testing.assert_close(ops.torch_paged_attention(q, k_cache, v_cache, meta, 0.25), out)  # the kept plan
+    torch.testing.assert_close(ops.paged_attention(q, k_cache, v_cache, meta, 0.25), out)  # the kept plan
     dense = dense_reference(q, ks, vs, query_lens, 0.25)
     torch.testing.assert_close(ops.paged_attention(q, k_cache, v_cache, meta, 0.25), dense, atol=1e-5, rtol=1e-5)
 

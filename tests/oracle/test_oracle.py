@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.model import ops
+from batchjob.model import cpu_ops as ops  # what the engine runs on a CPU
 from batchjob.model.llama import LlamaModel
 from tests.conftest import forward_logits
 

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
-from batchjob.model import ops  # noqa: E402
+from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
 from tests.conftest import forward_logits  # noqa: E402

@@ -1,0 +1,26 @@
+"""Host memory for the KV pool on a CPU: zeroed lazily, in small pages.
+
+A GiB-sized pool written up front costs start-up time and commits all of it at once, so it is mapped lazily: a page is
+committed on its first write. numpy's zeros did that, but asks the kernel for transparent huge pages on large arrays,
+and a huge-page fault may stall on memory compaction: on these machines a first pass over a 2 GiB pool took 7-11 s in
+huge-page faults (~5 s, 12 %, of a 64-prompt bench), against 0.8 s in 4 KiB faults. The mapping here declines huge
+pages (MADV_NOHUGEPAGE), so a first write never waits on compaction."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+
+import torch
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages are committed on first write."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux only; elsewhere the OS's default pages
+        with contextlib.suppress(OSError):  # a kernel without THP support: its pages are small already
+            buf.madvise(mmap.MADV_NOHUGEPAGE)
+    # frombuffer holds a reference to the mapping, which so lives as long as the tensor.
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

@@ -1,0 +1,67 @@
+"""The ops backend on a CPU: the torch ops (ops.py), each float32 call sent to its C++ kernel (cpu_native.py) where
+that is built. Unlike the torch reference, rms_norm with a residual and rotary work in place, as vLLM's fused
+add-RMSNorm does: the model never reads their inputs again, and each large tensor a step does not allocate is
+page faults it does not take."""
+
+from __future__ import annotations
+
+import torch
+
+from batchjob.model import ops as torch_ops
+from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.cpu_native import native_ops_for
+
+FP8_DTYPE = torch_ops.FP8_DTYPE
+CAPTURABLE = False  # a CPU has no CUDA graphs
+
+
+def _rows(*ts: torch.Tensor) -> bool:
+    return all(t.dim() == 2 and t.is_contiguous() for t in ts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """ops.rms_norm; with a residual, the sum is written into `residual` and the normed rows into `x`."""
+    native = native_ops_for(x.device, x.dtype, weight.dtype, *([] if residual is None else [residual.dtype]))
+    if native is None or x.dim() != 2 or x.stride(-1) != 1:
+        return torch_ops.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return native.rms_norm(x, weight, eps)
+    if not _rows(x, residual) or x.shape != residual.shape:
+        return torch_ops.rms_norm(x, weight, eps, residual)
+    native.add_rms_norm_(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """ops.rotary, in place on q and k (views of the fused qkv rows) where the C++ kernel takes them."""
+    native = native_ops_for(q.device, q.dtype, k.dtype, cos_sin_cache.dtype)
+    d = q.shape[-1]
+    heads_back_to_back = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == d for t in (q, k))
+    if native is None or not heads_back_to_back or k.shape[-1] != d:
+        return torch_ops.rotary(q, k, positions, cos_sin_cache)
+    native.rotary_(q, k, positions, cos_sin_cache)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    native = native_ops_for(x.device, x.dtype)
+    if native is None or x.dim() != 2 or x.stride(-1) != 1:
+        return torch_ops.silu_and_mul(x)
+    return native.silu_and_mul(x)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
+    native = native_ops_for(k.device, k.dtype, v.dtype, k_cache.dtype)
+    if native is None:  # an fp8 cache, or other dtypes
+        return torch_ops.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache, v_scale_cache)
+    native.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
+) -> torch.Tensor:
+    """ops.paged_attention; float32 goes to the C++ kernel, one call for all sequences, reading blocks in place."""
+    native = native_ops_for(q.device, q.dtype, k_cache.dtype)
+    if native is None:
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache)
+    return native.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)

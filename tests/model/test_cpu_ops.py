@@ -1,0 +1,136 @@
+"""The CPU ops backend (model/cpu_ops.py): its C++ kernels (cpu_native.py) against the torch ops they replace, and
+the fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from batchjob.kernels.testing import make_attention_case
+from batchjob.model import cpu_native, cpu_ops, ops
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the op with")
+
+# (cached prefix, query rows) per sequence
+STEPS = {
+    "decodes": [(p, 1) for p in (0, 1, 15, 16, 17, 200, 511, 90)],
+    "prefills": [(0, 37), (0, 16), (0, 1)],
+    "chunks after a cached prefix": [(33, 40), (16, 16), (100, 3)],
+    "mixed": [(300, 1), (0, 70), (48, 17), (5, 1), (0, 1), (129, 33)],
+}
+
+
+def torch_reference(case):
+    """The torch path on caches whose never-written slots (NaN) are zeroed: it reads whole padded blocks."""
+    k, v = torch.nan_to_num(case.k_cache), torch.nan_to_num(case.v_cache)
+    return ops.paged_attention(case.q, k, v, case.meta, case.scale)
+
+
+@needs_compiler
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 5), (4, 4, 32, 1)]
+)
+def test_native_op_matches_the_torch_path(step, heads, kv_heads, head_dim, page):
+    """SmolLM2's GQA shape, a Llama-3 one (head_dim 128, 4 query heads per KV head), shapes that take the generic
+    loops; unwritten slots hold NaN, so any read outside a sequence's context shows."""
+    case = make_attention_case(STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page)
+    assert cpu_native.native_ops() is not None
+    out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert not case.meta.plan_cache  # the native op ran, not the torch path's plan
+    torch.testing.assert_close(out, torch_reference(case), atol=2e-5, rtol=2e-5)
+
+
+def test_env_var_forces_the_torch_path(monkeypatch):
+    monkeypatch.setenv(cpu_native.ENV, "torch")
+    assert cpu_native.native_ops() is None
+    case = make_attention_case(STEPS["mixed"], heads=9, kv_heads=3, head_dim=64, page=16)
+    out = cpu_ops.paged_attention(
+        case.q, torch.nan_to_num(case.k_cache), torch.nan_to_num(case.v_cache), case.meta, case.scale
+    )
+    assert case.meta.plan_cache  # the torch path planned its calls
+    torch.testing.assert_close(out, torch_reference(case))
+
+
+def test_a_failed_build_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "paged_attention.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_native, "SOURCES", [broken])
+    monkeypatch.setattr(cpu_native, "_state", {})
+    with caplog.at_level(logging.WARNING):
+        assert cpu_native.native_ops() is None
+    assert "using the torch ops" in caplog.text
+    case = make_attention_case(STEPS["decodes"], heads=9, kv_heads=3, head_dim=64, page=16)
+    out = cpu_ops.paged_attention(
+        case.q, torch.nan_to_num(case.k_cache), torch.nan_to_num(case.v_cache), case.meta, case.scale
+    )
+    torch.testing.assert_close(out, torch_reference(case))
+
+
+def _rows(n, width, seed):
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_fused_rms_norm_matches_the_torch_op_in_place(rows):
+    """With a residual the C++ kernel writes the sum into `residual` and the normed rows into `x`."""
+    x, res, w = _rows(rows, 576, 1), _rows(rows, 576, 2), 1 + 0.1 * _rows(1, 576, 3)[0]
+    ref_out, ref_res = ops.rms_norm(x, w, 1e-5, res)
+    x2, res2 = x.clone(), res.clone()
+    out, new_res = cpu_ops.rms_norm(x2, w, 1e-5, res2)
+    assert out.data_ptr() == x2.data_ptr() and new_res.data_ptr() == res2.data_ptr()
+    torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)  # the sum, exactly
+    torch.testing.assert_close(out, ref_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+def test_fused_rotary_matches_the_torch_op_on_qkv_views(heads, kv_heads, head_dim):
+    t = 45
+    qkv = _rows(t, (heads + 2 * kv_heads) * head_dim, 4)
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    cos_sin = _rows(300, head_dim, 5)
+    positions = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(6))
+    ref_q, ref_k = ops.rotary(q, k, positions, cos_sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    out_q, out_k = cpu_ops.rotary(q, k, positions, cos_sin)
+    torch.testing.assert_close(out_q, ref_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out_k, ref_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # V untouched
+
+
+@needs_compiler
+def test_rotary_refuses_a_position_outside_the_cache():
+    q, k = _rows(2, 64, 7).view(2, 1, 64), _rows(2, 64, 8).view(2, 1, 64)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_ops.rotary(q, k, torch.tensor([0, 10]), _rows(10, 64, 9))
+
+
+@needs_compiler
+def test_fused_silu_and_mul_matches_the_torch_op():
+    x = _rows(70, 2 * 1536, 10) * 4
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), ops.silu_and_mul(x), rtol=2e-6, atol=2e-6)
+
+
+@needs_compiler
+def test_store_kv_writes_the_rows_at_their_slots_and_skips_negative_ones():
+    t, kvh, d, blocks, bs = 20, 3, 64, 6, 16
+    qkv = _rows(t, 5 * kvh * d, 11)  # K and V as strided views of a fused row, as the model passes them
+    k = qkv[:, kvh * d : 2 * kvh * d].view(t, kvh, d)
+    v = qkv[:, 2 * kvh * d : 3 * kvh * d].view(t, kvh, d)
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(12))[:t]
+    slots[3] = -1
+    caches = [torch.zeros(blocks, bs, kvh, d) for _ in range(4)]
+    ops.store_kv(k, v, caches[0], caches[1], slots)
+    cpu_ops.store_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ops.store_kv(k, v, caches[2], caches[3], torch.full((t,), blocks * bs))
