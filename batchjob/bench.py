@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchjob.engine.block_manager import KVPoolExhausted
 from batchjob.engine.engine import Engine
@@ -391,26 +390,27 @@ def peer_status() -> dict[str, str | None]:
 
 
 def matmul_flops(engine: Engine, rows: int, reps: int = 5) -> float:
-    """The machine's measured fp32 matmul FLOP/s at the model's weight shapes for `rows` tokens."""
+    """The machine's measured fp32 matmul FLOP/s at the model's weight shapes for `rows` tokens, through the model's
+    own matmuls (packed for the CPU's GEMM where they are): the best this machine does at those shapes."""
     model = engine.runner.model
-    weights = model.linear_weights(0)
-    xs = [torch.randn(rows, w.shape[1], dtype=model.dtype, device=engine.runner.device) for w in weights]
-    for x, w in zip(xs, weights):
-        F.linear(x, w)
+    linears = model.linears(0)
+    xs = [torch.randn(rows, lin.shape[1], dtype=model.dtype, device=engine.runner.device) for lin in linears]
+    for x, lin in zip(xs, linears):
+        lin(x)
     t0 = time.perf_counter()
     for _ in range(reps):
-        for x, w in zip(xs, weights):
-            F.linear(x, w)
+        for x, lin in zip(xs, linears):
+            lin(x)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
-    flops = 2 * rows * sum(w.numel() for w in weights) * reps
+    flops = 2 * rows * sum(lin.shape.numel() for lin in linears) * reps
     return flops / (time.perf_counter() - t0)
 
 
 def model_flops_per_token(engine: Engine) -> int:
     """Matmul FLOPs of one token through the decoder layers (the logits rows are few and left out)."""
     m = engine.runner.model
-    return 2 * sum(w.numel() for i in range(len(m.layers)) for w in m.linear_weights(i))
+    return 2 * sum(lin.shape.numel() for i in range(len(m.layers)) for lin in m.linears(i))
 
 
 def roofline(engine: Engine, result: Result) -> dict:

@@ -288,13 +288,7 @@ class Check:
             out["prefill_tflops"] = per_token * r.prefill_tokens / r.prefill_time / 1e12
         if r.decode_time and r.decode_steps:
             m = engine.runner.model
-            weight_bytes = (
-                sum(
-                    sum(t.numel() * t.element_size() for k, t in layer.items() if t is not None and k != "qkv_bias")
-                    for layer in m.layers
-                )
-                + m.lm_head.numel() * m.lm_head.element_size()
-            )
+            weight_bytes = m.weight_bytes()
             ctx = r.prompt_tokens / r.num_requests + r.output_tokens / r.num_requests / 2
             kv = r.decode_tokens * ctx * engine.kv_bytes_per_token
             out["decode_tflops"] = per_token * r.decode_tokens / r.decode_time / 1e12

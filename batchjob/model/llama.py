@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig
+from batchjob.model.linear import Linear
 
 
 class LlamaModel:
-    """Weights fused for fewer, larger matmuls: q/k/v in one, gate/up in one."""
+    """Weights fused for fewer, larger matmuls: q/k/v in one, gate/up in one; each matmul a Linear (packed for the
+    CPU's GEMM where it can be)."""
 
     def __init__(
         self,
@@ -27,29 +29,24 @@ class LlamaModel:
         w = {k: v.to(device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if c.tie_word_embeddings else w["lm_head.weight"]
+        tied = c.tie_word_embeddings
+        self.lm_head = Linear(self.embed if tied else w["lm_head.weight"], keep_weight=tied)
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+            qkv = [w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
             bias = [w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"] if c.attention_bias else None
+            gate_up = [w.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            mlp_bias = [w[p + f"mlp.{n}_proj.bias"] for n in ("gate", "up")] if p + "mlp.gate_proj.bias" in w else None
             self.layers.append(
                 {
                     "input_norm": w[p + "input_layernorm.weight"],
                     "post_norm": w[p + "post_attention_layernorm.weight"],
-                    "qkv": torch.cat(qkv),
-                    "qkv_bias": torch.cat(bias) if bias else None,
-                    "o": w[p + "self_attn.o_proj.weight"],
-                    "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                    "down": w[p + "mlp.down_proj.weight"],
+                    "qkv": Linear(torch.cat(qkv), torch.cat(bias) if bias else None),
                     # Llama's attention_bias also biases o_proj, and its mlp_bias all three MLP projections.
-                    "o_bias": w.get(p + "self_attn.o_proj.bias"),
-                    "down_bias": w.get(p + "mlp.down_proj.bias"),
-                    "gate_up_bias": (
-                        torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
-                        if p + "mlp.gate_proj.bias" in w
-                        else None
-                    ),
+                    "o": Linear(w.pop(p + "self_attn.o_proj.weight"), w.get(p + "self_attn.o_proj.bias")),
+                    "gate_up": Linear(torch.cat(gate_up), torch.cat(mlp_bias) if mlp_bias else None),
+                    "down": Linear(w.pop(p + "mlp.down_proj.weight"), w.get(p + "mlp.down_proj.bias")),
                 }
             )
         self.q_size = c.num_attention_heads * c.head_dim
@@ -57,10 +54,15 @@ class LlamaModel:
         self.scale = c.head_dim**-0.5
         self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs).to(device)
 
-    def linear_weights(self, layer: int) -> list[torch.Tensor]:
-        """The decoder layer's matmul weights (fused qkv, o, fused gate_up, down), for FLOP counts."""
+    def linears(self, layer: int) -> list[Linear]:
+        """The decoder layer's matmuls (fused qkv, o, fused gate_up, down)."""
         w = self.layers[layer]
         return [w["qkv"], w["o"], w["gate_up"], w["down"]]
+
+    def weight_bytes(self) -> int:
+        """What a decode step reads of the weights: every layer's matmuls and norms, and the LM head."""
+        norms = sum(t.numel() * t.element_size() for w in self.layers for t in (w["input_norm"], w["post_norm"]))
+        return sum(lin.nbytes for i in range(len(self.layers)) for lin in self.linears(i)) + norms + self.lm_head.nbytes
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,7 +84,7 @@ class LlamaModel:
                 x, residual = ops.rms_norm(h, layer["input_norm"], c.rms_norm_eps), h
             else:
                 x, residual = ops.rms_norm(h, layer["input_norm"], c.rms_norm_eps, residual)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, c.num_attention_heads, c.head_dim)
             k = k.view(-1, c.num_key_value_heads, c.head_dim)
@@ -91,15 +93,11 @@ class LlamaModel:
             k_cache, v_cache, *scales = cache
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, *scales)
-            h = F.linear(attn.view(-1, self.q_size), layer["o"], layer["o_bias"])
+            h = layer["o"](attn.view(-1, self.q_size))
             x, residual = ops.rms_norm(h, layer["post_norm"], c.rms_norm_eps, residual)
-            h = F.linear(
-                ops.silu_and_mul(F.linear(x, layer["gate_up"], layer["gate_up_bias"])),
-                layer["down"],
-                layer["down_bias"],
-            )
+            h = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
         out, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
