@@ -1,7 +1,12 @@
-"""Usage: python scripts/cpu_attention_ab.py [prof]   (env: REPS, DECODE_SEQS)
+"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run]   (env: REPS, DECODE_SEQS, ROUNDS, N)
 
-Per-step A/B of the model forward: torch attention path vs the C++ op, on the real model and KV pool, interleaved
-in one process; then a torch-profiler table per path and phase."""
+A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
+- steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
+  ops (BATCHJOB_CPU_OPS=torch) against the C++ kernels; `prof` adds a torch-profiler table per path and phase.
+- gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for MKL's GEMM
+  (model/linear.py), at 8 to 2,048 rows.
+- run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
+  kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round."""
 
 import os
 import random
@@ -10,79 +15,142 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from batchjob.engine.engine import Engine
+import batchjob.model.linear as linear
+from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.model.attention_metadata import AttentionMetadata
 
-engine = Engine("smollm2-135m-instruct")
-runner = engine.runner
-model, caches, bs = runner.model, runner.kv_caches, runner.block_size
-print("KV pool blocks:", runner.num_blocks, "block size", bs, flush=True)
+MODE = sys.argv[1] if len(sys.argv) > 1 else "steps"
 rng = random.Random(0)
 
 
-def step(specs):
-    """specs: (cached context, query rows) per sequence, blocks drawn at random from the pool."""
-    free = list(range(runner.num_blocks))
-    rng.shuffle(free)
-    ids, pos, slots, ql, sl, tables = [], [], [], [], [], []
-    for ctx, n in specs:
-        L = ctx + n
-        t = [free.pop() for _ in range(-(-L // bs))]
-        tables.append(t)
-        ql.append(n)
-        sl.append(L)
-        for p in range(ctx, L):
-            ids.append(rng.randrange(1000, 40000))
-            pos.append(p)
-            slots.append(t[p // bs] * bs + p % bs)
-    w = max(map(len, tables))
-    meta = AttentionMetadata.build(ql, sl, [t + [-1] * (w - len(t)) for t in tables], slots)
-    return torch.tensor(ids), torch.tensor(pos), meta
+def set_ops(path: str) -> None:
+    os.environ["BATCHJOB_CPU_OPS"] = "torch" if path == "torch" else ""
 
 
-def run(path, inputs):
-    if path == "torch":
-        os.environ["BATCHJOB_CPU_OPS"] = "torch"
-    else:
-        os.environ.pop("BATCHJOB_CPU_OPS", None)
-    ids, pos, meta = inputs
-    meta.plan_cache.clear()
-    t = time.perf_counter()
-    with torch.inference_mode():
-        model.compute_logits(model.forward(ids, pos, meta, caches))
-    return time.perf_counter() - t
+def steps_ab() -> None:
+    engine = Engine("smollm2-135m-instruct")
+    runner = engine.runner
+    model, caches, bs = runner.model, runner.kv_caches, runner.block_size
 
+    def step(specs):
+        """specs: (cached context, query rows) per sequence, blocks drawn at random from the pool."""
+        free = list(range(runner.num_blocks))
+        rng.shuffle(free)
+        ids, pos, slots, ql, sl, tables = [], [], [], [], [], []
+        for ctx, n in specs:
+            length = ctx + n
+            t = [free.pop() for _ in range(-(-length // bs))]
+            tables.append(t)
+            ql.append(n)
+            sl.append(length)
+            for p in range(ctx, length):
+                ids.append(rng.randrange(1000, 40000))
+                pos.append(p)
+                slots.append(t[p // bs] * bs + p % bs)
+        w = max(map(len, tables))
+        meta = AttentionMetadata.build(ql, sl, [t + [-1] * (w - len(t)) for t in tables], slots)
+        return torch.tensor(ids), torch.tensor(pos), meta
 
-n_dec = int(os.environ.get("DECODE_SEQS", "100"))
-phases = {
-    f"decode {n_dec} seqs, context 300-500": step([(rng.randint(300, 500), 1) for _ in range(n_dec)]),
-    "prefill 8 x 256": step([(0, 256)] * 8),
-    "mixed: 2 prefill chunks of 256 after 256 cached + 60 decodes (ctx 200-600)": step(
-        [(256, 256)] * 2 + [(rng.randint(200, 600), 1) for _ in range(60)]
-    ),
-}
-for name, inputs in phases.items():
-    run("native", inputs)
-    run("torch", inputs)  # warm-up
-    ts = {"torch": [], "native": []}
-    for r in range(int(os.environ.get("REPS", "3"))):
-        for path in ("torch", "native") if r % 2 == 0 else ("native", "torch"):
-            ts[path].append(run(path, inputs))
-    a, b = statistics.median(ts["torch"]), statistics.median(ts["native"])
-    tokens = len(inputs[0])
-    print(
-        f"{name}: torch path {a * 1e3:.0f} ms ({tokens / a:.0f} tok/s), "
-        f"C++ op {b * 1e3:.0f} ms ({tokens / b:.0f} tok/s): x{a / b:.2f}  load {os.getloadavg()[0]:.1f}",
-        flush=True,
-    )
-if "prof" in sys.argv:
+    def run(path, inputs):
+        set_ops(path)
+        ids, pos, meta = inputs
+        meta.plan_cache.clear()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.forward(ids, pos, meta, caches)
+        return time.perf_counter() - t
+
+    n_dec = int(os.environ.get("DECODE_SEQS", "100"))
+    phases = {
+        f"decode {n_dec} seqs, context 300-500": step([(rng.randint(300, 500), 1) for _ in range(n_dec)]),
+        "prefill 8 x 256": step([(0, 256)] * 8),
+        "mixed: 2 prefill chunks of 256 after 256 cached + 60 decodes (ctx 200-600)": step(
+            [(256, 256)] * 2 + [(rng.randint(200, 600), 1) for _ in range(60)]
+        ),
+    }
     for name, inputs in phases.items():
-        for path in ("torch", "native"):
-            with profile(activities=[ProfilerActivity.CPU]) as p:
-                run(path, inputs)
-            rows = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)
-            total = sum(e.self_cpu_time_total for e in rows)
-            top = ", ".join(f"{e.key} {100 * e.self_cpu_time_total / total:.1f}%" for e in rows[:7])
-            print(f"[profile] {name} / {path}: {total / 1e3:.0f} ms self CPU: {top}", flush=True)
+        run("native", inputs)
+        run("torch", inputs)  # warm-up
+        ts = {"torch": [], "native": []}
+        for r in range(int(os.environ.get("REPS", "3"))):
+            for path in ("torch", "native") if r % 2 == 0 else ("native", "torch"):
+                ts[path].append(run(path, inputs))
+        a, b = statistics.median(ts["torch"]), statistics.median(ts["native"])
+        tokens = len(inputs[0])
+        print(
+            f"{name}: torch ops {a * 1e3:.0f} ms ({tokens / a:.0f} tok/s), "
+            f"C++ kernels {b * 1e3:.0f} ms ({tokens / b:.0f} tok/s): x{a / b:.2f}  load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+    if MODE == "prof":
+        for name, inputs in phases.items():
+            for path in ("torch", "native"):
+                with profile(activities=[ProfilerActivity.CPU]) as p:
+                    run(path, inputs)
+                rows = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)
+                total = sum(e.self_cpu_time_total for e in rows)
+                top = ", ".join(f"{e.key} {100 * e.self_cpu_time_total / total:.1f}%" for e in rows[:7])
+                print(f"[profile] {name} / {path}: {total / 1e3:.0f} ms self CPU: {top}", flush=True)
+
+
+def gemm_ab() -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
+    weights = [torch.randn(n, k, generator=g) for n, k in shapes]
+    packed = [linear.Linear(w, keep_weight=True) for w in weights]
+    for rows in (8, 32, 64, 128, 256, 512, 2048):
+        xs = [torch.randn(rows, k, generator=g) for _, k in shapes]
+        reps, ta, tb = max(2, 200 // rows), 0.0, 0.0
+        for r in range(6):
+            for which in ("plain", "packed") if r % 2 == 0 else ("packed", "plain"):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for x, w, lin in zip(xs, weights, packed):
+                        F.linear(x, w) if which == "plain" else lin(x)
+                dt = time.perf_counter() - t
+                ta, tb = (ta + dt, tb) if which == "plain" else (ta, tb + dt)
+        flops = sum(2 * rows * n * k for n, k in shapes) * reps * 6
+        print(
+            f"{rows} rows: F.linear {flops / ta / 1e9:.0f} GFLOP/s, packed {flops / tb / 1e9:.0f} GFLOP/s "
+            f"(x{ta / tb:.2f})  load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+
+
+def run_ab() -> None:
+    n = int(os.environ.get("N", "64"))
+    real = linear._packable
+    linear._packable = lambda w: False  # an engine whose matmuls are plain F.linear
+    plain = Engine("smollm2-135m-instruct", enable_prefix_caching=False, kv_cache_memory_gb=1)
+    linear._packable = real
+    packed = Engine("smollm2-135m-instruct", enable_prefix_caching=False, kv_cache_memory_gb=1)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(256)] for _ in range(n)]
+    sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
+    configs = {"torch ops": (plain, "torch"), "C++ kernels": (plain, ""), "C++ kernels + packed GEMM": (packed, "")}
+    first = {}
+    for name, (engine, path) in configs.items():  # warm-up: builds, first touch of each KV pool
+        set_ops(path)
+        first[name] = [o.token_ids for o in engine.generate(prompts[:8], sp, use_tqdm=False)]
+    print("greedy tokens equal to the torch ops':", {k: v == first["torch ops"] for k, v in first.items()})
+    for r in range(int(os.environ.get("ROUNDS", "2"))):
+        for name in list(configs) if r % 2 == 0 else list(reversed(configs)):
+            engine, path = configs[name]
+            set_ops(path)
+            steps = []
+            engine.add_step_callback(steps.append)
+            c0, t0 = time.process_time(), time.perf_counter()
+            engine.generate(prompts, sp, use_tqdm=False)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            engine.remove_step_callback(steps.append)
+            decode = sum(m.step_time for m in steps if not m.num_prefill_tokens)
+            print(
+                f"round {r} {name}: {wall:.1f} s wall ({n * 320 / wall:.0f} tok/s), {cpu:.1f} s CPU, decode-only "
+                f"steps {decode:.1f} s  load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+
+
+{"steps": steps_ab, "prof": steps_ab, "gemm": gemm_ab, "run": run_ab}[MODE]()
