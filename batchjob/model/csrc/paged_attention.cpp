@@ -62,6 +62,30 @@ void softmax_rows(const Tile& t) {
   }
 }
 
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  // older GCC: the same permutation through __builtin_shuffle and an index vector
+typedef int32_t vi16 __attribute__((vector_size(64)));
+#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, vi16{__VA_ARGS__})
+#endif
+
+// Lane l of the result is the sum of the 16 lanes of x[l]: four rounds that each add the two halves of every group
+// of lanes across a pair of vectors (15 two-source permutes and adds in all, against 16 separate lane sums).
+inline v16 lane_sums16(const v16 (&x)[16]) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // groups of 16 -> 8: lanes 0-7 for x[2i], 8-15 for x[2i + 1]
+    a[i] = SHUFFLE16(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE16(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // 8 -> 4
+    b[i] = SHUFFLE16(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE16(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // 4 -> 2
+    c[i] = SHUFFLE16(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUFFLE16(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUFFLE16(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +  // 2 -> 1
+         SHUFFLE16(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 // G heads' rows of NV * 16 floats, back to back at src, times mul, into registers.
 template <int NV, int G>
 inline void load_heads(v16 (&dst)[G][NV], const float* src, float mul) {
@@ -90,6 +114,19 @@ void attend_fast(const Tile& t) {
     v16 q[G][NV];
     load_heads(q, t.q + (j * t.h + kh * G) * D, t.scale);
     float* s = t.scores + (j * t.h + kh * G) * t.ctx;
+    if (last - p0 == 16) {  // a whole block of 16 keys: 16 dot products reduced together, no per-score lane sum
+      for (int g = 0; g < G; ++g) {
+        v16 dots[16];
+        for (int64_t p = 0; p < 16; ++p) {
+          const v16* kr = reinterpret_cast<const v16*>(kb + p * t.row_stride + kh * D);
+          v16 a = q[g][0] * kr[0];
+          for (int i = 1; i < NV; ++i) a += q[g][i] * kr[i];
+          dots[p] = a;
+        }
+        *reinterpret_cast<v16*>(s + g * t.ctx + p0) = lane_sums16(dots);
+      }
+      return;
+    }
     for (int64_t p = p0; p < last; ++p) {
       const v16* kr = reinterpret_cast<const v16*>(kb + (p - p0) * t.row_stride + kh * D);
       v16 kv[NV];
