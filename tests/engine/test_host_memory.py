@@ -1,0 +1,35 @@
+"""The CPU KV pool's memory (engine/host_memory.py): zeroed, writable, committed only as written."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchjob.engine.host_memory import lazy_zeros
+
+
+def test_lazy_zeros_is_a_zeroed_writable_tensor_of_the_shape():
+    t = lazy_zeros((3, 16, 2, 8), torch.float32)
+    assert t.shape == (3, 16, 2, 8) and t.dtype == torch.float32 and t.is_contiguous()
+    assert not t.any()
+    t[1, 2] = 7.0
+    assert t.sum() == 7.0 * 16
+    assert lazy_zeros((2, 4), torch.float8_e4m3fn).view(torch.uint8).sum() == 0
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from Linux's /proc")
+def test_pages_are_committed_on_first_write_only():
+    before = _resident_bytes()
+    t = lazy_zeros((1024, 1024, 256), torch.float32)  # 1 GiB mapped
+    t[0, 0, 0] = 1.0
+    t[-1, -1, -1] = 1.0
+    assert _resident_bytes() - before < 64 * 2**20  # two pages written, not a GiB
+    t[:128].fill_(1.0)  # 128 MiB written: committed now
+    assert _resident_bytes() - before > 100 * 2**20

@@ -1,0 +1,44 @@
+"""Packed matmuls (model/linear.py) against F.linear, at the row counts steps take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchjob.model.linear import Linear
+
+packing = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packing needs torch's MKL")
+
+
+def _tensor(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@packing
+@pytest.mark.parametrize("rows", [0, 1, 3, 17, 64, 300, 2048])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matmul_matches_f_linear(rows, bias):
+    w, b = _tensor(960, 576, seed=1), _tensor(960, seed=2) if bias else None
+    lin = Linear(w.clone(), None if b is None else b.clone())
+    assert lin.packed is not None
+    x = _tensor(rows, 576, seed=3)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert lin(x.view(1, rows, 576)).shape == (1, rows, 960)  # leading dims kept
+
+
+@packing
+def test_the_unpacked_weight_is_let_go_unless_kept():
+    w = _tensor(64, 32, seed=4)
+    dropped, kept = Linear(w.clone()), Linear(w, keep_weight=True)
+    assert dropped.weight.stride() == (0, 0) and dropped.shape == w.shape  # a stand-in with W's shape only
+    assert kept.weight.data_ptr() == w.data_ptr()
+    assert dropped.nbytes == kept.nbytes == w.numel() * 4
+
+
+def test_other_dtypes_take_f_linear():
+    w = _tensor(16, 8, seed=5).to(torch.bfloat16)
+    lin = Linear(w)
+    x = _tensor(4, 8, seed=6).to(torch.bfloat16)
+    assert lin.packed is None
+    assert torch.equal(lin(x), F.linear(x, w))
