@@ -8,14 +8,11 @@ import torch.nn.functional as F
 
 from batchjob.model.linear import Linear
 
-packing = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packing needs torch's MKL")
-
 
 def _tensor(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@packing
 @pytest.mark.parametrize("rows", [0, 1, 3, 17, 64, 300, 2048])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matmul_matches_f_linear(rows, bias):
@@ -27,7 +24,6 @@ def test_packed_matmul_matches_f_linear(rows, bias):
     assert lin(x.view(1, rows, 576)).shape == (1, rows, 960)  # leading dims kept
 
 
-@packing
 def test_the_unpacked_weight_is_let_go_unless_kept():
     w = _tensor(64, 32, seed=4)
     dropped, kept = Linear(w.clone()), Linear(w, keep_weight=True)
