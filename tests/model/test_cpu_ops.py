@@ -20,6 +20,7 @@ STEPS = {
     "prefills": [(0, 37), (0, 16), (0, 1)],
     "chunks after a cached prefix": [(33, 40), (16, 16), (100, 3)],
     "mixed": [(300, 1), (0, 70), (48, 17), (5, 1), (0, 1), (129, 33)],
+    "long prefill chunks": [(0, 300), (517, 250), (3, 1)],  # many 16-row tiles of the register-blocked path
 }
 
 
