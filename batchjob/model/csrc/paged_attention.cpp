@@ -101,6 +101,10 @@ inline void walk_blocks(const Tile& t, const float* cache, F&& f) {
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx);
     const float* base = cache + t.table[b] * t.block_stride;
+    if (b + 1 < nblocks) {  // the next block lies elsewhere in the pool: no hardware prefetcher sees it coming
+      const float* next = cache + t.table[b + 1] * t.block_stride;
+      for (int64_t i = 0; i < t.block_stride; i += 16) __builtin_prefetch(next + i, 0, 3);
+    }
     for (int64_t kh = 0; kh < t.kvh; ++kh)
       for (int64_t j = first_row(p0, t); j < t.rows; ++j) f(base, p0, std::min(p1, t.first_pos + j + 1), kh, j);
   }
@@ -279,17 +283,17 @@ void attend_tiled(const Tile& t, std::vector<float>& scratch) {
       for (int64_t i = 0; i < m_pad; ++i) mx[i] = std::max(mx[i], row[i]);
     }
     std::fill(inv_sum, inv_sum + m_pad, 0.f);
-    for (int64_t p = 0; p < t.ctx; ++p) {
-      v16* row = reinterpret_cast<v16*>(s + p * m_pad);
-      for (int64_t i = 0; i < m_pad / 16; ++i) {
-        row[i] = exp16(row[i] - reinterpret_cast<const v16*>(mx)[i]);
-        reinterpret_cast<v16*>(inv_sum)[i] += row[i];
-      }
-    }
     std::fill(o, o + m_pad * D, 0.f);
     for (int64_t p0 = 0; p0 < t.ctx; p0 += t.bs) {  // block by block: P V as rank-(block size) updates of o
       const float* vb = t.v + t.table[p0 / t.bs] * t.block_stride + kh * D;
       const int64_t n = std::min(t.bs, t.ctx - p0);
+      for (int64_t p = p0; p < p0 + n; ++p) {  // the block's probabilities, while its scores are in L1 for P V
+        v16* row = reinterpret_cast<v16*>(s + p * m_pad);
+        for (int64_t i = 0; i < m_pad / 16; ++i) {
+          row[i] = exp16(row[i] - reinterpret_cast<const v16*>(mx)[i]);
+          reinterpret_cast<v16*>(inv_sum)[i] += row[i];
+        }
+      }
       const float* sb = s + p0 * m_pad;
       for (m0 = 0; m0 + R <= m; m0 += R) block_values<NV, R>(vb, t.row_stride, n, sb + m0, m_pad, o + m0 * D);
       for (; m0 < m; ++m0) block_values<NV, 1>(vb, t.row_stride, n, sb + m0, m_pad, o + m0 * D);
