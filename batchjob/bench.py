@@ -492,6 +492,8 @@ def run_bench(
             runs[system].append(run(system))
     results = {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
     rows = [results[s].row() for s in systems]
+    for row, s in zip(rows, systems):
+        row["round_walls"] = [r.wall for r in runs[s]]  # in the order run: the spread a noisy host gives
     base = results.get("engine")
     for row in rows:
         # By requests/s, i.e. wall time on the same requests: the baselines decode every request to max_tokens, so
@@ -673,6 +675,9 @@ def format_report(report: dict) -> str:
             f"time; rounds {', '.join(f'{r:.2f}x' for r in c['round_ratios'])}), same prompts and output lengths; "
             f"{100 * c['constraint_share']:.1f}% of its wall time went to the grammar (masks and matchers)"
         )
+    if report["repeats"] > 1:
+        walls = "; ".join(f"{r['system']} {', '.join(f'{w:.1f}' for w in r['round_walls'])}" for r in report["systems"])
+        console.print(f"wall time of each round (s): {walls}")
     for phase, v in report.get("roofline", {}).items():
         console.print(
             f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "

@@ -76,3 +76,13 @@ def test_unconstrained_peer_runs_the_same_requests_at_the_same_lengths():
     free = synthetic(engine.model_config.vocab_size, 1, 8, 1)
     report = run_bench(engine, None, free, ["engine", "unconstrained"], batch_size=4, repeats=1, threads=1)
     assert "no request of the workload has an output constraint" in report["skipped"]["unconstrained"]
+
+
+def test_each_round_is_reported_and_the_median_round_is_the_figure():
+    engine = Engine("smollm2-135m-instruct", num_kv_blocks=32, max_num_batched_tokens=64)
+    workload = synthetic(engine.model_config.vocab_size, 2, 16, 2)
+    report = run_bench(engine, None, workload, ["engine", "static"], batch_size=2, repeats=3, threads=1)
+    for row in report["systems"]:
+        assert len(row["round_walls"]) == 3 and sorted(row["round_walls"])[1] == row["wall"]
+    walls = ", ".join(f"{w:.1f}" for w in report["systems"][0]["round_walls"])
+    assert f"wall time of each round (s): engine {walls}; static" in format_report(report)
