@@ -45,6 +45,17 @@ def test_native_op_matches_the_torch_path(step, heads, kv_heads, head_dim, page)
     torch.testing.assert_close(out, torch_reference(case), atol=2e-5, rtol=2e-5)
 
 
+@needs_compiler
+def test_native_op_reads_queries_in_place_from_the_fused_qkv_rows():
+    """q as the model passes it: a view of the qkv matmul's rows, K and V after it in each row."""
+    case = make_attention_case(STEPS["mixed"], heads=9, kv_heads=3, head_dim=64, page=16)
+    qkv = torch.cat([case.q.flatten(1), torch.full((case.q.shape[0], 2 * 3 * 64), float("nan"))], dim=1)
+    q = qkv[:, : 9 * 64].view(-1, 9, 64)
+    assert not q.is_contiguous()
+    out = cpu_ops.paged_attention(q, case.k_cache, case.v_cache, case.meta, case.scale)
+    torch.testing.assert_close(out, torch_reference(case), atol=2e-5, rtol=2e-5)
+
+
 def test_env_var_forces_the_torch_path(monkeypatch):
     monkeypatch.setenv(cpu_native.ENV, "torch")
     assert cpu_native.native_ops() is None

@@ -30,12 +30,12 @@ struct Item {
 
 // One work item's view of the step: rows [row0, row1) of sequence `seq`, at positions first_pos + j.
 struct Tile {
-  const float* q;  // [rows, H, D]
+  const float* q;  // [rows, H, D], rows q_row floats apart (views of the fused qkv rows)
   float* out;      // [rows, H, D]
   const float* k;  // cache base
   const float* v;
   const int32_t* table;
-  int64_t rows, first_pos, ctx, h, kvh, d, bs, row_stride, block_stride;
+  int64_t rows, first_pos, ctx, h, kvh, d, bs, row_stride, block_stride, q_row;
   float scale;
   float* scores;  // [rows, H, ctx]
 };
@@ -116,7 +116,7 @@ void attend_fast(const Tile& t) {
   // Pass 1: scaled scores.
   walk_blocks(t, t.k, [&](const float* kb, int64_t p0, int64_t last, int64_t kh, int64_t j) {
     v16 q[G][NV];
-    load_heads(q, t.q + (j * t.h + kh * G) * D, t.scale);
+    load_heads(q, t.q + j * t.q_row + kh * G * D, t.scale);
     float* s = t.scores + (j * t.h + kh * G) * t.ctx;
     if (last - p0 == 16) {  // a whole block of 16 keys: 16 dot products reduced together, no per-score lane sum
       for (int g = 0; g < G; ++g) {
@@ -266,7 +266,7 @@ void attend_tiled(const Tile& t, std::vector<float>& scratch) {
     std::fill(qt, qt + D * m_pad, 0.f);
     for (int64_t j = 0; j < t.rows; ++j)
       for (int g = 0; g < G; ++g) {
-        const float* qrow = t.q + (j * t.h + kh * G + g) * D;
+        const float* qrow = t.q + j * t.q_row + (kh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) qt[d * m_pad + j * G + g] = qrow[d];
       }
     int64_t m0 = 0;
@@ -311,7 +311,7 @@ void attend_generic(const Tile& t) {
   for (int64_t pos = 0; pos < t.ctx; ++pos) {
     const float* krow = t.k + t.table[pos / t.bs] * t.block_stride + (pos % t.bs) * t.row_stride;
     for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
-      const float* qrow = t.q + j * t.h * d;
+      const float* qrow = t.q + j * t.q_row;
       for (int64_t hq = 0; hq < t.h; ++hq) {
         const float* a = qrow + hq * d;
         const float* b = krow + (hq / g) * d;
@@ -378,7 +378,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                   query_start_loc.scalar_type() == at::kInt,
               "int32 metadata");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
-  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous();
+  // q may be a view of the fused qkv rows: read in place if each row's heads lie back to back.
+  const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
   const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "head_dim or head counts do not match");
   const int64_t num_seqs = seq_lens.size(0), max_blocks = tables.size(1);
@@ -386,7 +388,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  at::Tensor out = at::empty_like(qc);
+  at::Tensor out = at::empty({q.size(0), h, d}, q.options());
 
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -407,7 +409,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const Item& item = items[it];
       const int64_t seq_len = lens[item.seq], q_len = qsl[item.seq + 1] - qsl[item.seq];
       Tile t;
-      t.q = qc.data_ptr<float>() + item.row0 * h * d;
+      t.q = qc.data_ptr<float>() + item.row0 * qc.stride(0);
       t.out = out.data_ptr<float>() + item.row0 * h * d;
       t.k = k_cache.data_ptr<float>();
       t.v = v_cache.data_ptr<float>();
@@ -416,6 +418,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       t.first_pos = seq_len - q_len + (item.row0 - qsl[item.seq]);
       t.ctx = t.first_pos + t.rows;  // keys the item's last row sees
       t.h = h, t.kvh = kvh, t.d = d, t.bs = bs, t.row_stride = kvh * d, t.block_stride = bs * kvh * d;
+      t.q_row = qc.stride(0);
       t.scale = static_cast<float>(scale);
       if (kernels.tiled && t.rows * (h / kvh) >= 16) {  // at least one whole vector of query rows
         kernels.tiled(t, scores);
