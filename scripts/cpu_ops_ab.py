@@ -1,4 +1,4 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run]   (env: REPS, DECODE_SEQS, ROUNDS, N)
+"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention]   (env: REPS, DECODE_SEQS, ROUNDS, N)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
@@ -6,7 +6,9 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
 - gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for MKL's GEMM
   (model/linear.py), at 8 to 2,048 rows.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
-  kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round."""
+  kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
+- attention: the C++ paged attention alone at SmolLM2's shapes (9 query heads, 3 KV heads of 64), best of 15 calls:
+  causal GFLOP/s of prefills and chunks, and the cache bytes/s of a decode step over a 3 GiB pool (more than L3)."""
 
 import os
 import random
@@ -153,4 +155,47 @@ def run_ab() -> None:
             )
 
 
-{"steps": steps_ab, "prof": steps_ab, "gemm": gemm_ab, "run": run_ab}[MODE]()
+def attention() -> None:
+    from batchjob.model.cpu_native import native_ops
+
+    ops = native_ops()
+    h, kvh, d, bs = 9, 3, 64, 16
+    nblocks = 64_000  # 2 x 64k blocks of 12 KiB: larger than the L3 cache, as a real pool is
+    k_cache, v_cache = (torch.randn(nblocks, bs, kvh, d) for _ in range(2))
+    free = torch.randperm(nblocks).tolist()
+
+    def case(specs):  # (cached context, query rows) per sequence, blocks drawn at random from the pool
+        tables, lens, starts = [], [], [0]
+        for ctx, n in specs:
+            tables.append([free.pop() for _ in range(-(-(ctx + n) // bs))])
+            lens.append(ctx + n)
+            starts.append(starts[-1] + n)
+        w = max(map(len, tables))
+        table = torch.tensor([t + [0] * (w - len(t)) for t in tables], dtype=torch.int32)
+        meta = (table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32))
+        return torch.randn(starts[-1], h, d), meta
+
+    for name, specs in {
+        "prefill 1 x 1024": [(0, 1024)],
+        "prefill chunk of 1024 after 1024 cached": [(1024, 1024)],
+        "prefill 8 x 256": [(0, 256)] * 8,
+        "decode 64 x context 700": [(700, 1)] * 64,
+    }.items():
+        cases = [case(specs) for _ in range(15 if name.startswith("decode") else 1)]  # decodes: other blocks each call
+        times = []
+        for i in range(15):
+            q, meta = cases[i % len(cases)]
+            t = time.perf_counter()
+            ops.paged_attention(q, k_cache, v_cache, *meta, d**-0.5)
+            times.append(time.perf_counter() - t)
+        best = min(times)
+        flops = sum(4 * h * d * sum(ctx + i + 1 for i in range(n)) for ctx, n in specs)
+        kv_bytes = sum((ctx + n) * kvh * d * 4 * 2 for ctx, n in specs)
+        print(
+            f"{name}: {best * 1e3:.2f} ms, {flops / best / 1e9:.0f} GFLOP/s, cache read {kv_bytes / best / 1e9:.1f} "
+            f"GB/s  load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+
+
+{"steps": steps_ab, "prof": steps_ab, "gemm": gemm_ab, "run": run_ab, "attention": attention}[MODE]()
