@@ -8,7 +8,7 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
 - attention: the C++ paged attention alone at SmolLM2's shapes (9 query heads, 3 KV heads of 64), best of 15 calls:
-  causal GFLOP/s of prefills and chunks, and the cache bytes/s of a decode step over a 3 GiB pool (more than L3)."""
+  causal GFLOP/s of prefills and chunks, and the cache bytes/s of a decode step over a 1.5 GiB pool (more than L3)."""
 
 import os
 import random
@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 import batchjob.model.linear as linear
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.cpu_native import native_ops
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "steps"
 rng = random.Random(0)
@@ -156,8 +157,6 @@ def run_ab() -> None:
 
 
 def attention() -> None:
-    from batchjob.model.cpu_native import native_ops
-
     ops = native_ops()
     h, kvh, d, bs = 9, 3, 64, 16
     nblocks = 64_000  # 2 x 64k blocks of 12 KiB: larger than the L3 cache, as a real pool is
