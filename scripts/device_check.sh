@@ -9,8 +9,10 @@
 # (8 minutes in all), its JSON rewritten after each part, so a run cut short still returns what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The image has torch, triton, transformers, tokenizers, safetensors, click, rich, pyarrow...; not pydantic.
-WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5"
+# The image has torch, triton, transformers, tokenizers, safetensors, click, rich, pyarrow...; not pydantic, polars
+# or universal-pathlib (the CLI imports all three).
+WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  polars==2.1.0 polars-runtime-32==2.1.0 universal-pathlib==0.3.10 pathlib-abc==0.5.2"
 
 if [ "${1:-}" = --fetch-wheels ]; then
   exclude="$(git rev-parse --git-common-dir)/info/exclude"
