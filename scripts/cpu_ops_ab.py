@@ -3,7 +3,7 @@
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
   ops (BATCHJOB_CPU_OPS=torch) against the C++ kernels; `prof` adds a torch-profiler table per path and phase.
-- gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for MKL's GEMM
+- gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for oneDNN's GEMM
   (model/linear.py), at 8 to 2,048 rows.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.

@@ -118,6 +118,7 @@ class ModelRunner:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "ops_backend": ops,
+            "matmul": self.model.matmul_backend,
         }
 
     def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:

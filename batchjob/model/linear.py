@@ -1,12 +1,14 @@
-"""A model's matmul, y = x W^T + b, with W packed once for the CPU's GEMM.
+"""A model's matmul, y = x W^T + b, with W packed once for oneDNN's GEMM.
 
 torch's F.linear on a CPU hands W to MKL's sgemm, which copies it into its blocked layout on every call: at decode
 sizes (tens of rows against a 576 x 3,072 weight) that copy costs as much as the arithmetic. Packed once at load
-(cblas_sgemm_pack, through torch's own `mkl::_mkl_reorder_linear_weight` / `_mkl_linear`, the ops inductor uses when it
-freezes a CPU model), a decode step's matmuls ran ~1.6-1.9x faster at 8-64 rows, ~1.15x at 128-256, the same at 2,048
-(`python scripts/cpu_ops_ab.py gemm`). Every row count takes the packed path, one code path whatever a step holds;
-W itself is let go unless the caller keeps it (a tied embedding): the packed copy is all a matmul reads. Float32 on
-a CPU with MKL only; elsewhere (a GPU, other dtypes) F.linear."""
+into oneDNN's blocked layout (`mkldnn._reorder_linear_weight` / `mkldnn._linear_pointwise`, the ops inductor uses
+when it freezes a CPU model; vLLM's CPU backend runs its linear layers through oneDNN too), a decoder layer's four
+matmuls ran 2.1x F.linear's rate at 8 rows, 1.5x at 64, 1.1x at 2,048 on an AVX-512 EPYC, where MKL's own packed
+GEMM (`mkl._mkl_linear`, used here before) ran below F.linear at up to 256 rows (`python scripts/cpu_ops_ab.py
+gemm`). Every row count takes the packed path, one code path whatever a step holds; W itself is let go unless the
+caller keeps it (a tied embedding): the packed copy is all a matmul reads. Float32 on a CPU with oneDNN only;
+elsewhere (a GPU, other dtypes) F.linear."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_PACK_HINT_ROWS = 64  # MKL packs for a row count; the layout read back is the same for any (checked at load)
+_PACK_HINT_ROWS = 64  # oneDNN packs for a row count; the layout serves any (checked at load, and in the tests)
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -25,9 +27,12 @@ def _packable(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.dim() == 2
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
+        and torch.backends.mkldnn.is_available()
     )
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear:
@@ -37,15 +42,19 @@ class Linear:
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
         if _packable(weight):
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-            got = torch.ops.mkl._mkl_linear(probe, packed, weight, None, probe.shape[0])
-            if torch.allclose(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4):
+            if torch.allclose(_packed_linear(probe, packed, None), F.linear(probe, weight), rtol=1e-4, atol=1e-4):
                 self.packed = packed
-                if not keep_weight:  # _mkl_linear reads only W's shape and dtype: a zero-stride stand-in holds them
+                if not keep_weight:  # only W's shape is read again: a zero-stride stand-in holds it
                     self.weight = weight.new_zeros(1).expand(weight.shape)
-            else:  # a BLAS whose packed layout depends on the row count: stay with F.linear
+            else:  # a oneDNN build that packs otherwise than it computes: stay with F.linear
                 log.warning("packed GEMM disagrees with F.linear for a %s weight; not packing", tuple(weight.shape))
+
+    @property
+    def backend(self) -> str:
+        """Whose GEMM computes it: its sums run in that library's order."""
+        return "torch" if self.packed is None else "onednn"
 
     @property
     def shape(self) -> torch.Size:
@@ -60,6 +69,4 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or not x.numel():
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1]
-        # With prepack_batch_size equal to the rows, _mkl_linear always takes cblas_sgemm_compute on the packed W.
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
+        return _packed_linear(x, self.packed, self.bias)

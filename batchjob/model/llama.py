@@ -65,6 +65,12 @@ class LlamaModel:
         return sum(lin.nbytes for i in range(len(self.layers)) for lin in self.linears(i)) + norms + self.lm_head.nbytes
 
     @property
+    def matmul_backend(self) -> str:
+        """Whose GEMM runs the matmuls (`onednn` where they are packed, `torch` otherwise), as the numerics name it."""
+        linears = [lin for i in range(len(self.layers)) for lin in self.linears(i)] + [self.lm_head]
+        return "+".join(sorted({lin.backend for lin in linears}))
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 

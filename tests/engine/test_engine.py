@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
@@ -184,6 +185,7 @@ def test_numerics_are_recorded_as_resolved(engine):
         "dtype": "float32",
         "kv_cache_dtype": "float32",
         "ops_backend": "torch" + cpp,
+        "matmul": "onednn" if torch.backends.mkldnn.is_available() else "torch",  # packed weights (model/linear.py)
     }
     fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8)
     assert fp8.numerics["kv_cache_dtype"] == "float8_e4m3fn" and fp8.numerics["dtype"] == "float32"
