@@ -1,4 +1,4 @@
-"""Packed matmuls (model/linear.py) against F.linear, at the row counts steps take."""
+"""Matmuls on weights packed for oneDNN (model/linear.py) against F.linear, at the row counts steps take."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _tensor(*shape, seed):
 def test_packed_matmul_matches_f_linear(rows, bias):
     w, b = _tensor(960, 576, seed=1), _tensor(960, seed=2) if bias else None
     lin = Linear(w.clone(), None if b is None else b.clone())
-    assert lin.packed is not None
+    assert lin.packed is not None and lin.backend == "onednn"
     x = _tensor(rows, 576, seed=3)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     assert lin(x.view(1, rows, 576)).shape == (1, rows, 960)  # leading dims kept
@@ -38,3 +38,15 @@ def test_other_dtypes_take_f_linear():
     x = _tensor(4, 8, seed=6).to(torch.bfloat16)
     assert lin.packed is None
     assert torch.equal(lin(x), F.linear(x, w))
+
+
+def test_a_onednn_that_cannot_pack_leaves_f_linear(monkeypatch, caplog):
+    def refuse(weight, rows):
+        raise RuntimeError("no inner product primitive")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    w, x = _tensor(32, 16, seed=7), _tensor(5, 16, seed=8)
+    lin = Linear(w)
+    assert lin.packed is None and lin.backend == "torch" and lin.weight is w
+    assert torch.equal(lin(x), F.linear(x, w))
+    assert "cannot pack a (32, 16) weight" in caplog.text
