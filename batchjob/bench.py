@@ -97,6 +97,7 @@ class Result:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     decode_steps: int = 0
+    decode_kv_usage: float = 0.0  # the KV pool's used fraction summed over decode-only steps: what their attention read
     token_budget: int | None = None  # the engine's at the end of the run: what `auto` chose
     cpu_s: float = 0.0  # this process's CPU time: steadier than wall time on a host shared with other work
     constraint_s: float = 0.0  # of the wall time, spent on output constraints (grammar masks and matchers)
@@ -139,6 +140,7 @@ def _summarize(system: str, wall: float, wl: Workload, output_tokens: int, steps
             r.decode_time += s.step_time
             r.decode_tokens += s.num_decode_tokens
             r.decode_steps += 1
+            r.decode_kv_usage += s.kv_cache_usage
     return r
 
 
@@ -389,22 +391,34 @@ def peer_status() -> dict[str, str | None]:
     }
 
 
+def _best_seconds(engine: Engine, fn, reps: int) -> float:
+    """The fastest of `reps` timed calls after one untimed: on a shared host, the slower ones timed the neighbours."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if engine.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def matmul_flops(engine: Engine, rows: int, reps: int = 5) -> float:
     """The machine's measured fp32 matmul FLOP/s at the model's weight shapes for `rows` tokens, through the model's
     own matmuls (packed for the CPU's GEMM where they are): the best this machine does at those shapes."""
     model = engine.runner.model
     linears = model.linears(0)
     xs = [torch.randn(rows, lin.shape[1], dtype=model.dtype, device=engine.runner.device) for lin in linears]
-    for x, lin in zip(xs, linears):
-        lin(x)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        for x, lin in zip(xs, linears):
-            lin(x)
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    flops = 2 * rows * sum(lin.shape.numel() for lin in linears) * reps
-    return flops / (time.perf_counter() - t0)
+    secs = _best_seconds(engine, lambda: [lin(x) for x, lin in zip(xs, linears)], reps)
+    return 2 * rows * sum(lin.shape.numel() for lin in linears) / secs
+
+
+def memory_read_rate(engine: Engine, nbytes: int = 1 << 30, reps: int = 3) -> float:
+    """Bytes/s at which the engine's threads read a buffer larger than any cache (a 1 GiB sum): the pace of a decode
+    step's attention, which reads every running sequence's K and V once."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=engine.runner.device)
+    return nbytes / _best_seconds(engine, buf.sum, reps)
 
 
 def model_flops_per_token(engine: Engine) -> int:
@@ -434,6 +448,17 @@ def roofline(engine: Engine, result: Result) -> dict:
             "matmul_gflops": peak / 1e9,
             "rows": rows,
             "fraction": achieved / peak,
+        }
+    if "decode" in out and result.decode_kv_usage:
+        # Decode's other bound: its attention reads the KV of every running sequence, each step, at memory speed.
+        pool_bytes = engine.num_kv_blocks * engine.config.block_size * engine.kv_bytes_per_token
+        kv_bytes = result.decode_kv_usage * pool_bytes
+        read_rate = memory_read_rate(engine)
+        bound = per_token * result.decode_tokens / (out["decode"]["matmul_gflops"] * 1e9) + kv_bytes / read_rate
+        out["decode"] |= {
+            "kv_gb_per_step": kv_bytes / result.decode_steps / 1e9,
+            "read_gb_per_s": read_rate / 1e9,
+            "bound_fraction": bound / result.decode_time,
         }
     return out
 
@@ -679,9 +704,15 @@ def format_report(report: dict) -> str:
         walls = "; ".join(f"{r['system']} {', '.join(f'{w:.1f}' for w in r['round_walls'])}" for r in report["systems"])
         console.print(f"wall time of each round (s): {walls}")
     for phase, v in report.get("roofline", {}).items():
+        kv = (
+            f"; with its KV reads ({v['kv_gb_per_step']:.2f} GB a step at the measured {v['read_gb_per_s']:.1f} GB/s), "
+            f"{100 * v['bound_fraction']:.0f}% of the two bounds' time"
+            if "bound_fraction" in v
+            else ""
+        )
         console.print(
             f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "
-            f"measured fp32 matmul {v['matmul_gflops']:.1f} GFLOP/s at {v['rows']} rows"
+            f"measured fp32 matmul {v['matmul_gflops']:.1f} GFLOP/s at {v['rows']} rows{kv}"
         )
     for name, a in report.get("agreement", {}).items():
         where = (

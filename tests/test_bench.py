@@ -1,5 +1,7 @@
 """bench: a job file's rows as the workload, and the token-budget sweep (tiny, on the real model)."""
 
+import pytest
+
 from batchjob.bench import agreement, format_report, job_workload, run_bench, run_sweep, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
@@ -86,3 +88,14 @@ def test_each_round_is_reported_and_the_median_round_is_the_figure():
         assert len(row["round_walls"]) == 3 and sorted(row["round_walls"])[1] == row["wall"]
     walls = ", ".join(f"{w:.1f}" for w in report["systems"][0]["round_walls"])
     assert f"wall time of each round (s): engine {walls}; static" in format_report(report)
+
+
+def test_the_decode_roofline_counts_the_kv_that_decode_steps_read():
+    engine = Engine("smollm2-135m-instruct", num_kv_blocks=32, max_num_batched_tokens=64)
+    report = run_bench(engine, None, synthetic(engine.model_config.vocab_size, 2, 40, 6), ["engine"], 2, 1, 1)
+    decode, [row] = report["roofline"]["decode"], report["systems"]
+    pool_bytes = 32 * engine.config.block_size * engine.kv_bytes_per_token
+    assert row["decode_steps"] >= 4 and 0 < row["decode_kv_usage"] <= row["decode_steps"]
+    assert decode["kv_gb_per_step"] * 1e9 == pytest.approx(row["decode_kv_usage"] * pool_bytes / row["decode_steps"])
+    assert decode["read_gb_per_s"] > 0.1 and 0 < decode["bound_fraction"] < 5
+    assert "roofline decode: " in format_report(report) and "with its KV reads (" in format_report(report)
