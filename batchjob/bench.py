@@ -415,8 +415,9 @@ def matmul_flops(engine: Engine, rows: int, reps: int = 5) -> float:
 
 
 def memory_read_rate(engine: Engine, nbytes: int = 1 << 30, reps: int = 3) -> float:
-    """Bytes/s at which the engine's threads read a buffer larger than any cache (a 1 GiB sum): the pace of a decode
-    step's attention, which reads every running sequence's K and V once."""
+    """Bytes/s at which the engine's threads read a buffer larger than any cache, front to back (a 1 GiB sum): the
+    bound on a decode step's attention, which reads every running sequence's K and V once. Paged KV blocks lie at
+    random places in the pool, and a random 12 KiB block was read at about half this rate here (README)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=engine.runner.device)
     return nbytes / _best_seconds(engine, buf.sum, reps)
 
@@ -705,7 +706,8 @@ def format_report(report: dict) -> str:
         console.print(f"wall time of each round (s): {walls}")
     for phase, v in report.get("roofline", {}).items():
         kv = (
-            f"; with its KV reads ({v['kv_gb_per_step']:.2f} GB a step at the measured {v['read_gb_per_s']:.1f} GB/s), "
+            f"; with its KV reads ({v['kv_gb_per_step']:.2f} GB a step at the host's sequential read rate, "
+            f"{v['read_gb_per_s']:.1f} GB/s), "
             f"{100 * v['bound_fraction']:.0f}% of the two bounds' time"
             if "bound_fraction" in v
             else ""
