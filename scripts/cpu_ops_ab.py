@@ -1,4 +1,5 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention]   (env: REPS, DECODE_SEQS, ROUNDS, N)
+"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention|job]
+   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
@@ -8,7 +9,11 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
 - attention: the C++ paged attention alone at SmolLM2's shapes (9 query heads, 3 KV heads of 64), best of 15 calls:
-  causal GFLOP/s of prefills and chunks, and the cache bytes/s of a decode step over a 1.5 GiB pool (more than L3)."""
+  causal GFLOP/s of prefills and chunks, and the cache bytes/s of a decode step over a 1.5 GiB pool (more than L3):
+  blocks at random places, each sequence's blocks in one run, 32- and 64-token blocks, and every sequence on the same
+  blocks (in cache: the kernel's compute alone).
+- job: the summarize job's rows through the engine, per round: wall time, prefill and decode-only step times, and
+  torch-profiler lines for chosen steps (where a real step's time goes)."""
 
 import os
 import random
@@ -21,7 +26,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import batchjob.model.linear as linear
+from batchjob.bench import job_workload, run_engine, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
+from batchjob.job.spec import load_job
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.cpu_native import native_ops
 
@@ -158,15 +165,20 @@ def run_ab() -> None:
 
 def attention() -> None:
     ops = native_ops()
-    h, kvh, d, bs = 9, 3, 64, 16
-    nblocks = 64_000  # 2 x 64k blocks of 12 KiB: larger than the L3 cache, as a real pool is
-    k_cache, v_cache = (torch.randn(nblocks, bs, kvh, d) for _ in range(2))
-    free = torch.randperm(nblocks).tolist()
+    h, kvh, d = 9, 3, 64
+    pool_tokens = 1_024_000  # K and V of 12 KiB a 16-token block: 1.5 GiB, larger than the L3 cache, as a real pool is
+    pools = {}
 
-    def case(specs):  # (cached context, query rows) per sequence, blocks drawn at random from the pool
+    def case(specs, bs, layout):  # (cached context, query rows) per sequence; blocks at random places, in one run
+        nblocks = pool_tokens // bs  # per sequence, or the same few blocks for every sequence (cache-resident)
+        if bs not in pools:
+            pools[bs] = [torch.randn(nblocks, bs, kvh, d) for _ in range(2)], torch.randperm(nblocks).tolist()
+        free = pools[bs][1]
         tables, lens, starts = [], [], [0]
         for ctx, n in specs:
-            tables.append([free.pop() for _ in range(-(-(ctx + n) // bs))])
+            need = -(-(ctx + n) // bs)
+            first = 0 if layout == "shared" else rng.randrange(nblocks - need)
+            tables.append(list(range(first, first + need)) if layout != "random" else [free.pop() for _ in range(need)])
             lens.append(ctx + n)
             starts.append(starts[-1] + n)
         w = max(map(len, tables))
@@ -174,13 +186,19 @@ def attention() -> None:
         meta = (table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32))
         return torch.randn(starts[-1], h, d), meta
 
-    for name, specs in {
-        "prefill 1 x 1024": [(0, 1024)],
-        "prefill chunk of 1024 after 1024 cached": [(1024, 1024)],
-        "prefill 8 x 256": [(0, 256)] * 8,
-        "decode 64 x context 700": [(700, 1)] * 64,
-    }.items():
-        cases = [case(specs) for _ in range(15 if name.startswith("decode") else 1)]  # decodes: other blocks each call
+    decode = [(700, 1)] * 64
+    for name, specs, bs, layout in [
+        ("prefill 1 x 1024", [(0, 1024)], 16, "random"),
+        ("prefill chunk of 1024 after 1024 cached", [(1024, 1024)], 16, "random"),
+        ("prefill 8 x 256", [(0, 256)] * 8, 16, "random"),
+        ("decode 64 x context 700", decode, 16, "random"),
+        ("decode 64 x context 700, each sequence's blocks in one run", decode, 16, "run"),
+        ("decode 64 x context 700, 32-token blocks", decode, 32, "random"),
+        ("decode 64 x context 700, 64-token blocks", decode, 64, "random"),
+        ("decode 64 x context 700, every sequence on the same blocks (in cache)", decode, 16, "shared"),
+    ]:
+        cases = [case(specs, bs, layout) for _ in range(15 if name.startswith("decode") else 1)]  # new blocks a call
+        k_cache, v_cache = pools[bs][0]
         times = []
         for i in range(15):
             q, meta = cases[i % len(cases)]
@@ -197,4 +215,43 @@ def attention() -> None:
         )
 
 
-{"steps": steps_ab, "prof": steps_ab, "gemm": gemm_ab, "run": run_ab, "attention": attention}[MODE]()
+def job_phases() -> None:
+    """The summarize job's first N rows (or, with SYN=1, N x 256 / 64 random tokens) through the engine as the bench
+    sends them, ROUNDS times: wall time and the time of its prefill (and mixed) and decode-only steps; with
+    PROFILE_STEPS=30,40 a torch-profiler line for each of those steps."""
+    job = load_job("jobs/summarize.yaml")
+    engine = Engine(job.model, **job.engine.model_dump(exclude_unset=True))
+    n = int(os.environ.get("N", "64"))
+    vocab = engine.model_config.vocab_size
+    wl = synthetic(vocab, n, 256, 64) if os.environ.get("SYN") else job_workload(job, engine, n)
+    profile_steps = {int(x) for x in os.environ.get("PROFILE_STEPS", "").split(",") if x}
+    execute, calls = engine.runner.execute, [0]
+
+    def profiled(out, argmax=False):
+        calls[0] += 1
+        if calls[0] not in profile_steps:
+            return execute(out, argmax)
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            result = execute(out, argmax)
+        rows = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
+        top = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms" for e in rows)
+        print(f"[step {calls[0]}: {out.num_prefill_tokens} prefill + {out.num_decode_tokens} decode tokens] {top}")
+        return result
+
+    engine.runner.execute = profiled
+    for r in range(int(os.environ.get("ROUNDS", "2"))):
+        calls[0] = 0
+        steps = []
+        engine.add_step_callback(steps.append)
+        res = run_engine(engine, wl)
+        engine.remove_step_callback(steps.append)
+        decode = [m.step_time for m in steps if not m.num_prefill_tokens]
+        print(
+            f"round {r}: {res.wall:.1f} s wall, prefill and mixed steps {res.prefill_time:.1f} s, {len(decode)} "
+            f"decode-only steps {sum(decode):.1f} s (median {statistics.median(decode) * 1e3:.0f} ms)  "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+
+
+{"steps": steps_ab, "prof": steps_ab, "gemm": gemm_ab, "run": run_ab, "attention": attention, "job": job_phases}[MODE]()
