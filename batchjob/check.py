@@ -251,8 +251,9 @@ class Check:
                 # warm-up on the workloads themselves, untimed: a tiny one left the first full-budget steps (Triton's
                 # compiles per shape, cuBLAS's first choices, the allocator growing, decode graphs captured) in the
                 # first timed run (Llama-3-8B's 64 x 256 prefill ran at 107 TFLOP/s there against 584 on the next one)
-                for _, wl in workloads if hf is None else []:
-                    run_engine(engine, wl)
+                if hf is None:
+                    for _, wl in workloads:
+                        run_engine(engine, wl)
                 for name, wl in workloads:
                     self._within(deadline, f"{model} {system} {name} and after")
                     _sync(self.device)

@@ -247,8 +247,8 @@ def job_phases() -> None:
         engine.remove_step_callback(steps.append)
         decode = [m.step_time for m in steps if not m.num_prefill_tokens]
         print(
-            f"round {r}: {res.wall:.1f} s wall, prefill and mixed steps {res.prefill_time:.1f} s, {len(decode)} "
-            f"decode-only steps {sum(decode):.1f} s (median {statistics.median(decode) * 1e3:.0f} ms)  "
+            f"round {r}: {res.wall:.1f} s wall, prefill and mixed steps {res.prefill_time:.1f} s, {res.decode_steps} "
+            f"decode-only steps {res.decode_time:.1f} s (median {statistics.median(decode) * 1e3:.0f} ms)  "
             f"load {os.getloadavg()[0]:.1f}",
             flush=True,
         )

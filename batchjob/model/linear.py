@@ -47,14 +47,14 @@ class Linear:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
                 agrees = torch.allclose(_packed_linear(probe, packed, None), F.linear(probe, weight), 1e-4, 1e-4)
             except RuntimeError as e:  # a oneDNN build without this primitive (another CPU's backend, say)
-                packed, agrees = None, False
                 log.warning("oneDNN cannot pack a %s weight (%s); not packing", tuple(weight.shape), e)
-            if agrees:
-                self.packed = packed
-                if not keep_weight:  # only W's shape is read again: a zero-stride stand-in holds it
-                    self.weight = weight.new_zeros(1).expand(weight.shape)
-            elif packed is not None:  # a oneDNN build that packs otherwise than it computes: stay with F.linear
-                log.warning("packed GEMM disagrees with F.linear for a %s weight; not packing", tuple(weight.shape))
+            else:
+                if agrees:
+                    self.packed = packed
+                    if not keep_weight:  # only W's shape is read again: a zero-stride stand-in holds it
+                        self.weight = weight.new_zeros(1).expand(weight.shape)
+                else:  # a oneDNN build that packs otherwise than it computes: stay with F.linear
+                    log.warning("packed GEMM disagrees with F.linear for a %s weight; not packing", tuple(weight.shape))
 
     @property
     def backend(self) -> str:

@@ -59,16 +59,19 @@ class LlamaModel:
         w = self.layers[layer]
         return [w["qkv"], w["o"], w["gate_up"], w["down"]]
 
+    def all_linears(self) -> list[Linear]:
+        """Every matmul of a forward pass and its logits: each layer's, then the LM head."""
+        return [lin for i in range(len(self.layers)) for lin in self.linears(i)] + [self.lm_head]
+
     def weight_bytes(self) -> int:
         """What a decode step reads of the weights: every layer's matmuls and norms, and the LM head."""
         norms = sum(t.numel() * t.element_size() for w in self.layers for t in (w["input_norm"], w["post_norm"]))
-        return sum(lin.nbytes for i in range(len(self.layers)) for lin in self.linears(i)) + norms + self.lm_head.nbytes
+        return sum(lin.nbytes for lin in self.all_linears()) + norms
 
     @property
     def matmul_backend(self) -> str:
         """Whose GEMM runs the matmuls (`onednn` where they are packed, `torch` otherwise), as the numerics name it."""
-        linears = [lin for i in range(len(self.layers)) for lin in self.linears(i)] + [self.lm_head]
-        return "+".join(sorted({lin.backend for lin in linears}))
+        return "+".join(sorted({lin.backend for lin in self.all_linears()}))
 
     @property
     def dtype(self) -> torch.dtype:

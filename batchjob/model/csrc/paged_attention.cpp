@@ -113,7 +113,6 @@ inline void walk_blocks(const Tile& t, const float* cache, F&& f) {
   // Blocks lie at random places in the pool, where no hardware prefetcher sees them coming: the block after next is
   // asked into L2, the next one into L1. On an AVX-512 EPYC a 64-sequence decode read random blocks at 15.4 GB/s
   // against 12.3 with the next block into L1 alone (`python scripts/cpu_ops_ab.py attention`).
-  if (nblocks > 1) prefetch_block<1>(block(1), t.block_stride);
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx);
     const float* base = block(b);
