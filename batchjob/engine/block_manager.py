@@ -1,11 +1,17 @@
-"""Paged KV-cache blocks: allocation, reference counts, and prefix caching by chained block hashes.
+"""Paged KV-cache blocks: placement, reference counts, and prefix caching by chained block hashes.
 
-A full block is keyed by hash(parent block's hash, its token ids). When its last user frees it, a hashed block
-stays cached in LRU order and is reused by a later request with the same prefix, until evicted for space."""
+A full block is keyed by hash(parent block's hash, its token ids). When its last user frees it, a hashed block stays
+cached and is reused by a later request with the same prefix, until its place is taken for new tokens.
+
+Placement keeps each sequence's blocks in one run of the pool where it can: a decode step reads every sequence's K/V,
+and the CPU attention kernel read 64 sequences' caches at 29.6 GB/s where each sequence's blocks lay in one run
+against 19.3 where they lay at random places (`python scripts/cpu_ops_ab.py attention`). A sequence's next block is
+the one after its last if no one holds that; otherwise a new run is sought from a cursor that sweeps the pool, long
+enough for the sequence's remaining tokens (prompt plus max_tokens), and the cursor moves past all of it so that the
+sequence grows into the rest of the run while other sequences start further on. Cached blocks nobody holds are taken
+as the sweep reaches them, the oldest placements first."""
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 from batchjob.engine.sequence import Sequence
 
@@ -24,13 +30,17 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # to verify a hash hit
-        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # never hashed, or evicted
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, oldest first
         self.hash_to_block: dict[int, int] = {}
+        self._free = bytearray(b"\x01") * num_blocks  # 1 where no sequence holds the block (cached or not)
+        self._num_free = num_blocks
+        self._cursor = 0  # where the search for a new run starts
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks) + len(self.evictable)
+        return self._num_free
+
+    def is_free(self, block: int) -> bool:
+        return bool(self._free[block])
 
     @property
     def num_used_blocks(self) -> int:
@@ -47,15 +57,32 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
-    def _take_free_block(self) -> int:
-        if self.free_blocks:
-            block = self.free_blocks.pop()
-        else:
-            block, _ = self.evictable.popitem(last=False)
+    def _find_run(self, length: int) -> int:
+        """The first block of `length` free blocks in a row, from the cursor on and then from the start; -1 if none."""
+        run = b"\x01" * length
+        start = self._free.find(run, self._cursor)
+        return start if start >= 0 else self._free.find(run, 0)
+
+    def _next_block(self, seq: Sequence, needed: int) -> int:
+        if seq.block_table:
+            after = seq.block_table[-1] + 1
+            if after < self.num_blocks and self._free[after]:
+                return after
+        final = -(-(seq.num_prompt_tokens + seq.max_tokens) // self.block_size)
+        for length in dict.fromkeys((max(needed, final - len(seq.block_table)), needed, 1)):
+            start = self._find_run(length)
+            if start >= 0:
+                self._cursor = (start + length) % self.num_blocks
+                return start
+        raise AssertionError("no free block although the count said so")
+
+    def _take(self, block: int) -> None:
+        if self.block_hash[block] is not None:  # cached, held by no one: its prefix is forgotten
             del self.hash_to_block[self.block_hash[block]]
             self.block_hash[block] = self.block_tokens[block] = None
+        self._free[block] = 0
+        self._num_free -= 1
         self.ref_count[block] = 1
-        return block
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Blocks for `num_new_tokens` more tokens of `seq`, all or none: raises KVPoolExhausted when the pool has
@@ -66,8 +93,10 @@ class BlockManager:
                 f"KV pool exhausted: sequence {seq.request_id} needs {needed} more blocks, {self.num_free_blocks} of "
                 f"{self.num_blocks} are free"
             )
-        for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+        for left in range(needed, 0, -1):
+            block = self._next_block(seq, left)
+            self._take(block)
+            seq.block_table.append(block)
 
     def match_prefix(self, seq: Sequence) -> int:
         """On admission of a sequence that holds no blocks: reuse cached full blocks of its prefix. The last token
@@ -85,7 +114,8 @@ class BlockManager:
             if block is None or self.block_tokens[block] != chunk:
                 break
             if self.ref_count[block] == 0:
-                del self.evictable[block]
+                self._free[block] = 0
+                self._num_free -= 1
             self.ref_count[block] += 1
             seq.block_table.append(block)
             parent = h
@@ -123,22 +153,18 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks that no sequence holds, as vLLM's reset_prefix_cache: so that a benchmark's next
         run over the same prompts computes them again."""
-        for block in self.evictable:
-            del self.hash_to_block[self.block_hash[block]]
-            self.block_hash[block] = self.block_tokens[block] = None
-            self.free_blocks.append(block)
-        self.evictable.clear()
+        for h, block in list(self.hash_to_block.items()):
+            if not self.ref_count[block]:
+                del self.hash_to_block[h]
+                self.block_hash[block] = self.block_tokens[block] = None
 
     def free(self, seq: Sequence) -> None:
-        # Reverse order: a sequence's tail blocks are the least likely to be shared, so they are evicted first.
-        for block in reversed(seq.block_table):
+        for block in seq.block_table:
             self.ref_count[block] -= 1
             assert self.ref_count[block] >= 0, f"block {block} freed twice"
             if self.ref_count[block] == 0:
-                if self.block_hash[block] is not None:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
+                self._free[block] = 1
+                self._num_free += 1
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.last_block_hash = None

@@ -32,12 +32,12 @@ def test_prefix_hit_reuses_full_blocks_but_never_the_last_token():
     assert bm.match_prefix(d) == 0  # chained hash: a different first block invalidates the rest
 
 
-def test_freed_cached_blocks_are_reused_then_evicted_lru():
+def test_freed_cached_blocks_are_reused_then_taken_for_new_tokens():
     bm = BlockManager(4, 2)
     a = seq([1, 2, 3, 4, 5])
     run(bm, a)
     bm.free(a)
-    assert bm.num_free_blocks == 4 and len(bm.evictable) == 2
+    assert bm.num_free_blocks == 4 and len(bm.hash_to_block) == 2
     b = seq([1, 2, 3, 4, 9])
     assert bm.match_prefix(b) == 4
     bm.free(b)
@@ -45,6 +45,43 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     run(bm, big)
     assert bm.hash_to_block and all(bm.block_tokens[blk] == (7, 7) for blk in bm.hash_to_block.values())
     assert bm.match_prefix(seq([1, 2, 3, 4, 9], 2)) == 0
+
+
+def grow(bm, s, tokens):
+    """Decode `tokens` more tokens of a sequence whose tokens are all computed."""
+    for t in tokens:
+        s.token_ids.append(t)
+        bm.allocate(s, 1)
+        s.num_computed_tokens += 1
+
+
+def test_each_sequence_grows_in_one_run_while_others_grow_too():
+    bm = BlockManager(64, 4)
+    a, b = (Sequence(Request(str(i), [i] * 8, SamplingParams(max_tokens=8)), i) for i in range(2))
+    run(bm, a)
+    run(bm, b)  # each placed with room for its 8 more tokens: 4 blocks apart
+    for _ in range(8):  # interleaved decode steps
+        grow(bm, a, [1])
+        grow(bm, b, [2])
+    assert a.block_table == [0, 1, 2, 3] and b.block_table == [4, 5, 6, 7]
+    bm.free(a)
+    c = Sequence(Request("2", [3] * 12, SamplingParams(max_tokens=4)), 2)
+    run(bm, c)  # the sweep goes on past b rather than back into a's freed run
+    assert c.block_table == [8, 9, 10]
+
+
+def test_a_fragmented_pool_still_gives_every_free_block():
+    bm = BlockManager(8, 2)
+    seqs = [seq([i] * 2, i) for i in range(8)]  # one block each, every other freed: no two free blocks in a row
+    for s in seqs:
+        bm.allocate(s, 2)
+    freed = [b for s in seqs[::2] for b in s.block_table]
+    for s in seqs[::2]:
+        bm.free(s)
+    big = seq([9] * 8, 9)
+    bm.allocate(big, 8)
+    assert sorted(big.block_table) == sorted(freed) and len(freed) == 4
+    assert bm.num_free_blocks == 0
 
 
 def test_double_free_is_caught():

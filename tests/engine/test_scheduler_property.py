@@ -24,9 +24,8 @@ def check_blocks(bm: BlockManager, seqs: list[Sequence]) -> None:
             held[b] = held.get(b, 0) + 1
     for b in range(bm.num_blocks):
         assert bm.ref_count[b] == held.get(b, 0)
-    free = set(bm.free_blocks) | set(bm.evictable)
-    assert len(free) == len(bm.free_blocks) + len(bm.evictable)  # no block in both lists, none twice
-    assert free.isdisjoint(held) and len(free) + len(held) == bm.num_blocks
+    free = {b for b in range(bm.num_blocks) if bm.is_free(b)}
+    assert free.isdisjoint(held) and len(free) + len(held) == bm.num_blocks == bm.num_free_blocks + len(held)
 
 
 @settings(max_examples=300, deadline=None)
