@@ -223,20 +223,23 @@ void scores_run(const Tile& t, const float* qt, int64_t m0, int64_t m_pad, int64
   }
 }
 
-// o[r] += P[p][m0 + r] V(p) over the n keys of one KV block, for R query vectors whose rows (D floats each) lie back
-// to back at o: a block's V and P rows and the R output rows stay in L1 while they are reused.
+// o[r] = sum over the context's keys p of P[p][m0 + r] V(p), for R query vectors whose output rows (D floats each) lie
+// back to back at o. The R x NV accumulators stay in registers over the whole context, block after block (per-block
+// calls that loaded and stored them took a quarter of the P V time), while V rows come from L2 once per R vectors.
 template <int NV, int R>
-inline void block_values(const float* vb, int64_t row_stride, int64_t n, const float* s, int64_t m_pad, float* o) {
-  v16 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NV; ++i) acc[r][i] = reinterpret_cast<const v16*>(o + r * NV * 16)[i];
-  for (int64_t p = 0; p < n; ++p) {
-    const v16* vr = reinterpret_cast<const v16*>(vb + p * row_stride);
-    v16 vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = vr[i];
-    const float* w = s + p * m_pad;
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < NV; ++i) acc[r][i] += w[r] * vv[i];
+inline void context_values(const Tile& t, int64_t kh, const float* s, int64_t m_pad, float* o) {
+  v16 acc[R][NV] = {};
+  for (int64_t p0 = 0; p0 < t.ctx; p0 += t.bs) {
+    const float* vb = cache_row(t, t.v, p0) + kh * NV * 16;
+    const int64_t n = std::min(t.bs, t.ctx - p0);
+    for (int64_t p = 0; p < n; ++p) {
+      const v16* vr = reinterpret_cast<const v16*>(vb + p * t.row_stride);
+      v16 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = vr[i];
+      const float* w = s + (p0 + p) * m_pad;
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < NV; ++i) acc[r][i] += w[r] * vv[i];
+    }
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NV; ++i) reinterpret_cast<v16*>(o + r * NV * 16)[i] = acc[r][i];
@@ -295,21 +298,15 @@ void attend_tiled(const Tile& t, std::vector<float>& scratch) {
       for (int64_t i = 0; i < m_pad; ++i) mx[i] = std::max(mx[i], row[i]);
     }
     std::fill(inv_sum, inv_sum + m_pad, 0.f);
-    std::fill(o, o + m_pad * D, 0.f);
-    for (int64_t p0 = 0; p0 < t.ctx; p0 += t.bs) {  // block by block: P V as rank-(block size) updates of o
-      const float* vb = cache_row(t, t.v, p0) + kh * D;
-      const int64_t n = std::min(t.bs, t.ctx - p0);
-      for (int64_t p = p0; p < p0 + n; ++p) {  // the block's probabilities, while its scores are in L1 for P V
-        v16* row = reinterpret_cast<v16*>(s + p * m_pad);
-        for (int64_t i = 0; i < m_pad / 16; ++i) {
-          row[i] = exp16(row[i] - reinterpret_cast<const v16*>(mx)[i]);
-          reinterpret_cast<v16*>(inv_sum)[i] += row[i];
-        }
+    for (int64_t p = 0; p < t.ctx; ++p) {  // probabilities, unnormalised
+      v16* row = reinterpret_cast<v16*>(s + p * m_pad);
+      for (int64_t i = 0; i < m_pad / 16; ++i) {
+        row[i] = exp16(row[i] - reinterpret_cast<const v16*>(mx)[i]);
+        reinterpret_cast<v16*>(inv_sum)[i] += row[i];
       }
-      const float* sb = s + p0 * m_pad;
-      for (m0 = 0; m0 + R <= m; m0 += R) block_values<NV, R>(vb, t.row_stride, n, sb + m0, m_pad, o + m0 * D);
-      for (; m0 < m; ++m0) block_values<NV, 1>(vb, t.row_stride, n, sb + m0, m_pad, o + m0 * D);
     }
+    for (m0 = 0; m0 + R <= m; m0 += R) context_values<NV, R>(t, kh, s + m0, m_pad, o + m0 * D);
+    for (; m0 < m; ++m0) context_values<NV, 1>(t, kh, s + m0, m_pad, o + m0 * D);
     for (int64_t i = 0; i < m; ++i) {
       float* dst = t.out + (i / G * t.h + kh * G + i % G) * D;
       const float inv = 1.f / inv_sum[i];
