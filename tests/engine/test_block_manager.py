@@ -111,3 +111,13 @@ def test_an_exhausted_pool_is_named_and_nothing_is_taken():
     with pytest.raises(KVPoolExhausted, match="needs 2 more blocks, 1 of 4 are free"):
         bm.allocate(b, 3)
     assert b.block_table == [] and bm.num_free_blocks == 1
+
+
+def test_a_drained_pool_places_from_its_first_block_again():
+    bm = BlockManager(64, 4)
+    a = seq([1] * 8)
+    run(bm, a)
+    bm.free(a)
+    b = seq([2] * 8, 1)
+    run(bm, b)
+    assert b.block_table[0] == 0
