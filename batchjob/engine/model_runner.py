@@ -12,7 +12,7 @@ import torch
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
-from batchjob.engine.host_memory import lazy_zeros
+from batchjob.engine.host_memory import keep_freed_memory, lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.scheduler import SchedulerOutput
@@ -65,6 +65,7 @@ class ModelRunner:
         self.device = pick_device(config)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            keep_freed_memory()
         self.dtype = pick_dtype(config, self.device)
         self.ops_backend = pick_ops_backend(config, self.device)
         self.model = LlamaModel(
