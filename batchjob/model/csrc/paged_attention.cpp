@@ -103,7 +103,7 @@ inline void load_heads(v16 (&dst)[G][NV], const float* src, float mul) {
 // places in the pool, where no hardware prefetcher sees them coming, so while a KV head's rows of block b are used
 // the same rows of block b + 2 are asked into L2, one line per line read; past the last block, `then`'s first blocks
 // (the pass after this one). A burst of a whole block at a time into L1 stalled on the core's few miss buffers: on
-// an AVX-512 EPYC a 64-sequence decode at context 700 read the cache at 19.2 GB/s this way against 14.9
+// an AVX-512 EPYC a 64-sequence decode at context 700 read random blocks at 19.3 GB/s this way against 15.4
 // (`python scripts/cpu_ops_ab.py attention`).
 template <typename F>
 inline void walk_blocks(const Tile& t, const float* cache, const float* then, F&& f) {
