@@ -13,16 +13,16 @@ from pathlib import Path
 import click
 
 from batchjob.engine.errors import DeviceSettingError
-from batchjob.job.estimate import plan_job
 from batchjob.job.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_LOCKED, EXIT_USAGE
-from batchjob.job.lease import LeaseLost
-from batchjob.job.lock import LockHeld, describe
-from batchjob.job.progress import LogProgress, RichProgress
+from batchjob.job.output.lease import LeaseLost
+from batchjob.job.output.lock import LockHeld, describe
+from batchjob.job.output.state import OutputDir, StateError
+from batchjob.job.output.storage import is_url
+from batchjob.job.plan import plan_job
 from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, JobSpec, load_job
-from batchjob.job.state import OutputDir, StateError
-from batchjob.job.storage import is_url
+from batchjob.job.telemetry.progress import LogProgress, RichProgress
 from batchjob.model.builtin import DEFAULT_MODEL
 from batchjob.model.errors import ModelNotFoundError
 
@@ -327,7 +327,7 @@ def bench(
 
     import pydantic
 
-    from batchjob.bench import format_report, format_sweep, job_workload, run_bench, run_sweep, synthetic
+    from batchjob.bench.compare import format_report, format_sweep, job_workload, run_bench, run_sweep, synthetic
     from batchjob.engine.engine import Engine
     from batchjob.job.spec import JobFileError, load_job
 
@@ -388,7 +388,7 @@ def bench(
 def report(folder, output_dir) -> None:
     """Draw the job output FOLDER: batch size, KV usage and tokens/s over time, TTFT/TPOT, row lengths; PNGs and one
     self-contained HTML page."""
-    from batchjob.job.report import render
+    from batchjob.job.telemetry.report import render
 
     try:
         paths = render(folder, output_dir)
@@ -411,7 +411,7 @@ def selftest(device, load_format, json_path) -> None:
 
     import torch
 
-    from batchjob.check import run_check
+    from batchjob.bench.device_check import run_check
 
     if device == "cuda" and not torch.cuda.is_available():
         raise click.ClickException("--device cuda: torch sees no CUDA device here (use --device cpu for the CPU form)")

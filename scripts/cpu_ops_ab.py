@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import batchjob.model.linear as linear
-from batchjob.bench import job_workload, run_engine, synthetic
+from batchjob.bench.compare import job_workload, run_engine, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
 from batchjob.model.attention_metadata import AttentionMetadata

@@ -5,7 +5,7 @@
 #                                            writes env.txt, check.txt and check.json under $OUT
 #   DEVICE=cpu scripts/device_check.sh       the same run on tiny shapes in Triton's interpreter (a dry run of
 #                                            the script here; about a minute on 2 cores)
-# The check itself is `batchjob selftest --device cuda` (batchjob/check.py): dummy weights, every part time-capped
+# The check itself is `batchjob selftest --device cuda` (batchjob/bench/device_check.py): dummy weights, every part time-capped
 # (8 minutes in all), its JSON rewritten after each part, so a run cut short still returns what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.job.progress import LogProgress
 from batchjob.job.spec import JobSpec
+from batchjob.job.telemetry.progress import LogProgress
 from tests.fakes import FakeEngine
 
 REPO = Path(__file__).resolve().parents[1]

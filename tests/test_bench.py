@@ -2,7 +2,7 @@
 
 import pytest
 
-from batchjob.bench import agreement, format_report, job_workload, run_bench, run_sweep, synthetic
+from batchjob.bench.compare import agreement, format_report, job_workload, run_bench, run_sweep, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.prompt import PromptBuilder

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from click.testing import CliRunner
 
-from batchjob.check import Check, TimeCap, format_check
+from batchjob.bench.device_check import Check, TimeCap, format_check
 from batchjob.cli import main
 
 

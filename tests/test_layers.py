@@ -1,9 +1,10 @@
 """The package's import graph, read from the source: no cycle, and no import upward between layers.
 
-Layers, top down: cli/bench/check (& the `batchjob` facade) -> job -> engine -> model & kernels. Lazy imports inside
-functions count too. The kernels are checked against the torch reference ops (`batchjob.model.ops`) only in their
-testing and self-test modules; otherwise they share the model's data types (attention metadata, the fp8 format),
-and the model never imports the kernels (the engine hands it an ops backend)."""
+Layers, top down: cli/bench (& the `batchjob` facade) -> job -> engine -> model & kernels -> env. Lazy imports inside
+functions count too. Inside job, the run's flow (job/*.py) sits above its two rooms, telemetry/ above output/; the rooms
+use of the flow only its leaf formats (the OpenAI Batch lines, the exit codes). The kernels share the model's data
+types (attention metadata, the fp8 format) but never its reference ops, which only the bench's kernel checks compare
+them with; the model never imports the kernels (the engine hands it an ops backend)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "batchjob"
-RANK = {"cli": 3, "bench": 3, "check": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0}
-KERNELS_MAY_USE_REFERENCE = {"batchjob.kernels.testing", "batchjob.kernels.selftest", "batchjob.kernels.compile_check"}
+RANK = {"cli": 3, "bench": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0}
+ROOM_RANK = {"flow": 2, "telemetry": 1, "output": 0}
+ROOMS_MAY_USE = {"batchjob.job.openai_batch", "batchjob.job.exit_codes"}
 
 
 def modules() -> dict[str, Path]:
@@ -68,6 +70,12 @@ def layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else "cli"  # the `batchjob` facade sits with the applications
 
 
+def room(module: str) -> str:
+    """A job module's room: output/, telemetry/ or the flow at the top of job/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in ROOM_RANK else "flow"
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     wrong = []
     for source, targets in graph.items():
@@ -77,8 +85,10 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
                 wrong.append(f"{source} imports {target} ({a} is below {b})")
             elif a == "model" and b == "kernels":
                 wrong.append(f"{source} imports {target} (the model takes its ops from the engine)")
-            elif a == "kernels" and target == "batchjob.model.ops" and source not in KERNELS_MAY_USE_REFERENCE:
+            elif a == "kernels" and target == "batchjob.model.ops":
                 wrong.append(f"{source} imports {target} (the reference ops are for kernels' tests only)")
+            elif a == b == "job" and ROOM_RANK[room(target)] > ROOM_RANK[room(source)] and target not in ROOMS_MAY_USE:
+                wrong.append(f"{source} imports {target} ({room(source)} is below {room(target)})")
     return sorted(wrong)
 
 
@@ -97,6 +107,12 @@ def test_the_checks_see_cycles_and_upward_imports():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     assert upward_imports({"batchjob.engine.x": {"batchjob.job.y"}, "batchjob.job.y": {"batchjob.engine.x"}}) == [
         "batchjob.engine.x imports batchjob.job.y (engine is below job)"
+    ]
+    assert upward_imports({"batchjob.job.output.x": {"batchjob.job.spec", "batchjob.job.openai_batch"}}) == [
+        "batchjob.job.output.x imports batchjob.job.spec (output is below flow)"
+    ]
+    assert upward_imports({"batchjob.job.output.x": {"batchjob.job.telemetry.y"}}) == [
+        "batchjob.job.output.x imports batchjob.job.telemetry.y (output is below telemetry)"
     ]
     graph = import_graph()  # a top-level and a lazy import, as the checks read them
     assert {"batchjob.job.executor", "batchjob.job.ray_executor"} <= graph["batchjob.job.runner"]

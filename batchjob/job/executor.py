@@ -14,14 +14,14 @@ import numpy as np
 
 from batchjob.engine.outputs import RequestOutput, StepMetrics
 from batchjob.job.contracts import JobEngine, model_identity
+from batchjob.job.output.state import Committed
+from batchjob.job.output.writer import PartWriter, failed_row, result_rows
 from batchjob.job.planner import Work, job_planner, requests
-from batchjob.job.progress import Progress
 from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec
-from batchjob.job.state import Committed
 from batchjob.job.stopper import Interrupted, Stopper
-from batchjob.job.timeline import Timeline
-from batchjob.job.writer import PartWriter, failed_row, result_rows
+from batchjob.job.telemetry.progress import Progress
+from batchjob.job.telemetry.timeline import Timeline
 
 
 def load_engine(job: JobSpec) -> JobEngine:

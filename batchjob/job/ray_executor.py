@@ -24,14 +24,14 @@ import pyarrow as pa
 
 from batchjob.job.contracts import JobEngine, model_identity
 from batchjob.job.executor import Pending
+from batchjob.job.output.state import StateError
+from batchjob.job.output.storage import is_url
+from batchjob.job.output.writer import failed_row, result_rows, result_schema
 from batchjob.job.planner import job_planner, requests
 from batchjob.job.reader import InputSource, Row
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
-from batchjob.job.state import StateError
 from batchjob.job.stopper import Interrupted
-from batchjob.job.storage import is_url
-from batchjob.job.timeline import Timeline
-from batchjob.job.writer import failed_row, result_rows, result_schema
+from batchjob.job.telemetry.timeline import Timeline
 
 try:
     import ray

@@ -18,10 +18,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.job.digest import file_sha256
 from batchjob.job.openai_batch import RequestLineError, parse_request
+from batchjob.job.output.digest import file_sha256
+from batchjob.job.output.storage import is_url, url_to_fs
 from batchjob.job.spec import InputSpec, JobSpec
-from batchjob.job.storage import is_url, url_to_fs
 
 MAX_LISTED_DUPLICATES = 5
 ID_CHUNK = 1 << 16  # JSONL ids gathered this many at a time into Arrow

@@ -12,15 +12,15 @@ from collections.abc import Callable
 from batchjob.job.contracts import JobEngine
 from batchjob.job.executor import Executor, LocalExecutor, Pending, load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGNAL
-from batchjob.job.lock import describe
-from batchjob.job.progress import Progress
-from batchjob.job.prom import write_metrics
+from batchjob.job.output.lock import describe
+from batchjob.job.output.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
+from batchjob.job.output.storage import display
+from batchjob.job.output.writer import PartWriter, sort_parts, write_openai_output
 from batchjob.job.reader import InputSource, Scan
 from batchjob.job.spec import JobSpec
-from batchjob.job.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
 from batchjob.job.stopper import Stopper
-from batchjob.job.storage import display
-from batchjob.job.writer import PartWriter, sort_parts, write_openai_output
+from batchjob.job.telemetry.progress import Progress
+from batchjob.job.telemetry.prom import write_metrics
 
 MODEL_KEYS = ("model_digest", "model_revision", "numerics")  # the parts known once the model is loaded
 # Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in

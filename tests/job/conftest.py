@@ -1,6 +1,6 @@
 import pytest
 
-import batchjob.job.digest
+import batchjob.job.output.digest
 from tests.helpers import Messages
 
 
@@ -13,4 +13,4 @@ def progress() -> Messages:
 def digest_memo(tmp_path_factory, monkeypatch):
     """Input digests are remembered in a folder of the test session, not in the user's cache."""
     folder = tmp_path_factory.getbasetemp() / "cache"
-    monkeypatch.setattr(batchjob.job.digest, "cache_dir", lambda: folder)
+    monkeypatch.setattr(batchjob.job.output.digest, "cache_dir", lambda: folder)

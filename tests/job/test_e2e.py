@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from batchjob.job.state import OutputDir
+from batchjob.job.output.state import OutputDir
 from tests.helpers import REPO, SAMPLE_DATA, short_documents, write_jsonl
 
 pytestmark = pytest.mark.slow

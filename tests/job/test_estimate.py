@@ -1,4 +1,4 @@
-from batchjob.job.estimate import PrefixCacheModel, plan_job
+from batchjob.job.plan import PrefixCacheModel, plan_job
 from tests.helpers import fake_factory, make_job, write_jsonl
 
 

@@ -16,10 +16,10 @@ import yaml
 
 from batchjob.job.executor import load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from batchjob.job.output.state import OutputDir
 from batchjob.job.reader import InputSource
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, load_job
-from batchjob.job.state import OutputDir
 from tests.fakes import FakeEngine
 from tests.helpers import REPO, SAMPLE_DATA, Messages, documents, fake_factory, make_job, short_documents, write_parquet
 from tests.job.test_runner import results

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import batchjob.job.digest
+import batchjob.job.output.digest
 from batchjob.job.reader import InputError, InputSource
 from tests.helpers import SAMPLE_DATA, documents, make_job, write_jsonl, write_parquet
 
@@ -272,7 +272,7 @@ def test_a_json_lone_surrogate_fails_its_row_and_a_pair_is_text(tmp_path):
 
 
 def test_the_input_identity_is_the_whole_content_remembered_by_size_mtime_and_inode(tmp_path, monkeypatch):
-    monkeypatch.setattr(batchjob.job.digest, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(batchjob.job.output.digest, "cache_dir", lambda: tmp_path / "cache")
     rows = [{"id": f"r{i}", "text": "x" * 100} for i in range(3000)]  # well over 2 x 64 KiB
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     source = InputSource(make_job(path, tmp_path / "out", input={"format": "jsonl"}))

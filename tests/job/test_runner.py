@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from batchjob.job.output.state import StateError
 from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError
-from batchjob.job.state import StateError
 from tests.helpers import SAMPLE_DATA, documents, fake_factory, make_job, write_jsonl, write_parquet
 
 

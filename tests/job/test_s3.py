@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from batchjob.job.lock import LockHeld
+from batchjob.job.output.lock import LockHeld
+from batchjob.job.output.state import OutputDir
 from batchjob.job.reader import InputSource
 from batchjob.job.runner import run_job
-from batchjob.job.state import OutputDir
 from tests.helpers import REPO, Messages, documents, fake_factory, make_job, short_documents, write_jsonl, write_parquet
 
 s3fs = pytest.importorskip("s3fs", reason="the S3 tests need the test extra (s3fs, moto[server])")

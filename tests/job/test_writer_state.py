@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchjob.job.lock import LockHeld, OutputLock
-from batchjob.job.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
-from batchjob.job.writer import TMP_PREFIX, PartWriter, sort_parts, write_atomic
+from batchjob.job.output.lock import LockHeld, OutputLock
+from batchjob.job.output.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
+from batchjob.job.output.writer import TMP_PREFIX, PartWriter, sort_parts, write_atomic
 
 PASSTHROUGH = pa.schema([("title", pa.string())])
 

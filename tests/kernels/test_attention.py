@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from batchjob.bench.kernel_cases import make_attention_case
 from batchjob.kernels import ops as kops
 from batchjob.kernels.attention import DECODE_BLOCK_N, SPLIT_SIZE, paged_attention_impl
-from batchjob.kernels.testing import make_attention_case
 from batchjob.model import ops as ref
 from batchjob.model.attention_metadata import AttentionMetadata
 

@@ -17,7 +17,7 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run(
-        [sys.executable, "-m", "batchjob.kernels.compile_check", "--quick"],
+        [sys.executable, "-m", "batchjob.bench.compile_check", "--quick"],
         cwd=root,
         env=env,
         capture_output=True,

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchjob.kernels.selftest import format_table, run_selftest
+from batchjob.bench.kernel_selftest import format_table, run_selftest
 
 pytestmark = pytest.mark.triton
 

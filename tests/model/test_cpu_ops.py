@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from batchjob.kernels.testing import make_attention_case
+from batchjob.bench.kernel_cases import make_attention_case
 from batchjob.model import cpu_native, cpu_ops, ops
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the op with")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchjob.model.hf_export import export_hf
+from batchjob.bench.hf_export import export_hf
 from batchjob.model.loader import load_model
 
 

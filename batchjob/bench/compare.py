@@ -321,7 +321,7 @@ def load_vllm(engine: Engine, model_path):
 
     from vllm import LLM  # type: ignore[import-not-found]
 
-    from batchjob.model.hf_export import hf_folder
+    from batchjob.bench.hf_export import hf_folder
 
     os.environ.update(VLLM_ENV)
     return LLM(

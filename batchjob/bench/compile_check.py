@@ -1,7 +1,7 @@
 """Compile every kernel ahead of time for a CUDA target (default sm_90, H100/H200) on a machine without a GPU: it
 catches front-end, type and lowering errors down to PTX and ptxas, which the interpreter cannot see.
 
-    python -m batchjob.kernels.compile_check [--arch 90] [--quick]
+    python -m batchjob.bench.compile_check [--arch 90] [--quick]
 
 Needs TRITON_INTERPRET unset (the kernels must be JIT functions) and the ptxas that ships with triton's wheel.
 It traces the same launches ops.py makes, for the model shapes below, by swapping each kernel's `[grid](...)`
@@ -70,8 +70,8 @@ def _signature(fn, args, kwargs):
 
 def trace_launches(quick: bool = False):
     """(kernel, args, kwargs) of every launch the wrappers make for the model shapes, dtypes and cache kinds."""
+    from batchjob.bench.kernel_cases import make_attention_case
     from batchjob.kernels import attention, elementwise, kv_cache
-    from batchjob.kernels.testing import make_attention_case
     from batchjob.model import ops as ref
 
     calls = []
@@ -121,7 +121,7 @@ def compile_all(arch: int = 90, quick: bool = False, verbose: bool = True) -> li
     """(kernel and constexprs, error or None) for each distinct compile."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError(
-            "batchjob.kernels.compile_check needs TRITON_INTERPRET unset (the kernels must be JIT functions)"
+            "batchjob.bench.compile_check needs TRITON_INTERPRET unset (the kernels must be JIT functions)"
         )
     target = GPUTarget("cuda", arch, 32)
     results, seen = [], set()

@@ -22,8 +22,8 @@ from matplotlib.figure import Figure  # no pyplot: no global state, no display; 
 from matplotlib.ticker import MaxNLocator
 
 from batchjob.engine.config import EngineConfig
-from batchjob.job.state import DATA, JOB_FILE, SUMMARY, TIMELINE
-from batchjob.job.timeline import read_timeline
+from batchjob.job.output.state import DATA, JOB_FILE, SUMMARY, TIMELINE
+from batchjob.job.telemetry.timeline import read_timeline
 
 RESULT_COLUMNS = ["prompt_tokens", "output_tokens", "ttft_s", "total_time_s", "error"]
 MAX_POINTS = 300  # a rate over fewer timeline rows than this would be too spiky to read

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 from upath import UPath
 
-from batchjob.job.lock import LockHeld
+from batchjob.job.output.lock import LockHeld
 
 
 class LeaseLost(Exception):

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjob.job.openai_batch import format_response
-from batchjob.job.storage import Location, is_remote, parquet_file, put_whole, read_parquet
+from batchjob.job.output.storage import Location, is_remote, parquet_file, put_whole, read_parquet
 
 TOP_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
 TOKEN_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64()), ("top_logprobs", pa.list_(TOP_LOGPROB))])

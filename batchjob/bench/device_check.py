@@ -164,7 +164,7 @@ class Check:
 
     # -- parts ------------------------------------------------------------------------------------------------
     def kernels(self, deadline: float) -> None:
-        from batchjob.kernels.selftest import run_selftest
+        from batchjob.bench.kernel_selftest import run_selftest
 
         for dtype in self.dtypes:
             self._within(deadline, f"kernels in {dtype} and after")
@@ -185,7 +185,7 @@ class Check:
         return Engine(model, device=self.device.type, ops_backend=ops, load_format=self.load_format, **config)
 
     def equality(self, deadline: float) -> None:
-        from batchjob.bench import synthetic
+        from batchjob.bench.compare import synthetic
 
         model = self.models[0]
         n, inp, out, budget, block, blocks = EQUALITY["cpu" if self.small else "cuda"]
@@ -220,7 +220,7 @@ class Check:
         )
 
     def throughput(self, deadline: float) -> None:
-        from batchjob.bench import load_hf_model, run_engine, run_hf, synthetic
+        from batchjob.bench.compare import load_hf_model, run_engine, run_hf, synthetic
 
         peaks = device_peaks(self.device)
         self.report["peaks"] = peaks
@@ -284,7 +284,7 @@ class Check:
     def _roofline(self, engine, r, peaks: dict) -> dict:
         """Achieved matmul FLOP/s per phase, and decode's HBM bytes/s: every weight once per decode step plus
         the KV of the decoded tokens' contexts (mean context taken as prompt + half the output)."""
-        from batchjob.bench import model_flops_per_token
+        from batchjob.bench.compare import model_flops_per_token
 
         per_token = model_flops_per_token(engine)
         out = {}
@@ -307,7 +307,7 @@ class Check:
         that batches shrink through several graph sizes): greedy tokens equal in fp32, and in each dtype the decode
         tokens/s of a second run (the first captures the sizes it replays). On a CPU graphs are off: the padded body
         a graph captures runs eagerly in their place, checked the same way."""
-        from batchjob.bench import run_engine, synthetic
+        from batchjob.bench.compare import run_engine, synthetic
 
         model = self.models[0]
         n, inp, out = GRAPHS["cpu" if self.small else "cuda"]
@@ -352,7 +352,7 @@ class Check:
         """The Triton engine (eager: a capture waits for the device by design) steps through chunked prefills, mixed
         steps, decodes and preemption with every host synchronisation inside a step raising (torch's sync debug mode
         on a GPU; on a CPU the ops that would wait on one)."""
-        from batchjob.bench import synthetic
+        from batchjob.bench.compare import synthetic
 
         n, inp, out, budget, block, blocks = EQUALITY["cpu" if self.small else "cuda"]
         config = dict(max_num_batched_tokens=budget, num_kv_blocks=blocks, block_size=block, max_num_seqs=n)

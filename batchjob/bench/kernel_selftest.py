@@ -1,6 +1,6 @@
 """Every Triton kernel against its torch reference (batchjob.model.ops) on realistic shapes, with timings.
 
-    from batchjob.kernels.selftest import run_selftest, format_table
+    from batchjob.bench.kernel_selftest import run_selftest, format_table
     print(format_table(run_selftest("cuda")))
 
 On a CPU it runs in Triton's interpreter with small=True (tiny shapes); the interpreter is switched on here if no
@@ -116,9 +116,9 @@ def run_selftest(
     small: tiny shapes (for the interpreter on a CPU). dtype: activations (default bf16 on CUDA, fp32 on a CPU).
     reps: timed repetitions after one warm-up call (default 10 on CUDA, 1 on a CPU); 0 checks without timing."""
     _ensure_interpreter(device)
+    from batchjob.bench.kernel_cases import make_attention_case
     from batchjob.kernels import ops as kops
     from batchjob.kernels.attention import SPLIT_SIZE
-    from batchjob.kernels.testing import make_attention_case
     from batchjob.model import ops as ref
 
     if dtype is None:

@@ -14,7 +14,7 @@ import stat
 from datetime import datetime, timezone
 from pathlib import Path
 
-from batchjob.job.storage import Location, is_remote
+from batchjob.job.output.storage import Location, is_remote
 
 
 class LockHeld(Exception):

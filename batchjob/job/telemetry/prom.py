@@ -13,8 +13,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from batchjob.job.state import Committed
-from batchjob.job.writer import write_atomic
+from batchjob.job.output.state import Committed
+from batchjob.job.output.writer import write_atomic
 
 
 def write_metrics(

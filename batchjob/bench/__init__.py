@@ -1,0 +1,1 @@
+"""Measurement, kept out of the core: `batchjob bench` (workloads, systems, roofline) and `batchjob selftest`."""
