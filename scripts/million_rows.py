@@ -22,7 +22,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.job.output.writer import result_schema
+from batchjob.job.output.schema import result_schema
 
 JOB = "input: {path: in.parquet}\nsampling: {max_tokens: 4}\nengine: {max_model_len: 128}\noutput: {path: out}\n"
 WORDS = ["apples", "rivers", "music", "winter", "cities", "robots", "gardens", "oceans", "history", "coffee"]

@@ -14,8 +14,9 @@ import numpy as np
 
 from batchjob.engine.outputs import RequestOutput, StepMetrics
 from batchjob.job.contracts import JobEngine, model_identity
+from batchjob.job.output.schema import failed_row, result_rows
 from batchjob.job.output.state import Committed
-from batchjob.job.output.writer import PartWriter, failed_row, result_rows
+from batchjob.job.output.writer import PartWriter
 from batchjob.job.planner import Work, job_planner, requests
 from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec

@@ -24,9 +24,9 @@ import pyarrow as pa
 
 from batchjob.job.contracts import JobEngine, model_identity
 from batchjob.job.executor import Pending
+from batchjob.job.output.schema import failed_row, result_rows, result_schema
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import is_url
-from batchjob.job.output.writer import failed_row, result_rows, result_schema
 from batchjob.job.planner import job_planner, requests
 from batchjob.job.reader import InputSource, Row
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec

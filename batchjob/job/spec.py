@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.output.writer import RESULT_COLUMNS
+from batchjob.job.output.schema import RESULT_COLUMNS
 from batchjob.model.builtin import DEFAULT_MODEL
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}

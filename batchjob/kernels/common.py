@@ -11,15 +11,6 @@ import triton.language as tl
 # triton.jit picks the interpreter when the function is defined, from this variable: read it the same way, once.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def tl_dtype(dtype: torch.dtype):
-    try:
-        return _TL_DTYPES[dtype]
-    except KeyError:
-        raise TypeError(f"unsupported dtype for the Triton kernels: {dtype}") from None
-
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))

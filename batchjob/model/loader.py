@@ -40,11 +40,6 @@ class ModelLocation:
     revision: str | None = None  # the Hub commit it was resolved to; None for a local path or a built-in name
 
 
-def resolve_model(model: str) -> Path:
-    """A GGUF file or HF folder path for a model name, path or Hub id."""
-    return locate_model(model).path
-
-
 def locate_model(model: str) -> ModelLocation:
     tried = []
     path = Path(model).expanduser()

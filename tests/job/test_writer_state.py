@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from batchjob.job.output.lock import LockHeld, OutputLock
 from batchjob.job.output.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
-from batchjob.job.output.writer import TMP_PREFIX, PartWriter, sort_parts, write_atomic
+from batchjob.job.output.storage import TMP_PREFIX, write_atomic
+from batchjob.job.output.writer import PartWriter, sort_parts
 
 PASSTHROUGH = pa.schema([("title", pa.string())])
 

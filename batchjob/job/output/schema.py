@@ -1,0 +1,80 @@
+"""The result dataset's schema: the columns every output row has, and the rows made from a finished request."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+TOP_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
+TOKEN_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64()), ("top_logprobs", pa.list_(TOP_LOGPROB))])
+RESULT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("output", pa.string()),  # the first sample's
+        ("finish_reason", pa.string()),
+        ("outputs", pa.list_(pa.string())),  # all n samples, with their finish reasons and lengths
+        ("finish_reasons", pa.list_(pa.string())),
+        ("output_token_counts", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.list_(TOKEN_LOGPROB))),  # per sample, per token; with sampling.logprobs
+        ("prompt_tokens", pa.int32()),
+        ("output_tokens", pa.int32()),  # of all samples, as OpenAI's usage.completion_tokens
+        ("cached_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+        ("error", pa.string()),
+        ("queue_time_s", pa.float64()),
+        ("ttft_s", pa.float64()),
+        ("total_time_s", pa.float64()),
+        ("row_index", pa.int64()),  # the row's position in the input, for `order: input`
+    ]
+)
+RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
+
+
+def result_rows(work, output, tokenizer) -> list[dict]:
+    """The output rows of a finished planner Work: one per input row it stands for, duplicates included."""
+    m, samples = output.metrics, output.samples
+    logprobs = None
+    if work.params.logprobs:
+        logprobs = [[_token_logprob(lp, tokenizer) for lp in s.logprobs or []] for s in samples]
+    return [
+        {
+            **row.passthrough,
+            "id": row.id,
+            "output": output.text,
+            "finish_reason": output.finish_reason,
+            "outputs": [s.text for s in samples],
+            "finish_reasons": [s.finish_reason for s in samples],
+            "output_token_counts": [len(s.token_ids) for s in samples],
+            "logprobs": logprobs,
+            "prompt_tokens": len(work.token_ids),
+            "output_tokens": sum(len(s.token_ids) for s in samples),
+            # A duplicate reuses the whole computed result, its prompt included.
+            "cached_tokens": len(work.token_ids) if k else output.num_cached_tokens,
+            "truncated": work.truncated,
+            "error": output.error,
+            "row_index": row.index,
+            "queue_time_s": m and m.queue_time,
+            "ttft_s": m and m.ttft,
+            "total_time_s": m and m.total_time,
+        }
+        for k, row in enumerate(work.rows)
+    ]
+
+
+def _token_logprob(lp, tokenizer) -> dict:
+    def token(i: int) -> str:
+        return tokenizer.decode([i], skip_special_tokens=False)
+
+    return {
+        "token": token(lp.token_id),
+        "logprob": lp.logprob,
+        "top_logprobs": [{"token": token(i), "logprob": v} for i, v in lp.top],
+    }
+
+
+def failed_row(row, error: str) -> dict:
+    """The output row of an input row that never reached the engine."""
+    return {**row.passthrough, "id": row.id, "error": error, "row_index": row.index}
+
+
+def result_schema(passthrough: pa.Schema) -> pa.Schema:
+    return pa.schema([*RESULT_SCHEMA, *passthrough])
