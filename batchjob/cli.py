@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 
 from batchjob.engine.errors import DeviceSettingError
-from batchjob.job.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_LOCKED, EXIT_USAGE
+from batchjob.env import configure_threads
+from batchjob.job.exit_codes import EXIT_CHECKS_FAILED, EXIT_INTERNAL, EXIT_IO, EXIT_LOCKED, EXIT_OK, EXIT_USAGE
 from batchjob.job.output.lease import LeaseLost
 from batchjob.job.output.lock import LockHeld, describe
 from batchjob.job.output.state import OutputDir, StateError
@@ -65,7 +66,14 @@ def _failures() -> Iterator[None]:
         _fail(f"internal error: {type(e).__name__}: {e} (the traceback is in {log.name})", EXIT_INTERNAL)
 
 
-@click.command()
+@click.group()
+@click.version_option(package_name="batchjob")
+def main() -> None:
+    """Offline LLM batch inference: continuous batching, paged KV cache, resumable Parquet output."""
+    configure_threads()  # before any command imports torch
+
+
+@main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--restart", is_flag=True, help="Discard the output folder's earlier results and start over.")
@@ -124,7 +132,7 @@ def run(
     sys.exit(code)
 
 
-@click.command()
+@main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--no-calibrate", is_flag=True, help="Skip the short measured run; no time estimate.")
@@ -175,7 +183,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-@click.command()
+@main.command()
 @click.argument("folder")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(folder: str, as_json: bool) -> None:
@@ -200,17 +208,6 @@ def status(folder: str, as_json: bool) -> None:
         click.echo(f"summary: {json.dumps(s['summary'])}")
 
 
-@click.group()
-@click.version_option(package_name="batchjob")
-def main() -> None:
-    """Offline LLM batch inference: continuous batching, paged KV cache, resumable Parquet output."""
-
-
-main.add_command(run)
-main.add_command(plan)
-main.add_command(status)
-
-
 @main.command()
 @click.argument("prompt")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="built-in name, GGUF file or HF folder")
@@ -223,16 +220,16 @@ def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> N
     """Complete one PROMPT with the model and print the text."""
     from batchjob.engine.engine import Engine, SamplingParams
 
-    engine = Engine(model)
-    tok = engine.tokenizer
-    if no_chat:
-        ids = tok.encode(prompt)
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = tok.encode_chat(messages)
-    [out] = engine.generate(
-        [ids], SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed), use_tqdm=False
-    )
+    with _failures():
+        engine = Engine(model)
+        tok = engine.tokenizer
+        if no_chat:
+            ids = tok.encode(prompt)
+        else:
+            system_turn = [{"role": "system", "content": system}] if system else []
+            ids = tok.encode_chat([*system_turn, {"role": "user", "content": prompt}])
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        [out] = engine.generate([ids], params, use_tqdm=False)
     click.echo(out.text)
 
 
@@ -304,82 +301,13 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 )
 @click.option("--enforce-eager", is_flag=True, help="decode without CUDA graphs (vLLM's flag)")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
-def bench(
-    model,
-    job_file,
-    num_prompts,
-    input_len,
-    output_len,
-    range_ratio,
-    prefix_len,
-    systems,
-    batch_size,
-    repeats,
-    max_num_seqs,
-    max_num_batched_tokens,
-    budgets,
-    load_format,
-    enforce_eager,
-    json_path,
-) -> None:
+def bench(**options) -> None:
     """Throughput of this engine against baselines on one workload, in one process."""
-    import json
+    from batchjob.bench.compare import BenchOptions
+    from batchjob.bench.compare import bench as run_bench
 
-    import pydantic
-
-    from batchjob.bench.compare import format_report, format_sweep, job_workload, run_bench, run_sweep, synthetic
-    from batchjob.engine.engine import Engine
-    from batchjob.job.spec import JobFileError, load_job
-
-    overrides = {
-        k: v
-        for k, v in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("load_format", load_format),
-            ("enforce_eager", enforce_eager or None),  # a flag: absent leaves the job file's setting
-        )
-        if v is not None
-    }
-    if budgets:
-        overrides["max_num_batched_tokens"] = "auto"  # sizes the engine's memory for every budget it may run at
-    job = None
-    if job_file:
-        try:
-            job = load_job(job_file)
-        except JobFileError as e:
-            raise click.ClickException(str(e)) from None
-        model = job.model
-        overrides = {**job.engine.model_dump(exclude_unset=True), **overrides}
-    try:
-        engine = Engine(model, **overrides)
-    except pydantic.ValidationError as e:
-        raise click.ClickException(str(e)) from None
-    if job:
-        wl = job_workload(job, engine, num_prompts)
-    else:
-        wl = synthetic(
-            engine.model_config.vocab_size, num_prompts or 64, input_len, output_len, range_ratio, prefix_len
-        )
-    if budgets:
-        report = run_sweep(engine, wl, budgets, repeats)
-        click.echo(format_sweep(report))
-    else:
-        import torch
-
-        report = run_bench(
-            engine,
-            engine.model_path,
-            wl,
-            [s.strip() for s in systems.split(",") if s.strip()],
-            batch_size,
-            repeats,
-            torch.get_num_threads(),
-        )
-        click.echo(format_report(report))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
+    with _failures():
+        click.echo(run_bench(BenchOptions(**options)))
 
 
 @main.command()
@@ -392,8 +320,8 @@ def report(folder, output_dir) -> None:
 
     try:
         paths = render(folder, output_dir)
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
+    except FileNotFoundError as e:  # not a job's output folder
+        _fail(str(e), EXIT_USAGE)
     for path in paths:
         click.echo(str(path))
 
@@ -407,16 +335,15 @@ def selftest(device, load_format, json_path) -> None:
     through CUDA graphs against eager, throughput against torch ops and HF generate with a roofline, steps without a
     host synchronisation, and KV pool sizing with graphs captured; each part guarded and time-capped.
     `--device cpu` runs the same parts on tiny shapes in Triton's interpreter. Exit code 1 unless all passed."""
-    import sys
-
     import torch
 
     from batchjob.bench.device_check import run_check
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda: torch sees no CUDA device here (use --device cpu for the CPU form)")
-    report = run_check(device, json_path, load_format, click.echo)
-    sys.exit(0 if report["passed"] else 1)
+        _fail("--device cuda: torch sees no CUDA device here (use --device cpu for the CPU form)", EXIT_USAGE)
+    with _failures():
+        report = run_check(device, json_path, load_format, click.echo)
+    sys.exit(EXIT_OK if report["passed"] else EXIT_CHECKS_FAILED)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import batchjob.model.linear as linear
-from batchjob.bench.compare import job_workload, run_engine, synthetic
+from batchjob.bench.systems import run_engine
+from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
 from batchjob.model.attention_metadata import AttentionMetadata

@@ -2,7 +2,10 @@
 
 import pytest
 
-from batchjob.bench.compare import agreement, format_report, job_workload, run_bench, run_sweep, synthetic
+from batchjob.bench.compare import run_bench, run_sweep
+from batchjob.bench.measure import agreement
+from batchjob.bench.tables import format_report
+from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.prompt import PromptBuilder

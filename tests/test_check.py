@@ -11,7 +11,8 @@ pytest.importorskip("triton")
 
 from click.testing import CliRunner
 
-from batchjob.bench.device_check import Check, TimeCap, format_check
+from batchjob.bench.device_check import Check, TimeCap
+from batchjob.bench.tables import format_check
 from batchjob.cli import main
 
 

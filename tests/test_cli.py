@@ -94,3 +94,24 @@ def test_the_cli_starts_without_importing_torch():
     """`batchjob status` or a bad job file answers in a moment: torch (seconds to import) loads with the model only."""
     code = "import sys, batchjob.cli; print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "hi", "--model", "/no/such/model.gguf"],
+        ["bench", "--model", "/no/such/model.gguf"],
+        ["bench", "--job", "/no/such/job.yaml"],
+        ["report", str(REPO / "jobs")],  # a folder, but no job's output
+        ["plan", "/no/such/job.yaml"],
+    ],
+)
+def test_every_command_maps_a_users_mistake_to_exit_2_in_one_line(args):
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    assert "Traceback" not in result.output
+
+
+def test_every_command_is_registered_on_the_group():
+    assert set(cli.main.commands) == {"run", "plan", "status", "generate", "bench", "report", "selftest"}

@@ -11,7 +11,6 @@ launch for a recorder while running the wrappers on small CPU tensors.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -19,6 +18,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from batchjob import env
 
 _TYPES = {
     torch.float32: "fp32",
@@ -119,7 +120,7 @@ def trace_launches(quick: bool = False):
 
 def compile_all(arch: int = 90, quick: bool = False, verbose: bool = True) -> list[tuple[str, str | None]]:
     """(kernel and constexprs, error or None) for each distinct compile."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if env.get("TRITON_INTERPRET") == "1":
         raise RuntimeError(
             "batchjob.bench.compile_check needs TRITON_INTERPRET unset (the kernels must be JIT functions)"
         )

@@ -24,40 +24,82 @@ import platform
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-# device -> (model shapes, kernel dtypes, workloads (name, prompts, input len, output len, range ratio), batch)
+from batchjob import env
+from batchjob.bench.measure import best_seconds, roofline, synchronize
+from batchjob.bench.tables import format_check
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A throughput workload: random prompts, lengths uniform in len * (1 -/+ range_ratio)."""
+
+    name: str
+    prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+
+
+@dataclass(frozen=True)
+class StressShape:
+    """The equality and host-sync runs: prompts longer than the token budget are prefilled in chunks, and the pool
+    holds fewer blocks than the sequences want, so that they are preempted."""
+
+    prompts: int
+    input_len: int
+    output_len: int
+    token_budget: int
+    block_size: int
+    kv_blocks: int
+
+
+@dataclass(frozen=True)
+class GraphsShape:
+    """The graphs run: prompts = max_num_seqs, output lengths mixed so that batches shrink through graph sizes."""
+
+    prompts: int
+    input_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    models: tuple[str, ...]  # model shapes, dummy weights by default
+    kernel_dtypes: tuple[torch.dtype, ...]
+    workloads: tuple[Workload, ...]
+    batch: int  # the HF baseline's fixed batch
+    stress: StressShape
+    graphs: GraphsShape
+
+
 PLANS = {
-    "cuda": (
-        ["smollm2-135m-instruct", "llama-3-8b"],
-        [torch.bfloat16, torch.float16, torch.float32],
-        [("64x256/64", 64, 256, 64, 0.0), ("mixed", 64, 256, 64, 0.75)],
+    "cuda": Plan(
+        ("smollm2-135m-instruct", "llama-3-8b"),
+        (torch.bfloat16, torch.float16, torch.float32),
+        (Workload("64x256/64", 64, 256, 64, 0.0), Workload("mixed", 64, 256, 64, 0.75)),
         64,
+        StressShape(8, 120, 32, 64, 16, 24),
+        GraphsShape(48, 32, 96),
     ),
-    "cpu": (
-        ["tiny-llama"],
-        [torch.float16],
-        [("2x8/2", 2, 8, 2, 0.0), ("mixed", 2, 8, 2, 0.5)],
+    "cpu": Plan(
+        ("tiny-llama",),
+        (torch.float16,),
+        (Workload("2x8/2", 2, 8, 2, 0.0), Workload("mixed", 2, 8, 2, 0.5)),
         2,
+        StressShape(3, 30, 6, 16, 4, 14),
+        GraphsShape(3, 6, 4),
     ),
 }
-# greedy-equality step: (prompts, input len, output len, token budget, block size, KV blocks); prompts longer than
-# the budget are prefilled in chunks, and the pool holds fewer blocks than the sequences want (preemption)
-EQUALITY = {"cuda": (8, 120, 32, 64, 16, 24), "cpu": (3, 30, 6, 16, 4, 14)}
-# graphs step: (prompts = max_num_seqs, input len, output len), lengths mixed so that batches shrink through sizes
-GRAPHS = {"cuda": (48, 32, 96), "cpu": (3, 6, 4)}
 # seconds per part; 8 minutes on an H200 in all, start-up included
 CAPS = {"kernels": 140, "equality": 60, "throughput": 170, "graphs": 40, "host_sync": 15, "kv_sizing": 35}
 
 
 class TimeCap(Exception):
     pass
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
@@ -74,32 +116,20 @@ def device_peaks(device: torch.device) -> dict:
     n = 8192 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     reps = 10 if device.type == "cuda" else 3
-    a @ b
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
+    flops = 2 * n**3 / best_seconds(lambda: a @ b, reps, device)
     x = torch.empty((1 << 30) if device.type == "cuda" else (1 << 24), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    y.copy_(x)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        y.copy_(x)
-    _sync(device)
-    bandwidth = 2 * x.numel() * reps / (time.perf_counter() - t0)  # bytes read and written
+    bandwidth = 2 * x.numel() / best_seconds(lambda: y.copy_(x), reps, device)  # bytes read and written
     return {"matmul_flops": flops, "matmul_dtype": str(dtype).replace("torch.", ""), "copy_bytes_per_s": bandwidth}
 
 
 class Check:
     def __init__(self, device: str, json_path: str | None, load_format: str = "dummy", small: bool | None = None):
         if device == "cpu":
-            os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels
+            env.use_triton_interpreter()  # before anything imports the kernels
         self.device = torch.device(device)
         self.small = device == "cpu" if small is None else small
-        self.models, self.dtypes, self.workloads, self.batch = PLANS["cpu" if self.small else "cuda"]
+        self.plan = PLANS["cpu" if self.small else "cuda"]
         self.load_format = load_format
         self.json_path = json_path
         self.rows: list[dict] = []
@@ -166,7 +196,7 @@ class Check:
     def kernels(self, deadline: float) -> None:
         from batchjob.bench.kernel_selftest import run_selftest
 
-        for dtype in self.dtypes:
+        for dtype in self.plan.kernel_dtypes:
             self._within(deadline, f"kernels in {dtype} and after")
             for r in run_selftest(str(self.device), small=self.small, dtype=dtype, reps=0 if self.small else 10):
                 self.row(
@@ -185,10 +215,18 @@ class Check:
         return Engine(model, device=self.device.type, ops_backend=ops, load_format=self.load_format, **config)
 
     def equality(self, deadline: float) -> None:
-        from batchjob.bench.compare import synthetic
+        from batchjob.bench.workloads import synthetic
 
-        model = self.models[0]
-        n, inp, out, budget, block, blocks = EQUALITY["cpu" if self.small else "cuda"]
+        model = self.plan.models[0]
+        st = self.plan.stress
+        n, inp, out, budget, block, blocks = (
+            st.prompts,
+            st.input_len,
+            st.output_len,
+            st.token_budget,
+            st.block_size,
+            st.kv_blocks,
+        )
         config = dict(
             dtype="float32", max_num_batched_tokens=budget, num_kv_blocks=blocks, block_size=block, max_num_seqs=n
         )
@@ -220,7 +258,8 @@ class Check:
         )
 
     def throughput(self, deadline: float) -> None:
-        from batchjob.bench.compare import load_hf_model, run_engine, run_hf, synthetic
+        from batchjob.bench.systems import load_hf_model, run_engine, run_hf
+        from batchjob.bench.workloads import synthetic
 
         peaks = device_peaks(self.device)
         self.report["peaks"] = peaks
@@ -233,7 +272,7 @@ class Check:
         )
         # the engine as users run it, decode through CUDA graphs, unless the graphs part found them failing
         graphs = self.report["parts"].get("graphs", {}).get("status") == "passed"
-        for model in self.models:
+        for model in self.plan.models:
             results: dict[str, dict] = {}
             for system in ("triton", "torch", "hf"):
                 self._within(deadline, f"{model} {system} and after")
@@ -244,26 +283,29 @@ class Check:
                     else self._engine(model, system, enforce_eager=not graphs)
                 )
                 workloads = [
-                    (name, synthetic(engine.model_config.vocab_size, n, inp, out, ratio))
-                    for name, n, inp, out, ratio in self.workloads
+                    (
+                        w.name,
+                        synthetic(engine.model_config.vocab_size, w.prompts, w.input_len, w.output_len, w.range_ratio),
+                    )
+                    for w in self.plan.workloads
                 ]
                 hf = load_hf_model(engine, engine.model_path) if system == "hf" else None
                 # warm-up on the workloads themselves, untimed: a tiny one left the first full-budget steps (Triton's
                 # compiles per shape, cuBLAS's first choices, the allocator growing, decode graphs captured) in the
-                # first timed run (Llama-3-8B's 64 x 256 prefill ran at 107 TFLOP/s there against 584 on the next one)
+                # first timed run, at a fraction of the next run's rate
                 if hf is None:
                     for _, wl in workloads:
                         run_engine(engine, wl)
                 for name, wl in workloads:
                     self._within(deadline, f"{model} {system} {name} and after")
-                    _sync(self.device)
-                    r = run_hf(wl, self.batch, hf) if hf is not None else run_engine(engine, wl, system)
+                    synchronize(self.device)
+                    r = run_hf(wl, self.plan.batch, hf) if hf is not None else run_engine(engine, wl, system)
                     results[f"{name}/{system}"] = row = r.row()
                     if hf is None:
                         row |= self._roofline(engine, r, peaks)
                 del engine, hf
                 _free(self.device)
-            for name, *_ in self.workloads:
+            for name in (w.name for w in self.plan.workloads):
                 base = results.get(f"{name}/triton")
                 for system in ("triton", "torch", "hf"):
                     r = results.get(f"{name}/{system}")
@@ -281,25 +323,18 @@ class Check:
                     self.row("throughput", f"{model} {name} {system}", None, **figures)
         self.report["throughput"] = results
 
-    def _roofline(self, engine, r, peaks: dict) -> dict:
-        """Achieved matmul FLOP/s per phase, and decode's HBM bytes/s: every weight once per decode step plus
-        the KV of the decoded tokens' contexts (mean context taken as prompt + half the output)."""
-        from batchjob.bench.compare import model_flops_per_token
-
-        per_token = model_flops_per_token(engine)
+    @staticmethod
+    def _roofline(engine, r, peaks: dict) -> dict:
+        """The bench's roofline against the device's measured peaks, as this report's figures."""
+        phases = roofline(engine, r, peaks)
         out = {}
-        if r.prefill_time:
-            out["prefill_tflops"] = per_token * r.prefill_tokens / r.prefill_time / 1e12
-        if r.decode_time and r.decode_steps:
-            m = engine.runner.model
-            weight_bytes = m.weight_bytes()
-            ctx = r.prompt_tokens / r.num_requests + r.output_tokens / r.num_requests / 2
-            kv = r.decode_tokens * ctx * engine.kv_bytes_per_token
-            out["decode_tflops"] = per_token * r.decode_tokens / r.decode_time / 1e12
-            out["decode_hbm_gb_per_s"] = (weight_bytes * r.decode_steps + kv) / r.decode_time / 1e9
-            out["decode_hbm_fraction"] = out["decode_hbm_gb_per_s"] * 1e9 / peaks["copy_bytes_per_s"]
-        if "prefill_tflops" in out:
-            out["prefill_fraction"] = out["prefill_tflops"] * 1e12 / peaks["matmul_flops"]
+        if p := phases.get("prefill"):
+            out |= {"prefill_tflops": p["achieved_gflops"] / 1e3, "prefill_fraction": p["fraction"]}
+        if d := phases.get("decode"):
+            out["decode_tflops"] = d["achieved_gflops"] / 1e3
+            if "achieved_read_gb_per_s" in d:
+                out["decode_hbm_gb_per_s"] = d["achieved_read_gb_per_s"]
+                out["decode_hbm_fraction"] = d["achieved_read_gb_per_s"] / d["read_gb_per_s"]
         return out
 
     def graphs(self, deadline: float) -> None:
@@ -307,10 +342,11 @@ class Check:
         that batches shrink through several graph sizes): greedy tokens equal in fp32, and in each dtype the decode
         tokens/s of a second run (the first captures the sizes it replays). On a CPU graphs are off: the padded body
         a graph captures runs eagerly in their place, checked the same way."""
-        from batchjob.bench.compare import run_engine, synthetic
+        from batchjob.bench.systems import run_engine
+        from batchjob.bench.workloads import synthetic
 
-        model = self.models[0]
-        n, inp, out = GRAPHS["cpu" if self.small else "cuda"]
+        model = self.plan.models[0]
+        n, inp, out = self.plan.graphs.prompts, self.plan.graphs.input_len, self.plan.graphs.output_len
         config = dict(max_num_seqs=n, num_kv_blocks=n * -(-(2 * inp + 2 * out) // 16) + 1, block_size=16)
         cuda = self.device.type == "cuda"
         for dtype in ("float32", "auto") if cuda else ("float32",):
@@ -318,9 +354,9 @@ class Check:
             for mode in ("graphs", "eager"):
                 self._within(deadline, f"{mode} in {dtype} and after")
                 engine = self._engine(model, "triton", enforce_eager=mode == "eager", dtype=dtype, **config)
-                graphs = engine.runner.decode_graphs
                 if mode == "graphs" and not cuda:
-                    graphs = engine.runner.decode_graphs = engine.runner.make_decode_graphs(capture=False)
+                    engine.set_decode_graphs(True, capture=False)
+                graphs = engine.decode_graphs
                 wl = synthetic(engine.model_config.vocab_size, n, inp, out, range_ratio=0.75, seed=3)
                 first, second = run_engine(engine, wl, mode), run_engine(engine, wl, mode)
                 runs[mode] = {
@@ -352,12 +388,20 @@ class Check:
         """The Triton engine (eager: a capture waits for the device by design) steps through chunked prefills, mixed
         steps, decodes and preemption with every host synchronisation inside a step raising (torch's sync debug mode
         on a GPU; on a CPU the ops that would wait on one)."""
-        from batchjob.bench.compare import synthetic
+        from batchjob.bench.workloads import synthetic
 
-        n, inp, out, budget, block, blocks = EQUALITY["cpu" if self.small else "cuda"]
+        st = self.plan.stress
+        n, inp, out, budget, block, blocks = (
+            st.prompts,
+            st.input_len,
+            st.output_len,
+            st.token_budget,
+            st.block_size,
+            st.kv_blocks,
+        )
         config = dict(max_num_batched_tokens=budget, num_kv_blocks=blocks, block_size=block, max_num_seqs=n)
-        engine = self._engine(self.models[0], "triton", enforce_eager=True, **config)
-        engine.runner.forbid_host_sync = True
+        engine = self._engine(self.plan.models[0], "triton", enforce_eager=True, **config)
+        engine.forbid_host_sync()
         wl = synthetic(engine.model_config.vocab_size, n, inp, out, range_ratio=0.65, seed=2)
         steps = []
         engine.add_step_callback(steps.append)
@@ -368,7 +412,7 @@ class Check:
             error = f"{type(e).__name__}: {e}"[:300]
         self.row(
             "host_sync",
-            f"{self.models[0]} triton steps without a host synchronisation",
+            f"{self.plan.models[0]} triton steps without a host synchronisation",
             error is None,
             steps=len(steps),
             mixed_steps=sum(bool(s.num_prefill_tokens and s.num_decode_tokens) for s in steps),
@@ -384,7 +428,7 @@ class Check:
         fails. On a CPU the pool against kv_cache_memory_gb."""
         from batchjob.engine.sampling_params import SamplingParams
 
-        model = self.models[0]
+        model = self.plan.models[0]
         if self.device.type != "cuda":
             engine = self._engine(model, "torch", kv_cache_memory_gb=0.01)
             pool = engine.num_kv_blocks * engine.config.block_size * engine.kv_bytes_per_token
@@ -403,7 +447,7 @@ class Check:
                 engine = self._engine(
                     model, "triton", kv_cache_memory_fraction=fraction, max_num_batched_tokens=budget, max_num_seqs=seqs
                 )
-                m = engine.runner.memory
+                m = engine.memory_profile
                 figures |= {
                     "kv_blocks": engine.num_kv_blocks,
                     "step_peak_gib": m.step_peak / 2**30,
@@ -425,10 +469,10 @@ class Check:
             except torch.OutOfMemoryError as e:
                 figures["oom"] = str(e)[:200]
             finally:
-                _sync(self.device)
+                synchronize(self.device)
                 share = torch.cuda.max_memory_reserved(self.device) / total
                 free, _ = torch.cuda.mem_get_info(self.device)
-                graphs = engine.runner.decode_graphs if engine is not None else None
+                graphs = engine.decode_graphs if engine is not None else None
                 captured = sorted(graphs.graphs) if graphs is not None else []
                 self.row(
                     "kv_sizing",
@@ -441,26 +485,6 @@ class Check:
                 )
             del engine, graphs
             _free(self.device)
-
-
-def format_check(report: dict) -> str:
-    """One fixed-width table: part, check, ok, then the row's figures."""
-    lines = []
-    dev = report["device"]
-    lines.append(f"device: {dev.get('name', dev['device'])}  torch {dev['torch']}  triton {dev.get('triton')}")
-    width = max((len(r["check"]) for r in report["rows"]), default=10)
-    for r in report["rows"]:
-        ok = {True: "PASS", False: "FAIL", None: "    "}[r["ok"]]
-        figures = "  ".join(
-            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in r.items()
-            if k not in ("part", "check", "ok", "trace") and v is not None
-        )
-        lines.append(f"{r['part']:<10}  {r['check']:<{width}}  {ok}  {figures}")
-    for part, p in report["parts"].items():
-        lines.append(f"part {part}: {p['status']} in {p['seconds']:.1f} s")
-    lines.append("ALL PASSED" if report.get("passed") else "NOT ALL PASSED")
-    return "\n".join(lines)
 
 
 def run_check(device: str, json_path: str | None, load_format: str = "dummy", log: Callable[[str], None] = print):

@@ -1,7 +1,9 @@
 """Every Triton kernel against its torch reference (batchjob.model.ops) on realistic shapes, with timings.
 
-    from batchjob.bench.kernel_selftest import run_selftest, format_table
-    print(format_table(run_selftest("cuda")))
+    from batchjob.bench.kernel_selftest import run_selftest
+    from batchjob.bench.tables import format_selftest
+
+    print(format_selftest(run_selftest("cuda")))
 
 On a CPU it runs in Triton's interpreter with small=True (tiny shapes); the interpreter is switched on here if no
 kernel module has been imported yet. Each row: kernel, case, dtype, shape, max_abs_err, tol, passed, triton_ms,
@@ -10,12 +12,12 @@ torch_ms, speedup (torch_ms / triton_ms), and error (a message when the kernel r
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 from collections.abc import Callable
 
 import torch
+
+from batchjob import env
+from batchjob.bench.measure import best_seconds
 
 # (name, heads, kv_heads, head_dim, hidden, intermediate)
 CONFIGS = [
@@ -33,35 +35,6 @@ TOLS = {
     torch.float16: (4e-3, 4e-3),
     torch.bfloat16: (2e-2, 2e-2),
 }
-
-
-def _ensure_interpreter(device: str) -> None:
-    if device != "cpu":
-        return
-    loaded = [
-        m
-        for m in ("batchjob.kernels.attention", "batchjob.kernels.elementwise", "batchjob.kernels.kv_cache")
-        if m in sys.modules
-    ]
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        if loaded:
-            raise RuntimeError("kernels were imported without TRITON_INTERPRET=1; on a CPU set it before importing")
-        os.environ["TRITON_INTERPRET"] = "1"
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _time_ms(fn: Callable, device: str, reps: int) -> float:
-    fn()  # warm-up (and Triton compile)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) * 1000 / reps
 
 
 def _err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, bool]:
@@ -100,8 +73,8 @@ def _row(
     try:
         row["max_abs_err"], row["passed"] = check()
         if reps:
-            row["triton_ms"] = _time_ms(fast, device, reps)
-            row["torch_ms"] = _time_ms(slow, device, reps)
+            row["triton_ms"] = 1000 * best_seconds(fast, reps, device)
+            row["torch_ms"] = 1000 * best_seconds(slow, reps, device)
             row["speedup"] = row["torch_ms"] / row["triton_ms"] if row["triton_ms"] else None
     except Exception as e:  # a failing kernel is a failed row, not a failed self-test run
         row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -115,7 +88,8 @@ def run_selftest(
     """Run every kernel against batchjob.model.ops; see the module docstring for the row fields.
     small: tiny shapes (for the interpreter on a CPU). dtype: activations (default bf16 on CUDA, fp32 on a CPU).
     reps: timed repetitions after one warm-up call (default 10 on CUDA, 1 on a CPU); 0 checks without timing."""
-    _ensure_interpreter(device)
+    if device == "cpu":
+        env.use_triton_interpreter()
     from batchjob.bench.kernel_cases import make_attention_case
     from batchjob.kernels import ops as kops
     from batchjob.kernels.attention import SPLIT_SIZE
@@ -325,51 +299,3 @@ def run_selftest(
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
     return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    """A fixed-width text table of run_selftest's rows, with a pass count at the end."""
-    cols = [
-        ("kernel", "kernel"),
-        ("case", "case"),
-        ("dtype", "dtype"),
-        ("shape", "shape"),
-        ("max_abs_err", "max err"),
-        ("tol", "tol"),
-        ("passed", "ok"),
-        ("triton_ms", "triton ms"),
-        ("torch_ms", "torch ms"),
-        ("speedup", "speedup"),
-    ]
-
-    def cell(row, key):
-        v = row.get(key)
-        if v is None:
-            return "-"
-        if key == "passed":
-            return "PASS" if v else "FAIL"
-        if key == "max_abs_err":
-            return f"{v:.2e}"
-        if key in ("triton_ms", "torch_ms"):
-            return f"{v:.3f}"
-        if key == "speedup":
-            return f"{v:.2f}x"
-        return str(v)
-
-    table = [[title for _, title in cols]] + [[cell(r, key) for key, _ in cols] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"error in {r.get('kernel')} / {r.get('case')}: {r['error']}")
-    passed = sum(1 for r in rows if r.get("passed"))
-    lines.append(f"{passed}/{len(rows)} passed")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    dev = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
-    result = run_selftest(dev, small=dev == "cpu")
-    print(format_table(result))
-    sys.exit(0 if all(r.get("passed") for r in result) else 1)

@@ -5,12 +5,15 @@ import `SamplingParams` and the output types without importing torch."""
 
 from batchjob.engine.outputs import RequestOutput
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.env import configure_threads
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
     if name == "Engine":
+        configure_threads()  # before torch loads, which the engine module imports
+
         from batchjob.engine.engine import Engine
 
         return Engine

@@ -4,15 +4,15 @@ A full block is keyed by hash(parent block's hash, its token ids). When its last
 cached and is reused by a later request with the same prefix, until its place is taken for new tokens.
 
 Placement keeps each sequence's blocks in one run of the pool where it can: a decode step reads every sequence's K/V,
-and the CPU attention kernel read 64 sequences' caches at 29.6 GB/s where each sequence's blocks lay in one run
-against 19.3 where they lay at random places (`python scripts/cpu_ops_ab.py attention`). A sequence's next block is
+and the CPU attention kernel reads a sequence's blocks faster where they lie in one run than at random places
+(`python scripts/cpu_ops_ab.py attention`). A sequence's next block is
 the one after its last if no one holds that; otherwise a new run is sought from a cursor that sweeps the pool, long
 enough for the sequence's remaining tokens (prompt plus max_tokens), and the cursor moves past all of it so that the
 sequence grows into the rest of the run while other sequences start further on. Runs of blocks that cache nothing are
 sought first, so that cached prefixes outlive free space; cached blocks nobody holds are taken when there are none, as
 the sweep reaches them. When every block is free again the sweep starts over at the first block: the pool is mapped
-lazily (host_memory.py), and a first write to a page costs a fault (a 2,026-token prefill's K/V store took 29 ms in
-new pages against 5 in mapped ones)."""
+lazily (host_memory.py), and a first write to a page costs a fault: a K/V store into new pages is several times
+slower than into mapped ones."""
 
 from __future__ import annotations
 

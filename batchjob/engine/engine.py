@@ -6,18 +6,24 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+import torch
+
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import PROFILES, EngineConfig
+from batchjob.engine.decode_graphs import DecodeGraphs
+from batchjob.engine.memory_profile import MemoryProfile
 from batchjob.engine.model_runner import ModelRunner, pick_device, pick_dtype
 from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, StepMetrics
 from batchjob.engine.sampler import Sampler, takes_argmax
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import Scheduler
 from batchjob.engine.sequence import Sequence, SequenceStatus
+from batchjob.engine.step_runner import StepRunner
 from batchjob.engine.structured_output import StructuredOutput
 from batchjob.engine.token_budget import AutoTokenBudget, budget_cap
 from batchjob.model.builtin import DEFAULT_MODEL
 from batchjob.model.dummy import load_dummy
+from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import load_model
 
 __all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput"]
@@ -78,7 +84,41 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Drop the cached prefix blocks and zero the hit counters, so that the next stream starts cold."""
         self.block_manager.reset_prefix_cache()
-        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
+        self.scheduler.reset_prefix_stats()
+
+    def set_decode_graphs(self, enabled: bool, capture: bool = True) -> None:
+        """Decode through padded graphs (captured; without `capture`, their body run eagerly, a CPU's stand-in), or
+        step by step: what the device check compares."""
+        self.runner.set_decode_graphs(enabled, capture)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def model(self) -> LlamaModel:
+        return self.runner.model
+
+    @property
+    def memory_profile(self) -> MemoryProfile | None:
+        """What the KV pool was sized against, on a GPU."""
+        return self.runner.memory
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        return self.runner.decode_graphs
+
+    def forbid_host_sync(self, forbid: bool = True) -> None:
+        """Raise at any host synchronisation inside a step (the device check's guard of the Triton path)."""
+        self.runner.forbid_host_sync = forbid
+
+    def step_runner(self) -> StepRunner:
+        """Steps of sequences the caller batches itself, through this engine's KV blocks, model and sampler."""
+        return StepRunner(self.block_manager, self.runner, self.sampler)
 
     def generate(
         self,

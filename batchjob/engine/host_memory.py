@@ -2,8 +2,8 @@
 
 A GiB-sized pool written up front costs start-up time and commits all of it at once, so it is mapped lazily: a page is
 committed on its first write. numpy's zeros did that, but asks the kernel for transparent huge pages on large arrays,
-and a huge-page fault may stall on memory compaction: on these machines a first pass over a 2 GiB pool took 7-11 s in
-huge-page faults (~5 s, 12 %, of a 64-prompt bench), against 0.8 s in 4 KiB faults. The mapping here declines huge
+and a huge-page fault may stall on memory compaction: a first pass over a GiB-sized pool took many times longer in
+huge-page faults than in 4 KiB ones. The mapping here declines huge
 pages (MADV_NOHUGEPAGE), so a first write never waits on compaction."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (mal
 def keep_freed_memory() -> bool:
     """Asks glibc's malloc to keep freed blocks of up to 32 MiB (its maximum) in the heap, and the heap's top, rather
     than give them back to the OS. A CPU step allocates and frees each layer's activations (tens of MB at 2,048
-    rows), and by default each large one was a fresh mapping whose pages fault in again: 25-52k page faults per
-    round of 64 x 256 / 64 prompts, ~2 % of its time. False where the C library is not glibc."""
+    rows), and by default each large one was a fresh mapping whose pages fault in again, every step. False where
+    the C library is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

@@ -49,7 +49,7 @@ def load_ops(backend: str) -> OpsBackend:
 
 
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    # bf16 matmul is ~30x slower than fp32 on AVX2 CPUs: fp32 there, bf16 on a GPU.
+    # bf16 matmul is far slower than fp32 on CPUs without native bf16: fp32 there, bf16 on a GPU.
     return _DTYPES.get(config.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
@@ -92,6 +92,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = self.make_decode_graphs(capture=True) if graphs else None
         # The self-check's: raise at a host synchronisation inside a step (with enforce_eager: a capture waits).
         self.forbid_host_sync = False
+
+    def set_decode_graphs(self, enabled: bool, capture: bool = True) -> None:
+        self.decode_graphs = self.make_decode_graphs(capture) if enabled else None
 
     def make_decode_graphs(
         self, capture: bool, kv_caches: list[tuple[torch.Tensor, ...]] | None = None

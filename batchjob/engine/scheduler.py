@@ -46,6 +46,9 @@ class Scheduler:
         self.pressure_steps = 0
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found, at first admission
 
+    def reset_prefix_stats(self) -> None:
+        self.prefix_queries = self.prefix_hits = 0
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from batchjob.engine.outputs import RequestOutput, StepMetrics
+from batchjob.env import configure_threads
 from batchjob.job.contracts import JobEngine, model_identity
 from batchjob.job.output.schema import failed_row, result_rows
 from batchjob.job.output.state import Committed
@@ -26,6 +27,7 @@ from batchjob.job.telemetry.timeline import Timeline
 
 
 def load_engine(job: JobSpec) -> JobEngine:
+    configure_threads()  # in a Ray worker, before torch loads
     from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
 
     return Engine(job.model, **job.engine.model_dump(exclude_unset=True))

@@ -1,8 +1,9 @@
-"""The exit codes of `batchjob run`, `plan` and `status`, defined once (README's table lists them)."""
+"""The exit codes of every `batchjob` command, defined once (docs/job-file.md lists them)."""
 
 import signal
 
 EXIT_OK = 0
+EXIT_CHECKS_FAILED = 1  # `batchjob selftest` ran, and some check failed
 EXIT_USAGE = 2  # usage, job-file or input error
 EXIT_ROW_ERRORS = 3  # finished, but some rows failed (with fail_on_row_errors)
 EXIT_INTERNAL = 70  # a bug (EX_SOFTWARE): the message names the log file that holds the traceback

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from batchjob import env
+
 # triton.jit picks the interpreter when the function is defined, from this variable: read it the same way, once.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = env.get("TRITON_INTERPRET") == "1"
 
 
 def next_pow2(n: int) -> int:

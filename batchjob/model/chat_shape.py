@@ -1,7 +1,7 @@
 """Many chat prompts that differ in one message's text, tokenized without rendering and tokenizing each whole.
 
-Rendering a chat template (jinja2, sandboxed) and tokenizing the result cost ~200 us a row, most of a million-row
-plan. Rows that share everything but one message's content (the job's system text and one user message, say) share
+Rendering a chat template (jinja2, sandboxed) and tokenizing the result per row was most of a million-row plan's
+time. Rows that share everything but one message's content (the job's system text and one user message, say) share
 a *shape*: the template is rendered once with a sentinel in the hole, giving `head + content + tail`, and only the
 stretch around the content, between the last special token of the head and the first of the tail, is tokenized per
 row. Both steps are used only where they give exactly what per-row rendering and tokenizing would:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 import threading
 from pathlib import Path
@@ -15,12 +14,12 @@ from typing import Any
 
 import torch
 
+from batchjob import env
 from batchjob.model.builtin import cache_dir
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
-ENV = "BATCHJOB_CPU_OPS"  # "torch" forces the torch ops
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: glibc's vector expf in the softmax
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -57,7 +56,7 @@ def _build() -> Any:
 def native_ops() -> Any | None:
     """The ops namespace torch.ops.batchjob_cpu (paged_attention, rms_norm, add_rms_norm_, rotary_, store_kv,
     silu_and_mul), built on the first call; None where switched off or where it cannot be built (logged once)."""
-    if os.environ.get(ENV, "").lower() == "torch":
+    if (env.get("BATCHJOB_CPU_OPS") or "").lower() == "torch":
         return None
     if "ops" not in _state:
         with _lock:

@@ -1,14 +1,13 @@
 """A model's matmul, y = x W^T + b, with W packed once for oneDNN's GEMM.
 
 torch's F.linear on a CPU hands W to MKL's sgemm, which copies it into its blocked layout on every call: at decode
-sizes (tens of rows against a 576 x 3,072 weight) that copy costs as much as the arithmetic. Packed once at load
-into oneDNN's blocked layout (`mkldnn._reorder_linear_weight` / `mkldnn._linear_pointwise`, the ops inductor uses
-when it freezes a CPU model; vLLM's CPU backend runs its linear layers through oneDNN too), a decoder layer's four
-matmuls ran 2.0x F.linear's rate at 8 rows, 1.4x at 64, 1.1x at 2,048 on an AVX-512 EPYC, where MKL's own packed
-GEMM (`mkl._mkl_linear`, used here before) ran below F.linear at up to 256 rows (`python scripts/cpu_ops_ab.py
-gemm`). Every row count takes the packed path, one code path whatever a step holds; W itself is let go unless the
-caller keeps it (a tied embedding): the packed copy is all a matmul reads. Float32 on a CPU with oneDNN only;
-elsewhere (a GPU, other dtypes) F.linear."""
+sizes (tens of rows against a 576 x 3,072 weight) that copy costs as much as the arithmetic. Packed once at load into
+oneDNN's blocked layout (`mkldnn._reorder_linear_weight` / `mkldnn._linear_pointwise`, the ops inductor uses when it
+freezes a CPU model; vLLM's CPU backend runs its linear layers through oneDNN too), the matmuls beat F.linear at
+every row count measured, most at decode's few rows, where MKL's own packed GEMM did not (`python
+scripts/cpu_ops_ab.py gemm`; docs/perf-history.md). Every row count takes the packed path, one code path whatever a
+step holds; W itself is let go unless the caller keeps it (a tied embedding): the packed copy is all a matmul reads.
+Float32 on a CPU with oneDNN only; elsewhere (a GPU, other dtypes) F.linear."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_c
 
 def _gather(cache: torch.Tensor, scale_cache: torch.Tensor | None, blocks: torch.Tensor, dtype) -> torch.Tensor:
     """The cache's blocks [B, nb] as [B, KVH, nb * block_size, D] in dtype (dequantized when fp8). Whole blocks are
-    copied: 6x faster than gathering slot by slot."""
+    copied: far faster than gathering slot by slot."""
     b, nb = blocks.shape
     flat = blocks.flatten()
     if cache.dtype == FP8_DTYPE:

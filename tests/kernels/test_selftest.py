@@ -5,14 +5,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchjob.bench.kernel_selftest import format_table, run_selftest
+from batchjob.bench.kernel_selftest import run_selftest
+from batchjob.bench.tables import format_selftest
 
 pytestmark = pytest.mark.triton
 
 
 def test_selftest_small(device):
     rows = run_selftest(device, small=True, dtype=torch.float16, reps=0)
-    table = format_table(rows)
+    table = format_selftest(rows)
     assert {r["kernel"] for r in rows} == {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention"}
     assert all(r["passed"] for r in rows), table
     assert table.splitlines()[-1] == f"{len(rows)}/{len(rows)} passed"
@@ -34,5 +35,5 @@ def test_format_table_reports_errors():
             error="ValueError: boom",
         )
     ]
-    table = format_table(rows)
+    table = format_selftest(rows)
     assert "FAIL" in table and "ValueError: boom" in table and table.endswith("0/1 passed")

@@ -57,7 +57,7 @@ def test_native_op_reads_queries_in_place_from_the_fused_qkv_rows():
 
 
 def test_env_var_forces_the_torch_path(monkeypatch):
-    monkeypatch.setenv(cpu_native.ENV, "torch")
+    monkeypatch.setenv("BATCHJOB_CPU_OPS", "torch")
     assert cpu_native.native_ops() is None
     case = make_attention_case(STEPS["mixed"], heads=9, kv_heads=3, head_dim=64, page=16)
     out = cpu_ops.paged_attention(

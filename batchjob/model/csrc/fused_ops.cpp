@@ -1,6 +1,6 @@
 // The decoder layer's elementwise ops on a CPU, each one pass over its rows on all threads: in torch each is several
 // kernels (RMSNorm: add, pow, mean, rsqrt, two muls; rotary: float casts, chunks, four muls, cat) with a temporary
-// per step, ~15 % of a step's time at SmolLM2's sizes. Float32 rows, contiguous within a row; the arithmetic is
+// per step, a noticeable share of a step at SmolLM2's sizes. Float32 rows, contiguous within a row; the arithmetic is
 // HF's (RMSNorm in float32, x * rsqrt(mean(x^2) + eps) then times the weight; rotary in the neox layout).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 // Paged attention on a CPU that reads K/V blocks where they lie in the cache, for all sequences of a step in one
 // call: decodes and prefill chunks (with cached context) alike. The torch path in batchjob/model/ops.py gathers a
-// copy of every sequence's K/V per layer first; at ~150 running sequences that copy bounds decode.
+// copy of every sequence's K/V per layer first; with many running sequences that copy bounds decode.
 //
 // Work items are (sequence, tile of query rows), taken dynamically by OpenMP threads, largest first. An item walks
 // its context block by block, twice (scores, then the weighted sum of V), and within a block one KV head at a time
@@ -102,9 +102,8 @@ inline void load_heads(v16 (&dst)[G][NV], const float* src, float mul) {
 // each KV head kh, and each query row j that sees part of the block: positions [p0, last). Blocks lie at random
 // places in the pool, where no hardware prefetcher sees them coming, so while a KV head's rows of block b are used
 // the same rows of block b + 2 are asked into L2, one line per line read; past the last block, `then`'s first blocks
-// (the pass after this one). A burst of a whole block at a time into L1 stalled on the core's few miss buffers: on
-// an AVX-512 EPYC a 64-sequence decode at context 700 read random blocks at 19.3 GB/s this way against 15.4
-// (`python scripts/cpu_ops_ab.py attention`).
+// (the pass after this one). A burst of a whole block at a time into L1 stalled on the core's few miss buffers
+// (`python scripts/cpu_ops_ab.py attention` compares the two).
 template <typename F>
 inline void walk_blocks(const Tile& t, const float* cache, const float* then, F&& f) {
   constexpr int64_t kAhead = 2;
@@ -247,8 +246,8 @@ inline void context_values(const Tile& t, int64_t kh, const float* s, int64_t m_
 
 typedef int32_t vint16 __attribute__((vector_size(64), aligned(4)));
 
-// e^x for x <= 0 (a score less its row's maximum), within a few ulp of expf; with glibc's vector expf the exp took
-// ~24 % of a prefill tile's time here, with this ~10 %: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial, n added to the exponent bits; 0 below -87
+// e^x for x <= 0 (a score less its row's maximum), within a few ulp of expf; glibc's vector expf took a large share
+// of a prefill tile's time, this less than half of it: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial, n added to the exponent bits; 0 below -87
 // (a masked score), where 2^n would leave the normal floats.
 inline v16 exp16(v16 x) {
   const v16 lo = v16{} - 87.f, zero = {};

@@ -1,0 +1,234 @@
+"""The systems a workload runs through: this engine, fixed-batch baselines on its model runner (`static`),
+transformers `generate` (`hf`), vLLM and llama-cpp-python where installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import torch
+
+from batchjob import env
+from batchjob.bench.measure import Result, summarize
+from batchjob.bench.workloads import Workload
+from batchjob.engine.block_manager import KVPoolExhausted
+from batchjob.engine.engine import Engine
+from batchjob.engine.outputs import Request, StepMetrics
+from batchjob.engine.sequence import Sequence
+
+
+def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
+    steps: list[StepMetrics] = []
+    engine.reset_prefix_cache()  # each run starts cold, not with the previous run's prompts cached
+    engine.add_step_callback(steps.append)
+    t0, c0, g0 = time.perf_counter(), time.process_time(), engine.structured.seconds
+    try:
+        outs = list(engine.stream(wl.requests))
+    finally:
+        engine.remove_step_callback(steps.append)
+    tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
+    result = summarize(system, time.perf_counter() - t0, wl, tokens, steps)
+    result.token_budget, result.cpu_s = engine.token_budget, time.process_time() - c0
+    result.constraint_s = engine.structured.seconds - g0
+    result.outputs = {o.request_id: o.token_ids for o in outs}
+    result.sample_tokens = {o.request_id: max(len(s.token_ids) for s in o.samples) for o in outs}
+    return result
+
+
+def _fitting_batches(requests: list[Request], batch_size: int, free_blocks: int, block_size: int):
+    """Fixed batches of `batch_size`; a batch whose padded rows (its longest prompt plus its largest max_tokens
+    each) do not all fit `free_blocks` KV blocks is split into the fewest equal parts that do."""
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch) + max(r.params.max_tokens for r in batch)
+        fit = free_blocks // -(-longest // block_size)
+        if fit == 0:
+            raise KVPoolExhausted(f"one padded row of {longest} tokens needs more than the pool's {free_blocks} blocks")
+        parts = -(-len(batch) // fit)
+        size = -(-len(batch) // parts)
+        for j in range(0, len(batch), size):
+            yield batch[j : j + size]
+
+
+def run_static(engine: Engine, wl: Workload, batch_size: int) -> Result:
+    """Fixed batches through the same model runner and sampler: each batch is one padded prefill step, then decode
+    steps over every row until the longest request has its tokens (finished rows keep computing). A batch that does
+    not fit the KV pool is split (the result's note says to what size)."""
+    steps: list[StepMetrics] = []
+    engine.reset_prefix_cache()
+    runner = engine.step_runner()
+    pad = engine.tokenizer.eos_token_id or 0
+    output_tokens = 0
+    largest = 0
+    t0 = time.perf_counter()
+    for batch in _fitting_batches(wl.requests, batch_size, runner.num_free_blocks, runner.block_size):
+        largest = max(largest, len(batch))
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        seqs = [
+            Sequence(
+                Request(r.request_id, [pad] * (longest - len(r.prompt_token_ids)) + r.prompt_token_ids, r.params), j
+            )
+            for j, r in enumerate(batch)
+        ]
+        for _ in range(max(r.params.max_tokens for r in batch)):
+            ts = time.perf_counter()
+            sched = runner.step(seqs)
+            steps.append(
+                StepMetrics(
+                    step=len(steps),
+                    time=time.time(),
+                    step_time=time.perf_counter() - ts,
+                    num_seqs=len(seqs),
+                    num_prefill_tokens=sched.num_prefill_tokens,
+                    num_decode_tokens=sched.num_decode_tokens,
+                    kv_cache_usage=runner.kv_cache_usage,
+                    num_preemptions=0,
+                    prefix_cache_queries=0,
+                    prefix_cache_hits=0,
+                    num_waiting=0,
+                    num_running=len(seqs),
+                    token_budget=sched.num_batched_tokens,  # a padded batch runs all its tokens: no budget
+                )
+            )
+        output_tokens += sum(r.params.max_tokens for r in batch)  # only the requested tokens count
+        runner.release(seqs)
+    result = summarize("static", time.perf_counter() - t0, wl, output_tokens, steps)
+    if largest < min(batch_size, len(wl.requests)):
+        result.note = f"batch {batch_size} split to <= {largest} rows: the KV pool holds no more padded rows"
+    return result
+
+
+def load_hf_model(engine: Engine, model_path):
+    """transformers' model of the engine's weights: from the files, or with load_format dummy the same seeded draw
+    (same config, seed and device give the same weights). fp32 on a CPU, the engine's dtype on a GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = engine.device
+    dtype = engine.dtype if device.type == "cuda" else torch.float32
+    if engine.config.load_format == "dummy":
+        from batchjob.model.dummy import dummy_weights
+
+        cfg = AutoConfig.from_pretrained(str(model_path))
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        std = getattr(cfg, "initializer_range", 0.02)
+        model.load_state_dict(dummy_weights(engine.model_config, engine.config.seed, std, device, dtype), strict=False)
+        return model.eval()
+    kw = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
+    folder = model_path.parent if model_path.suffix == ".gguf" else model_path
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).to(device).eval()
+
+
+def run_hf(wl: Workload, batch_size: int, hf_model) -> Result:
+    """transformers generate over fixed, left-padded batches (greedy, every row to its batch's longest)."""
+    device = hf_model.device
+    output_tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(wl.requests), batch_size):
+        batch = wl.requests[i : i + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[j, longest - n :] = torch.tensor(r.prompt_token_ids)
+            mask[j, longest - n :] = 1
+        new = max(r.params.max_tokens for r in batch)
+        with torch.inference_mode():
+            hf_model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        output_tokens += sum(r.params.max_tokens for r in batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    r = Result(
+        "hf", time.perf_counter() - t0, wl.prompt_tokens, output_tokens, len(wl.requests), float(batch_size), batch_size
+    )
+    return r
+
+
+# vLLM-CPU reserves one core for its scheduler by default: on a 2-core machine that halves its model's compute.
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CPU")}
+VLLM_CPU_MEMORY_SHARE = 0.3
+
+
+def load_vllm(engine: Engine, model_path):
+    """vLLM's LLM on the engine's weights, exported as an HF folder, in fp32 with every core for the model. Built
+    once per bench: its init (compiling the model) takes minutes. Its workers spawn, so a script calling this needs
+    an `if __name__ == "__main__":` guard."""
+    from vllm import LLM  # type: ignore[import-not-found]
+
+    from batchjob.bench.hf_export import hf_folder
+
+    # Its workers start here and keep this environment: vLLM's settings, and OpenMP at its own defaults, not ours.
+    with env.scoped({**VLLM_ENV, **env.set_here()}):
+        return LLM(
+            model=str(hf_folder(str(model_path))),
+            dtype="float32",
+            enable_prefix_caching=True,
+            max_model_len=engine.max_model_len,
+            seed=engine.config.seed,
+            # On the CPU backend this is the share of RAM vLLM reserves at start-up; its default 0.92 refuses to
+            # start while this process (our engine) and others hold a few GiB.
+            gpu_memory_utilization=VLLM_CPU_MEMORY_SHARE,
+        )
+
+
+def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
+    """The same token ids, greedy, with each request's max_tokens and EOS rule (ignore_eos, or the engine's EOS
+    ids as stop ids)."""
+    import vllm  # type: ignore[import-not-found]
+    from vllm import SamplingParams as VSP  # type: ignore[import-not-found]
+
+    eos = sorted(engine.eos_token_ids)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in wl.requests]
+    params = [
+        VSP(
+            max_tokens=r.params.max_tokens,
+            ignore_eos=r.params.ignore_eos,
+            stop_token_ids=[] if r.params.ignore_eos else eos,
+            temperature=0.0,
+        )
+        for r in wl.requests
+    ]
+    llm.reset_prefix_cache()  # each run starts cold, as the engine's
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = {r.request_id: list(o.outputs[0].token_ids) for r, o in zip(wl.requests, outs)}
+    result = Result("vllm", wall, wl.prompt_tokens, sum(map(len, tokens.values())), len(wl.requests))
+    result.cpu_s, result.outputs = time.process_time() - c0, tokens
+    result.note = f"vllm {vllm.__version__}, fp32, both cores ({', '.join(f'{k}={v}' for k, v in VLLM_ENV.items())})"
+    return result
+
+
+def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
+    """llama-cpp-python, one request after another (its Python API has no batched generation)."""
+    from llama_cpp import Llama  # type: ignore[import-not-found]
+
+    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=threads, verbose=False)
+    out_tokens = 0
+    t0 = time.perf_counter()
+    for r in wl.requests:
+        llm.reset()
+        for _k, _ in zip(range(r.params.max_tokens), llm.generate(r.prompt_token_ids, temp=0.0)):
+            out_tokens += 1
+    result = Result("llama-cpp", time.perf_counter() - t0, wl.prompt_tokens, out_tokens, len(wl.requests))
+    result.note = "sequential: one request at a time (its Python API has no batched generation)"
+    return result
+
+
+def peer_status() -> dict[str, str | None]:
+    """None for a peer that can run here, else why it is skipped."""
+    return {
+        "hf": None
+        if importlib.util.find_spec("transformers")
+        else "transformers not installed (pip install -e '.[test]')",
+        "vllm": None if importlib.util.find_spec("vllm") else "vllm not installed",
+        "llama-cpp": None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python not installed",
+    }

@@ -1,0 +1,149 @@
+"""The reports of `batchjob bench` and `batchjob selftest` as text: one table renderer for all of them."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+from rich.console import Console
+from rich.table import Table
+
+PROSE = {"how it ran", "check", "figures", "case", "shape", "kernel"}  # left-aligned columns
+
+
+def render(columns: list[str], rows: list[list[str]], title: str | None = None, notes: list[str] = ()) -> str:
+    """A table (numbers right-aligned, its first and prose columns left-aligned), then one line per note."""
+    buf = StringIO()
+    console = Console(file=buf, width=160)
+    table = Table(title=title)
+    for k, col in enumerate(columns):
+        table.add_column(col, justify="left" if k == 0 or col in PROSE else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for note in notes:
+        console.print(note, soft_wrap=True, markup=False, highlight=False)
+    return buf.getvalue().rstrip("\n")
+
+
+def format_sweep(report: dict) -> str:
+    columns = ["setting", "budget used", "wall s", "total tok/s", "vs best fixed", "CPU s", "vs best (CPU)"]
+    columns += ["mean batch", "KV use", "preempt"]
+    rows = [
+        [
+            r["system"],
+            str(r["token_budget"]),
+            f"{r['wall']:.2f}",
+            f"{r['total_tokens_per_s']:.1f}",
+            f"{100 * r['ratio_to_best_fixed']:.1f}%",
+            f"{r['median_cpu_s']:.1f}",
+            f"{100 * r['cpu_ratio_to_best_fixed']:.1f}%",
+            f"{r['mean_batch']:.1f}",
+            f"{100 * r['mean_kv_usage']:.1f}%",
+            str(r["preemptions"]),
+        ]
+        for r in report["systems"]
+    ]
+    notes = [
+        f"auto reached {100 * report['auto_ratio']:.1f}% of the best fixed budget by wall time "
+        f"({report['best_fixed']}) and {100 * report['auto_cpu_ratio']:.1f}% by CPU time "
+        f"({report['best_fixed_cpu']}); medians of {report['repeats']} run(s); tuner cap {report['budget_cap']}"
+    ]
+    for k, t in enumerate(report["auto_tuner"]):
+        rates = ", ".join(f"{b}: {v:,.0f}" for b, v in t["tokens_per_s_by_budget"].items())
+        notes.append(
+            f"auto run {k + 1}: ended at {t['budget']} ({'settled' if t['settled'] else 'still probing'}, "
+            f"{t['moves']} moves); tokens/s by budget {rates}"
+        )
+    return render(columns, rows, f"token budget sweep: {report['workload']}", notes)
+
+
+def format_report(report: dict) -> str:
+    columns = ["system", "req/s", "total tok/s", "out tok/s", "ratio", "mean batch", "max batch", "KV use"]
+    columns += ["preempt", "prefix hit", "how it ran"]
+    rows = [
+        [
+            r["system"],
+            f"{r['requests_per_s']:.2f}",
+            f"{r['total_tokens_per_s']:.1f}",
+            f"{r['output_tokens_per_s']:.1f}",
+            "" if r["ratio_to_engine"] is None else f"{r['ratio_to_engine']:.2f}x",
+            f"{r['mean_batch']:.1f}",
+            str(r["max_batch"]),
+            f"{100 * r['mean_kv_usage']:.1f}%",
+            str(r["preemptions"]),
+            f"{100 * r['prefix_hit_rate']:.1f}%",
+            r["note"],
+        ]
+        for r in report["systems"]
+    ]
+    notes = []
+    if c := report.get("constrained"):
+        notes.append(
+            f"constrained decoding ({c['requests']}/{c['total']} requests constrained): the engine runs at "
+            f"{c['ratio']:.2f}x the throughput of the same requests unconstrained ({c['cpu_ratio']:.2f}x by CPU "
+            f"time; rounds {', '.join(f'{r:.2f}x' for r in c['round_ratios'])}), same prompts and output lengths; "
+            f"{100 * c['constraint_share']:.1f}% of its wall time went to the grammar (masks and matchers)"
+        )
+    if report["repeats"] > 1:
+        walls = "; ".join(f"{r['system']} {', '.join(f'{w:.1f}' for w in r['round_walls'])}" for r in report["systems"])
+        notes.append(f"wall time of each round (s): {walls}")
+    for phase, v in report.get("roofline", {}).items():
+        kv = (
+            f"; with its KV reads ({v['kv_gb_per_step']:.2f} GB a step at the host's sequential read rate, "
+            f"{v['read_gb_per_s']:.1f} GB/s), {100 * v['bound_fraction']:.0f}% of the two bounds' time"
+            if "bound_fraction" in v
+            else ""
+        )
+        notes.append(
+            f"roofline {phase}: engine {v['achieved_gflops']:.1f} GFLOP/s = {100 * v['fraction']:.0f}% of "
+            f"measured {v.get('dtype', 'fp32')} matmul {v['matmul_gflops']:.1f} GFLOP/s at {v['rows']} rows{kv}"
+        )
+    for name, a in report.get("agreement", {}).items():
+        where = (
+            f"; the others first differ at output tokens {a['first_difference_at']}" if a["equal"] < a["total"] else ""
+        )
+        notes.append(f"greedy outputs of {name} equal to the engine's: {a['equal']}/{a['total']}{where}")
+    for name, why in report["skipped"].items():
+        notes.append(f"skipped {name}: {why}")
+    return render(columns, rows, report["workload"], notes)
+
+
+def format_selftest(rows: list[dict]) -> str:
+    """The kernels' self-test rows, then each error and a pass count."""
+    cols = [("kernel", "kernel"), ("case", "case"), ("dtype", "dtype"), ("shape", "shape")]
+    cols += [("max_abs_err", "max err"), ("tol", "tol"), ("passed", "ok"), ("triton_ms", "triton ms")]
+    cols += [("torch_ms", "torch ms"), ("speedup", "speedup")]
+    formats = {
+        "passed": lambda v: "PASS" if v else "FAIL",
+        "max_abs_err": lambda v: f"{v:.2e}",
+        "triton_ms": lambda v: f"{v:.3f}",
+        "torch_ms": lambda v: f"{v:.3f}",
+        "speedup": lambda v: f"{v:.2f}x",
+    }
+    table = [["-" if r.get(k) is None else formats.get(k, str)(r[k]) for k, _ in cols] for r in rows]
+    notes = [f"error in {r.get('kernel')} / {r.get('case')}: {r['error']}" for r in rows if r.get("error")]
+    notes.append(f"{sum(1 for r in rows if r.get('passed'))}/{len(rows)} passed")
+    return render([title for _, title in cols], table, notes=notes)
+
+
+def format_check(report: dict) -> str:
+    """The device check: part, check, ok and the row's figures; each part's status; the verdict."""
+    dev = report["device"]
+    rows = [
+        [
+            r["part"],
+            r["check"],
+            {True: "PASS", False: "FAIL", None: ""}[r["ok"]],
+            "  ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in r.items()
+                if k not in ("part", "check", "ok", "trace", "error") and v is not None
+            ),
+        ]
+        for r in report["rows"]
+    ]
+    notes = [f"error in {r['part']} / {r['check']}: {r['error']}" for r in report["rows"] if r.get("error")]
+    notes += [f"part {part}: {p['status']} in {p['seconds']:.1f} s" for part, p in report["parts"].items()]
+    notes.append("ALL PASSED" if report.get("passed") else "NOT ALL PASSED")
+    title = f"device: {dev.get('name', dev['device'])}  torch {dev['torch']}  triton {dev.get('triton')}"
+    return render(["part", "check", "ok", "figures"], rows, title, notes)

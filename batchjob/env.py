@@ -1,0 +1,112 @@
+"""Every environment variable batchjob reads, its default and meaning (docs/environment.md lists the same), and the
+only functions that change the process environment.
+
+`import batchjob` changes nothing: the CLI and the first use of `batchjob.Engine` call `configure_threads()`, and the
+bench's peers get their settings through `scoped()`, which puts the old values back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str | None  # None: unset unless the user sets it
+    meaning: str
+
+
+VARIABLES = {
+    v.name: v
+    for v in (
+        Variable(
+            "BATCHJOB_CACHE",
+            None,
+            "Folder for converted models, the C++ kernels' build and input digests; default ~/.cache/batchjob.",
+        ),
+        Variable(
+            "BATCHJOB_CPU_OPS",
+            None,
+            "`torch` runs the torch ops on a CPU instead of the C++ kernels (which are built on first use).",
+        ),
+        Variable(
+            "OMP_WAIT_POLICY",
+            "PASSIVE",
+            "OpenMP threads sleep when idle: spinning ones slowed small matmuls many times over on a busy machine. "
+            "Set by configure_threads() unless the user set it; read by the OpenMP runtime when torch loads.",
+        ),
+        Variable(
+            "GOMP_SPINCOUNT",
+            "3000",
+            "Waits an idle OpenMP thread spins before it sleeps: a decode step runs ~300 parallel regions, so a short "
+            "spin beats waking each time on an idle host. Set 0 on a shared machine. Set like OMP_WAIT_POLICY.",
+        ),
+        Variable(
+            "TRITON_INTERPRET",
+            None,
+            "1 runs the Triton kernels in Triton's interpreter (on a CPU); read when the kernels are defined.",
+        ),
+        Variable(
+            "VLLM_CPU_NUM_OF_RESERVED_CPU",
+            "0",
+            "Given to vLLM-CPU by `batchjob bench` while it starts (its default reserves a core of two for itself).",
+        ),
+    )
+}
+OPENMP = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+_set_here: set[str] = set()  # the names configure_threads set, not the user
+
+
+def get(name: str) -> str | None:
+    """The variable's value, or its default; only registered names."""
+    return os.environ.get(name, VARIABLES[name].default)
+
+
+def configure_threads() -> bool:
+    """Set the OpenMP variables' defaults where the user has not; True when in time to take effect (the OpenMP
+    runtime reads them once, when torch is first imported), False when torch was already loaded."""
+    if "torch" in sys.modules:
+        return False
+    for name in OPENMP:
+        if name not in os.environ:
+            os.environ[name] = VARIABLES[name].default
+            _set_here.add(name)
+    return True
+
+
+def set_here() -> dict[str, None]:
+    """The variables configure_threads set, as `scoped` values that unset them: a peer started from the bench runs
+    with its own defaults, not ours."""
+    return dict.fromkeys(_set_here)
+
+
+@contextlib.contextmanager
+def scoped(values: dict[str, str | None]) -> Iterator[None]:
+    """Set `values` (None: unset) for the body, e.g. while a peer starts its workers, then restore what was there."""
+    before = {k: os.environ.get(k) for k in values}
+    _apply(values)
+    try:
+        yield
+    finally:
+        _apply(before)
+
+
+def _apply(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def use_triton_interpreter() -> None:
+    """Run the Triton kernels in the interpreter (on a CPU): only possible before they are defined."""
+    if get("TRITON_INTERPRET") == "1":
+        return
+    if any(m.startswith("batchjob.kernels.") for m in sys.modules):
+        raise RuntimeError("the Triton kernels were imported without TRITON_INTERPRET=1; set it before importing them")
+    os.environ["TRITON_INTERPRET"] = "1"
