@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "batchjob"
-RANK = {"cli": 3, "bench": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0}
+RANK = {"cli": 3, "bench": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0, "env": -1}
 ROOM_RANK = {"flow": 2, "telemetry": 1, "output": 0}
 ROOMS_MAY_USE = {"batchjob.job.openai_batch", "batchjob.job.exit_codes"}
 

@@ -30,16 +30,21 @@ def test_the_shipped_job_is_valid():
 def test_the_structured_output_examples_are_valid(tmp_path):
     job = load_job(REPO / "jobs" / "structured.yaml")
     assert job.sampling.response_format.type == "json_schema" and job.sampling.grammar_key is not None
-    # The README's example sampling block.
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Structured output") :]
-    block = section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml"))]
-    job = load(tmp_path, MINIMAL + block)
-    assert job.sampling.n == 4 and job.sampling.top_logprobs == 3 and job.sampling.response_format.json_schema
+    # docs/job-file.md's sampling blocks: the constraint, with its commented-out alternatives, and the samples.
+    doc = (REPO / "docs" / "job-file.md").read_text()
+
+    def block(heading: str) -> str:
+        section = doc[doc.index(heading) :]
+        return section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml"))]
+
+    job = load(tmp_path, MINIMAL + block("## Structured output"))
+    assert job.sampling.response_format.json_schema and job.sampling.grammar_key[0] == "json_schema"
     for constraint in ("regex", "choice"):  # the commented-out alternatives, each in place of response_format
-        line = next(x for x in block.splitlines() if x.lstrip().startswith(f"# {constraint}:"))
+        line = next(x for x in block("## Structured output").splitlines() if x.lstrip().startswith(f"# {constraint}:"))
         sampling = job.sampling.model_dump(exclude={"response_format"}) | yaml.safe_load(line.lstrip()[2:])
         assert SamplingParams.model_validate(sampling).grammar_key[0] == constraint
+    job = load(tmp_path, MINIMAL + block("## Several samples and logprobs"))
+    assert job.sampling.n == 4 and job.sampling.top_logprobs == 3 and job.sampling.logprobs
 
 
 def test_defaults_and_format_inference(tmp_path):
