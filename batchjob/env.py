@@ -66,16 +66,21 @@ def get(name: str) -> str | None:
     return os.environ.get(name, VARIABLES[name].default)
 
 
-def configure_threads() -> bool:
-    """Set the OpenMP variables' defaults where the user has not; True when in time to take effect (the OpenMP
-    runtime reads them once, when torch is first imported), False when torch was already loaded."""
-    if "torch" in sys.modules:
-        return False
-    for name in OPENMP:
-        if name not in os.environ:
-            os.environ[name] = VARIABLES[name].default
-            _set_here.add(name)
-    return True
+def configure_threads(num_threads: int | None = None) -> bool:
+    """The process's thread settings, in one place: the OpenMP variables' defaults where the user has not set them,
+    then, with `num_threads` (the engine's setting), torch's intra-op thread count. True when the variables were in
+    time to take effect: the OpenMP runtime reads them once, when torch is first imported."""
+    in_time = "torch" not in sys.modules
+    if in_time:
+        for name in OPENMP:
+            if name not in os.environ:
+                os.environ[name] = VARIABLES[name].default
+                _set_here.add(name)
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    return in_time
 
 
 def set_here() -> dict[str, None]:

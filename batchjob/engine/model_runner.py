@@ -17,6 +17,7 @@ from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.step_inputs import build_step_inputs
+from batchjob.env import configure_threads
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.cpu_native import native_ops_for
@@ -64,7 +65,7 @@ class ModelRunner:
         self.config, self.max_model_len = config, max_model_len
         self.device = pick_device(config)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            configure_threads(config.num_threads or os.cpu_count() or 1)
             keep_freed_memory()
         self.dtype = pick_dtype(config, self.device)
         self.ops_backend = pick_ops_backend(config, self.device)
