@@ -133,11 +133,12 @@ def _build(folder: Path) -> None:
 
 
 def _build_path() -> str:
-    """PATH for the build, with this Python's bin folder and the ninja package's first: cron's PATH lacks the venv's
-    bin, and a system ninja of another version is not the one installed with batchjob."""
+    """PATH for the build, with the ninja package's bin folder and this Python's first: cron's PATH lacks the venv's
+    bin, and a system ninja of another version is not the one installed with batchjob (its own folder goes first:
+    the Python may be a system one, beside a system ninja)."""
     import ninja
 
-    folders = [os.path.dirname(sys.executable), ninja.BIN_DIR, *os.environ.get("PATH", "").split(os.pathsep)]
+    folders = [ninja.BIN_DIR, os.path.dirname(sys.executable), *os.environ.get("PATH", "").split(os.pathsep)]
     return os.pathsep.join(dict.fromkeys(f for f in folders if f))
 
 
