@@ -172,8 +172,8 @@ def test_the_build_finds_the_venvs_ninja_under_crons_path_and_later_runs_do_not_
     spawn.hold_lock()
     no_build = "import torch.utils.cpp_extension as c\ndef load(*a, **k): raise AssertionError('built again')\n"
     out, err = spawn("later", no_build + USE_OPS, PATH=path, BATCHJOB_CPU_OPS_BUILD_WAIT="0").finish(timeout=60)
-    assert out == "native ops work", err
-    assert err == ""
+    assert out == "native ops work", err  # a build or a lock taken would have meant the torch ops
+    assert "building" not in err and "waiting" not in err
 
 
 def test_a_build_lock_held_past_the_wait_gives_the_torch_ops_with_one_warning(spawn):
