@@ -34,6 +34,11 @@ VARIABLES = {
             "`torch` runs the torch ops on a CPU instead of the C++ kernels (which are built on first use).",
         ),
         Variable(
+            "BATCHJOB_CPU_OPS_BUILD_WAIT",
+            "300",
+            "Seconds a run waits for another process's build of the C++ kernels before it runs the torch ops.",
+        ),
+        Variable(
             "OMP_WAIT_POLICY",
             "PASSIVE",
             "OpenMP threads sleep when idle: spinning ones slowed small matmuls many times over on a busy machine. "

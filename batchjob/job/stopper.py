@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from batchjob.job.exit_codes import EXIT_SIGNAL
 
 
-class Interrupted(Exception):
-    """A signal came during Stopper.interruptible()."""
+class Interrupted(BaseException):
+    """A signal came during Stopper.interruptible(). A BaseException, as KeyboardInterrupt is: code that falls back
+    on any Exception (a failed kernel build, a chat template that raises) must not swallow a stop."""
 
 
 class Stopper:

@@ -1,14 +1,28 @@
 """C++ kernels for float32 on a CPU (csrc/): paged attention that reads the KV blocks where they lie instead of
 gathering a copy per layer, and the decoder layer's elementwise ops fused into one pass each. Compiled with
 torch.utils.cpp_extension on first use into the cache folder (once per source, torch and CPU); where that fails (no
-compiler) or BATCHJOB_CPU_OPS=torch is set, `native_ops()` is None and the torch ops run instead (cpu_ops.py)."""
+compiler) or BATCHJOB_CPU_OPS=torch is set, `native_ops()` is None and the torch ops run instead (cpu_ops.py).
+
+A build cannot wedge later runs: it holds an flock of ours, which dies with its holder (torch's own lock file outlives
+a kill -9, and every later build waited on it forever), and builds in a temporary folder renamed into place when
+whole. So a folder under its final name always holds a whole build, which later runs load directly, with no lock and
+no ninja. A run that finds another one building waits BATCHJOB_CPU_OPS_BUILD_WAIT seconds at most, then runs the
+torch ops."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import platform
+import shutil
+import sys
+import tempfile
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: glibc's vector expf in the softmax
+_POLL_S = 0.2  # short sleeps while waiting for another build: a signal's handler runs between them
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -32,25 +47,99 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build() -> Any:
-    from torch.utils import cpp_extension
-
-    # -march=native code is only valid on this CPU: the name keys the build on it as well as on sources and torch.
+def build_paths() -> tuple[Path, Path]:
+    """The folder that holds a whole build and the lock file its builders hold. The name keys the build on the
+    sources, torch, the flags and this CPU (-march=native code is only valid on it)."""
     parts = [p.read_text() for p in SOURCES] + [torch.__version__, _cpu_flags(), *_FLAGS]
     key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:12]
     name = f"batchjob_cpu_ops_{key}"
-    build_dir = cache_dir() / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(p) for p in SOURCES],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    root = cache_dir() / "cpu_ops"
+    return root / name, root / f"{name}.lock"
+
+
+def _load() -> Any:
+    folder, lock_path = build_paths()
+    library = folder / f"{folder.name}.so"
+    if not library.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with _held(lock_path):
+            if not library.exists():  # else another process built it while this one waited
+                _build(folder)
+                return torch.ops.batchjob_cpu  # cpp_extension.load loaded it
+    torch.ops.load_library(str(library))
     return torch.ops.batchjob_cpu
+
+
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path`, released when the body ends or this process dies, however it dies; waits
+    BATCHJOB_CPU_OPS_BUILD_WAIT seconds at most for another holder, then raises TimeoutError."""
+    with open(path, "a") as f:  # closing it releases the lock
+        wait = _build_wait()
+        deadline, said = time.monotonic() + wait, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process held the build lock {path} for the {wait:g} s this one waits "
+                        "(BATCHJOB_CPU_OPS_BUILD_WAIT)"
+                    ) from None
+                if not said:  # a wait that says nothing looks like a hang
+                    log.warning("waiting up to %g s for another process's build of the C++ CPU kernels: %s", wait, path)
+                    said = True
+                time.sleep(_POLL_S)
+        yield
+
+
+def _build_wait() -> float:
+    value = env.get("BATCHJOB_CPU_OPS_BUILD_WAIT")
+    try:
+        return float(value)
+    except ValueError:
+        default = env.VARIABLES["BATCHJOB_CPU_OPS_BUILD_WAIT"].default
+        log.warning("BATCHJOB_CPU_OPS_BUILD_WAIT=%r is not a number of seconds; waiting %s s", value, default)
+        return float(default)
+
+
+def _build(folder: Path) -> None:
+    """Build into a temporary folder beside `folder`, load the library from there and rename the folder into place.
+    Runs under the build lock, so any other temporary folder for this build is a killed build's."""
+    from torch.utils import cpp_extension
+
+    # Logged as a warning: the one level a user sees without logging configured, and the first run is slow.
+    log.warning("building the C++ CPU kernels (first use; about a minute of CPU) into %s", folder)
+    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
+    try:
+        tmp.chmod(0o755)  # as a plain mkdir makes it, not mkdtemp's 0700
+        with env.scoped({"PATH": _build_path()}):
+            cpp_extension.load(
+                name=folder.name,
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(tmp),
+                is_python_module=False,
+                verbose=False,
+            )
+        shutil.rmtree(folder, ignore_errors=True)  # a folder whose library someone deleted: rename needs it gone
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_path() -> str:
+    """PATH for the build, with the ninja package's bin folder and this Python's first: cron's PATH lacks the venv's
+    bin, and a system ninja of another version is not the one installed with batchjob (its own folder goes first:
+    the Python may be a system one, beside a system ninja)."""
+    import ninja
+
+    folders = [ninja.BIN_DIR, os.path.dirname(sys.executable), *os.environ.get("PATH", "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(f for f in folders if f))
 
 
 def native_ops() -> Any | None:
@@ -62,8 +151,8 @@ def native_ops() -> Any | None:
         with _lock:
             if "ops" not in _state:
                 try:
-                    _state["ops"] = _build()
-                except Exception as e:  # a missing compiler or a failed build: the torch ops still work
+                    _state["ops"] = _load()
+                except Exception as e:  # no compiler, a failed build, another build past the wait: torch's ops work
                     log.warning("C++ CPU ops unavailable, using the torch ops: %s", str(e)[-800:])
                     _state["ops"] = None
     return _state["ops"]
