@@ -7,7 +7,7 @@ import re
 from click.testing import CliRunner
 
 from batchjob.cli import main
-from batchjob.job.exit_codes import EXIT_OK
+from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
 from batchjob.job.runner import run_job
 from tests.helpers import Messages, documents, fake_factory, make_job, write_jsonl
 
@@ -34,4 +34,4 @@ def test_report_draws_a_run_folder_as_pngs_and_a_self_contained_html_page(tmp_pa
 
 def test_report_refuses_a_folder_that_is_not_a_job_output(tmp_path):
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
-    assert result.exit_code == 1 and "not a job's output folder" in result.output
+    assert result.exit_code == EXIT_USAGE and "not a job's output folder" in result.output
