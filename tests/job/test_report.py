@@ -34,4 +34,4 @@ def test_report_draws_a_run_folder_as_pngs_and_a_self_contained_html_page(tmp_pa
 
 def test_report_refuses_a_folder_that_is_not_a_job_output(tmp_path):
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
-    assert result.exit_code == 1 and "not a job's output folder" in result.output
+    assert result.exit_code == 2 and "not a job's output folder" in result.output
