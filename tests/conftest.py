@@ -14,10 +14,20 @@ if not torch.cuda.is_available():
 
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, settings
 
 from batchjob.model.attention_metadata import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Property tests: CI (CI set, as .ci/run and CI services set it) tries the same examples on every run, so a red CI is
+# a change in the code, reproducible with the same command; a local run draws new examples each time (and keeps the
+# failing ones in .hypothesis/ to try first). HYPOTHESIS_PROFILE picks either by name.
+settings.register_profile(
+    "ci", derandomize=True, database=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,16 @@
 
 Tokens are UTF-8 bytes; the answer is the user text's words reversed, cut to max_tokens bytes. Requests finish
 shortest prompt first, so completion order differs from admission order as with the real engine. Each finished
-request takes `steps_per_output` engine steps (a long run, for the timeline's sampling)."""
+request takes `steps_per_output` engine steps (a long run, for the timeline's sampling). A request is scheduled and
+gets its first token at the first step after it is admitted, and finishes when it is answered. `step_metrics(step)`
+overrides fields of each step's reported StepMetrics (figures that vary from step to step)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.outputs import Request, RequestMetrics, RequestOutput, StepMetrics
@@ -43,6 +46,7 @@ class FakeEngine:
         signal_at: tuple[int, ...] = (),
         steps_per_output: int = 1,
         signum: int = signal.SIGTERM,
+        step_metrics: Callable[[int], dict] | None = None,
     ):
         self.config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size)
         self.max_model_len = max_model_len
@@ -55,6 +59,7 @@ class FakeEngine:
         # send `signum` to this process after these numbers of outputs, as a scheduler (or a closed terminal) would
         self.signal_at, self.signum = signal_at, signum
         self.steps_per_output = steps_per_output
+        self.step_metrics = step_metrics
         self.callbacks = []
         self.prompts_seen: list[list[int]] = []
         self._aborting = False
@@ -88,24 +93,28 @@ class FakeEngine:
                 return
             for _ in range(self.steps_per_output):
                 self._step += 1
+                fields = {
+                    "step": self._step,
+                    "time": time.time(),
+                    "step_time": 0.001,
+                    "num_seqs": len(running),
+                    "num_prefill_tokens": 0,
+                    "num_decode_tokens": len(running),
+                    "kv_cache_usage": 0.5,
+                    "num_preemptions": 0,
+                    "prefix_cache_queries": 10,
+                    "prefix_cache_hits": 5,
+                    "num_waiting": 0 if exhausted else 1,
+                    "num_running": len(running),
+                    "token_budget": self.token_budget,
+                }
+                if self.step_metrics:
+                    fields.update(self.step_metrics(self._step))
                 for fn in self.callbacks:
-                    fn(
-                        StepMetrics(
-                            step=self._step,
-                            time=time.time(),
-                            step_time=0.001,
-                            num_seqs=len(running),
-                            num_prefill_tokens=0,
-                            num_decode_tokens=len(running),
-                            kv_cache_usage=0.5,
-                            num_preemptions=0,
-                            prefix_cache_queries=10,
-                            prefix_cache_hits=5,
-                            num_waiting=0 if exhausted else 1,
-                            num_running=len(running),
-                            token_budget=self.token_budget,
-                        )
-                    )
+                    fn(StepMetrics(**fields))
+                for _, metrics in running:
+                    if metrics.first_token_time is None:
+                        metrics.first_scheduled_time = metrics.first_token_time = time.time()
             running.sort(key=lambda item: len(item[0].prompt_token_ids))
             request, metrics = running.pop(0)
             yield self._answer(request, metrics)
@@ -118,7 +127,9 @@ class FakeEngine:
         user = prompt.rsplit("<|user|>", 1)[-1].split("\n<|assistant|>")[0]
         ids = list(" ".join(reversed(user.split())).encode())
         cut = ids[: request.params.max_tokens]
-        metrics.first_scheduled_time = metrics.first_token_time = metrics.finished_time = time.time()
+        metrics.finished_time = time.time()
+        if metrics.first_token_time is None:  # generate(): answered at once
+            metrics.first_scheduled_time = metrics.first_token_time = metrics.finished_time
         return RequestOutput(
             request.request_id,
             request.prompt_token_ids,

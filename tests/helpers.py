@@ -117,3 +117,23 @@ def protocol_gaps(obj, protocol: type) -> list[str]:
             if have != want:
                 gaps.append(f"{name}: parameters {have}, the protocol's {want}")
     return gaps
+
+
+def assert_json_output(text: str, finish_reason: str, schema: dict | None = None) -> None:
+    """A constrained row's output is what its contract promises: a finished row ("stop") is a JSON object valid
+    against `schema`; a row cut at max_tokens ("length") is a prefix of one. The prefix check is xgrammar's own JSON
+    Schema grammar built here, permissive (any whitespace, extra properties), not the engine's compiled grammar."""
+    import jsonschema
+    import xgrammar as xgr
+
+    schema = schema or {"type": "object"}
+    if finish_reason == "stop":
+        value = json.loads(text)
+        assert isinstance(value, dict), text
+        jsonschema.validate(value, schema)
+        return
+    assert finish_reason == "length", (finish_reason, text)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True, strict_mode=False)
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    assert text and matcher.accept_string(text), f"not a prefix of a JSON object valid against the schema: {text!r}"

@@ -3,16 +3,16 @@ Few prompts, few tokens."""
 
 from __future__ import annotations
 
-import json
 import re
 
-import jsonschema
 import pytest
 from pydantic import ValidationError
 
 from batchjob.engine.sampling_params import SamplingParams
+from tests.conftest import chat_messages
+from tests.helpers import assert_json_output
 
-PEOPLE = [[{"role": "user", "content": f"Describe a person named {name} as JSON."}] for name in ("Ann", "Bob", "Cyd")]
+PEOPLE = [chat_messages(f"Describe a person named {name} as JSON.") for name in ("Ann", "Bob", "Cyd")]
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -28,19 +28,27 @@ def test_json_schema_outputs_validate_and_compile_once(engine):
     before = engine.structured.num_compiled
     outs = engine.chat(PEOPLE, SamplingParams(max_tokens=40, response_format=json_schema(SCHEMA)), use_tqdm=False)
     assert engine.structured.num_compiled - before <= 1  # one schema, three rows: compiled once (or cached earlier)
-    done = [o for o in outs if o.finish_reason == "stop"]
-    assert done
-    for o in done:
-        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert any(o.finish_reason == "stop" for o in outs)
+    for o in outs:
+        assert_json_output(o.text, o.finish_reason, SCHEMA)
 
 
 def test_json_object_parses(engine):
+    # Two questions a short object answers (they stop well within max_tokens) and one the small model rambles on
+    # (cut at max_tokens): every row is checked, a finished one parses as an object, a cut one is a prefix of one.
+    questions = [
+        'Give a JSON object with the key "color" naming one colour.',
+        "What is the capital of France? Answer as JSON.",
+        'Reply with a JSON object {"answer": ...} giving the sum 2+2.',
+    ]
     outs = engine.chat(
-        PEOPLE[:2], SamplingParams(max_tokens=40, response_format={"type": "json_object"}), use_tqdm=False
+        [chat_messages(q) for q in questions],
+        SamplingParams(max_tokens=40, response_format={"type": "json_object"}),
+        use_tqdm=False,
     )
+    assert sum(o.finish_reason == "stop" for o in outs) >= 2, [(o.finish_reason, o.text) for o in outs]
     for o in outs:
-        if o.finish_reason == "stop":
-            assert isinstance(json.loads(o.text), dict)
+        assert_json_output(o.text, o.finish_reason)
 
 
 def test_choice_and_regex(engine):

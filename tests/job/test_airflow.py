@@ -1,16 +1,22 @@
-"""The orchestration examples in jobs/: the Airflow DAG loads in Airflow's DagBag (where Airflow, an optional extra,
-is installed), and the exact command it runs is idempotent on the real model: a second run exits 0 at once on
-`_SUCCESS`, and `--restart` runs the job again. The crontab example runs the same job."""
+"""The orchestration examples in jobs/: the Airflow DAG file's structure, run without Airflow (every CI run) and loaded
+in Airflow's DagBag (where Airflow, an optional extra, is installed); the exact command it runs is idempotent on the
+real model: a second run exits 0 at once on `_SUCCESS`, and `--restart` runs the job again. The crontab example runs
+the same job."""
 
 import ast
 import os
+import runpy
 import subprocess
 import sys
+import types
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 import yaml
 
+from batchjob.job import exit_codes
+from batchjob.job.spec import load_job
 from tests.helpers import REPO, documents, write_parquet
 
 DAG_FILE = REPO / "jobs" / "summarize_dag.py"
@@ -37,6 +43,76 @@ def test_the_dag_loads_in_airflow_with_retries_in_the_repository(tmp_path, monke
     assert bag.import_errors == {}
     task = bag.dags["batchjob_summarize"].get_task("run")
     assert task.bash_command == BASH_COMMAND and task.cwd == str(REPO) and task.retries == 3
+
+
+def run_dag_file_without_airflow(monkeypatch) -> tuple[list[dict], list[dict]]:
+    """Run the DAG file top to bottom with Airflow's two classes replaced by recorders (Airflow 3's import paths):
+    the keyword arguments of each DAG, and of each task with the dag_id it was declared under."""
+    dags, tasks, active = [], [], []
+
+    class DAG:
+        def __init__(self, **kwargs):
+            dags.append(kwargs)
+
+        def __enter__(self):
+            active.append(dags[-1]["dag_id"])
+
+        def __exit__(self, *exc):
+            active.pop()
+
+    class BashOperator:
+        def __init__(self, **kwargs):
+            tasks.append({"dag": active[-1] if active else None, **kwargs})
+
+    names = ["airflow", "airflow.sdk", "airflow.providers", "airflow.providers.standard"]
+    names += ["airflow.providers.standard.operators", "airflow.providers.standard.operators.bash"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["airflow.sdk"].DAG = DAG
+    sys.modules["airflow.providers.standard.operators.bash"].BashOperator = BashOperator
+    runpy.run_path(str(DAG_FILE))
+    return dags, tasks
+
+
+def test_the_dag_file_declares_one_daily_dag_of_one_resuming_task(monkeypatch):
+    dags, tasks = run_dag_file_without_airflow(monkeypatch)
+    assert dags == [
+        {
+            "dag_id": "batchjob_summarize",
+            "schedule": "@daily",
+            "start_date": datetime(2026, 1, 1),
+            "catchup": False,  # one run for today, not one for every day since start_date
+            "max_active_runs": 1,  # two DAG runs at once would contend for the output folder (the second exits 75)
+            # A failed try is retried, and the retry resumes (the command has no --restart).
+            "default_args": {"retries": 3, "retry_delay": timedelta(minutes=5)},
+            "tags": ["batchjob"],
+        }
+    ]
+    # Only these arguments: in particular no skip_on_exit_code, so every nonzero exit fails the try (and is retried)
+    # rather than marking it skipped.
+    assert tasks == [{"dag": "batchjob_summarize", "task_id": "run", "bash_command": BASH_COMMAND, "cwd": str(REPO)}]
+
+
+def test_the_dag_s_command_runs_the_summarize_job_and_its_exit_code_decides_the_try(tmp_path):
+    # bash expands the command as Airflow's worker does; a `batchjob` function stands in for the CLI and shows its
+    # arguments, one a line, then exits with a code chosen by the test.
+    def expand(env: dict, code: int = 0) -> subprocess.CompletedProcess:
+        script = f'batchjob() {{ printf "%s\\n" "$@"; return {code}; }}\n{BASH_COMMAND}'
+        return subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+
+    env = {k: v for k, v in os.environ.items() if k != "BATCHJOB_JOB"}
+    default = expand(env)
+    assert default.returncode == 0 and default.stdout.splitlines() == ["run", "jobs/summarize.yaml"]
+    assert load_job(REPO / "jobs" / "summarize.yaml").output.path  # the job file it names is there, and valid
+    other = expand(env | {"BATCHJOB_JOB": str(tmp_path / "a job.yaml")})
+    assert other.stdout.splitlines() == ["run", str(tmp_path / "a job.yaml")]  # one argument, spaces and all
+    # The command is batchjob's exit status: nonzero fails the try. Airflow's BashOperator skips the task on 99,
+    # a code batchjob never uses.
+    codes = [v for k, v in vars(exit_codes).items() if k.startswith("EXIT_") and isinstance(v, int)]
+    codes += list(exit_codes.EXIT_SIGNAL.values())
+    assert 99 not in codes
+    for code in (exit_codes.EXIT_LOCKED, exit_codes.EXIT_ROW_ERRORS, 143):
+        assert expand(env, code).returncode == code
 
 
 def test_the_crontab_example_runs_the_dag_s_job():

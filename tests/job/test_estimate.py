@@ -1,3 +1,5 @@
+import pytest
+
 from batchjob.job.plan import PrefixCacheModel, plan_job
 from tests.helpers import fake_factory, make_job, write_jsonl
 
@@ -18,9 +20,32 @@ def test_plan_counts_tokens_sharing_duplicates_and_fit(tmp_path):
     assert plan["output_tokens_max"] == 60 and 0 < plan["output_tokens_expected"] <= 60
     assert 0.3 < plan["prefix_sharing_ratio"] < 1  # every prompt after the first reuses the system prompt's blocks
     assert plan["kv_cache_tokens"] == 256 * 16 and plan["sequences_that_fit"] > 0 and plan["max_num_seqs"] == 4
-    assert plan["calibration"]["requests"] == 6 and plan["estimated_time_s"] >= 0
+    assert plan["calibration"]["requests"] == 6 and plan["calibration"]["decode_step_s"] > 0
     assert not (tmp_path / "out").exists()
     assert "calibration" not in plan_job(job, calibrate=False, engine_factory=fake_factory())
+
+
+def test_the_estimate_grows_with_the_rows_and_the_tokens_to_generate(tmp_path):
+    """Decode-bound work (the fake reports no prefill): the estimate is generated tokens over the run's concurrency
+    times the measured step, so twice the requests or twice max_tokens (every answer is cut by it) is twice the time.
+    The e2e plan test compares an estimate with a measured run on the real model."""
+    long_text = " ".join(f"word{k}" for k in range(40))  # answers of ~300 bytes: cut at any max_tokens used here
+
+    def estimate(rows: int, max_tokens: int) -> float:
+        data = [{"id": f"r{i}", "text": f"{i} {long_text}"} for i in range(rows)]
+        job = make_job(
+            write_jsonl(tmp_path / f"d{rows}.jsonl", data), tmp_path / "out", sampling={"max_tokens": max_tokens}
+        )
+        factory = fake_factory(max_num_seqs=4, step_metrics=lambda step: {"step_time": 0.05})
+        plan = plan_job(job, engine_factory=factory)
+        assert plan["calibration"]["decode_step_s"] == 0.05 and plan["output_tokens_expected"] == rows * max_tokens
+        return plan["estimated_time_s"]
+
+    base = estimate(8, 20)
+    assert base == pytest.approx(8 * 20 / 4 * 0.05, abs=0.1)  # 40 decode steps of four sequences, 0.05 s each
+    assert estimate(16, 20) == pytest.approx(2 * base, abs=0.1)
+    assert estimate(8, 40) == pytest.approx(2 * base, abs=0.1)
+    assert estimate(2, 20) == pytest.approx(20 * 0.05, abs=0.1)  # two sequences, both at once: 20 steps
 
 
 def test_the_prefix_cache_model_hits_whole_shared_blocks_and_forgets_the_oldest():

@@ -37,7 +37,9 @@ def docs(tmp_path):
 
 def test_a_run_writes_every_row_with_its_columns(tmp_path, docs, progress):
     job = make_job(docs, tmp_path / "out", input={"passthrough": ["title", "source"]}, output={"checkpoint_rows": 5})
+    started = time.time()
     assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    wall = time.time() - started
     rows = results(tmp_path / "out")
     assert sorted(rows) == [d["id"] for d in documents(23)]
     doc = documents(23)[6]
@@ -45,7 +47,10 @@ def test_a_run_writes_every_row_with_its_columns(tmp_path, docs, progress):
     assert row["output"] == reversed_words(doc["text"]) and row["finish_reason"] == "stop"
     assert row["title"] == doc["title"] and row["source"] == doc["source"] and row["error"] is None
     assert row["prompt_tokens"] > 0 and row["output_tokens"] == len(row["output"]) and row["row_index"] == 6
-    assert row["total_time_s"] is not None
+    # Each request's own times, from its arrival: in order and within the run. The fake gives a request its first
+    # token at its first step and answers one request a step, so first token and finish differ.
+    for r in rows.values():
+        assert 0 <= r["queue_time_s"] <= r["ttft_s"] < r["total_time_s"] <= wall, r
     summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
     assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"]) == (23, 23, 0)
     assert (tmp_path / "out" / "_SUCCESS").exists() and len(list((tmp_path / "out" / "data").iterdir())) == 5

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import subprocess
+import sys
 import zipfile
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from batchjob.model import loader as model_loader
 from batchjob.model.errors import ModelNotFoundError
 from batchjob.model.loader import load_model, locate_model, unpermute_qk
+from tests.helpers import REPO
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -350,14 +352,54 @@ def test_gguf_second_load_uses_the_conversion_cache(tiny_gguf, cache, monkeypatc
         load_model(str(path))
 
 
-def test_a_gguf_converted_by_two_processes_at_once_leaves_one_cache_and_no_part(tiny_gguf, cache):
+# A child process: load the GGUF, but wait at the start of the conversion until the other child has started its own,
+# so both convert at once (each found no cache) and race to put their result in place.
+CONVERT_TOGETHER = """
+import sys, time
+from pathlib import Path
+from batchjob.model import loader
+
+gguf, gate = sys.argv[1], Path(sys.argv[2])
+convert = loader.convert_gguf
+
+def convert_together(path, out):
+    (gate / sys.argv[3]).touch()
+    end = time.monotonic() + 60
+    while len(list(gate.iterdir())) < 2:
+        if time.monotonic() > end:
+            sys.exit("the other process never started converting")
+        time.sleep(0.005)
+    convert(path, out)
+
+loader.convert_gguf = convert_together
+print(loader.load_model(gguf).digest)
+"""
+
+
+def test_a_gguf_converted_by_two_processes_at_once_leaves_one_cache_and_no_part(tiny_gguf, cache, tmp_path):
     """Seen with several Ray workers on a fresh cache: the loser's os.replace failed with ENOTEMPTY, leaving a .part."""
     path, _ = tiny_gguf
-    first = load_model(str(path))
-    out = cache / "gguf" / first.digest
-    model_loader.convert_gguf(path, out)  # the loser: converts too, finds the winner's folder in place
-    assert sorted(p.name for p in (cache / "gguf").iterdir()) == [first.digest]
-    assert load_model(str(path)).config == first.config
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    # Both start, then both are waited for ($BATCHJOB_CACHE, set by the fixture, is inherited).
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONVERT_TOGETHER, str(path), str(gate), name],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err
+    assert sorted(p.name for p in gate.iterdir()) == ["a", "b"]  # both converted
+    digests = {out.split()[-1] for out, _ in results}
+    assert len(digests) == 1
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted(digests)
+    assert load_model(str(path)).config.vocab_size == 300
 
 
 @pytest.mark.parametrize("changed", model_loader.HF_RESULT_FILES)
