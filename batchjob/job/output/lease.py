@@ -1,16 +1,16 @@
 """One run per output folder on an object store: a lease object that a live run renews.
 
-Object stores have no flock, and no process there notices that a holder died, so the lock is `_lock` holding {pid, host, started, token, expires}. A
-run takes it by a conditional create (S3's `If-None-Match: *`, through the fsspec driver's exclusive-create mode): of
-two runs starting at once exactly one succeeds. While it runs, a thread rewrites the lease every quarter of
-`lease_seconds` with a later expiry. A run killed with -9 stops renewing; once the lease has expired the next run
-takes it over: first it claims that expired record by creating a marker named after the record's digest
-(`_lock.takeover-<digest>`, the same conditional create), then deletes the lease and creates its own. Of two runs
-that read the same expired record only the one that created the marker goes on, so a stalled run can never delete a
-lease another run has just taken; the markers stay (a few bytes per takeover). A run that finds its lease taken (it
-stalled past the expiry) stops committing (LeaseLost), and its parts carry its own tag, so it cannot overwrite the
-parts of the run that took over. The guarantee therefore rests on clocks agreeing to well within `lease_seconds` and
-on the store's conditional create; stores whose driver has no exclusive create are refused."""
+Object stores have no flock, and no process there notices that a holder died, so the lock is `_lock` holding {pid,
+host, started, token, expires}. A run takes it by a conditional create (S3's `If-None-Match: *`, through the fsspec
+driver's exclusive-create mode): of two runs starting at once exactly one succeeds. While it runs, a thread rewrites
+the lease every quarter of `lease_seconds` with a later expiry. A run killed with -9 stops renewing; once the lease
+has expired the next run takes it over: first it claims that expired record by creating a marker named after the
+record's digest (`_lock.takeover-<digest>`, the same conditional create), then deletes the lease and creates its own.
+Of two runs that read the same expired record only the one that created the marker goes on, so a stalled run can
+never delete a lease another run has just taken; the markers stay (a few bytes per takeover). A run that finds its
+lease taken (it stalled past the expiry) stops committing (LeaseLost), and its parts carry its own tag, so it cannot
+overwrite the parts of the run that took over. The guarantee therefore rests on clocks agreeing to well within
+`lease_seconds` and on the store's conditional create; stores whose driver has no exclusive create are refused."""
 
 from __future__ import annotations
 
