@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -143,10 +144,7 @@ class Engine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params: the lengths must be the same")
         plist = params if isinstance(params, list) else [params] * len(prompts)
         # Ids unique to this engine (vLLM's request counter): an output can only be matched to its own call.
-        requests = [
-            Request(str(next(self._request_counter)), self.tokenizer.encode(p) if isinstance(p, str) else list(p), sp)
-            for p, sp in zip(prompts, plist)
-        ]
+        requests = [Request(str(next(self._request_counter)), self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}
         start, tokens = time.perf_counter(), 0
         with (
@@ -238,6 +236,15 @@ class Engine:
     def _auto_budget(self) -> AutoTokenBudget:
         # Tuning starts from the profile's fixed budget: "auto" begins where the untuned default would stay.
         return AutoTokenBudget(self.budget_cap, start=PROFILES[self.config.profile]["max_num_batched_tokens"])
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A text prompt tokenized, or a list of token ids as ints; anything else raises before any request runs."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        try:
+            return [operator.index(t) for t in prompt]
+        except TypeError:
+            raise TypeError(f"a prompt is a string or a list of token ids (ints), got {prompt!r:.80}") from None
 
     def _wants_more(self) -> bool:
         # Enough queued to fill the next steps; the rest stays in the caller's iterator (bounded memory).

@@ -8,6 +8,7 @@ import pytest
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.engine.sequence import Sequence
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 64  # a short context keeps a request that runs to it cheap
@@ -225,3 +226,21 @@ def test_params_must_match_the_prompts_in_number(engine):
 def test_a_single_text_prompt_is_one_prompt(engine):
     [out] = engine.generate("What is 2+2?", SamplingParams(max_tokens=2), use_tqdm=False)
     assert out.prompt_token_ids == ids(engine, "What is 2+2?")
+
+
+@pytest.mark.parametrize("prompt", [[1.5, 2], ["a", "b"], 7, None])
+def test_a_prompt_of_the_wrong_type_raises_before_anything_runs(engine, prompt):
+    before = engine.step_count
+    with pytest.raises(TypeError, match="a prompt is a string or a list of token ids"):
+        engine.generate(["Hi", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert engine.step_count == before
+    assert_idle(engine)
+
+
+def test_samples_keep_the_length_cap_of_their_request():
+    """The n-1 samples forked from a request share its max_tokens as capped at admission (by the context, or by
+    elastic compression), not the raw one they were asked with."""
+    root = Sequence(Request("r", [1] * 5, SamplingParams(n=2, max_tokens=10**13)), 0)
+    root.max_tokens, root.length_capped = 59, True
+    child = root.fork(1)
+    assert (child.max_tokens, child.length_capped, child.remaining_tokens) == (59, True, 59)
