@@ -129,7 +129,7 @@ class Engine:
     def generate(
         self,
         prompts: list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in input order. Text prompts are tokenized as they are (no chat template; see chat()).
@@ -140,9 +140,9 @@ class Engine:
             prompts = [prompts]
         if params is None:
             params = SamplingParams()
-        if isinstance(params, list) and len(params) != len(prompts):
+        if isinstance(params, list | tuple) and len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params: the lengths must be the same")
-        plist = params if isinstance(params, list) else [params] * len(prompts)
+        plist = params if isinstance(params, list | tuple) else [params] * len(prompts)
         # Ids unique to this engine (vLLM's request counter): an output can only be matched to its own call.
         requests = [Request(str(next(self._request_counter)), self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}

@@ -217,9 +217,15 @@ def test_params_must_match_the_prompts_in_number(engine):
         engine.generate(["a", "b", "c"], [SamplingParams(max_tokens=1)], use_tqdm=False)
     with pytest.raises(ValueError, match="1 prompts but 0 sampling params"):
         engine.generate(["a"], [], use_tqdm=False)
+    with pytest.raises(ValueError, match="1 prompts but 2 sampling params"):
+        engine.generate(["a"], (SamplingParams(), SamplingParams()), use_tqdm=False)
     assert_idle(engine)
     outs = engine.generate(["a", "b", "c"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [2, 2, 2]  # one SamplingParams applies to every prompt
+    pair = engine.generate(
+        ["a", "b"], (SamplingParams(max_tokens=1), SamplingParams(max_tokens=3, ignore_eos=True)), use_tqdm=False
+    )
+    assert [len(o.token_ids) for o in pair] == [1, 3]
     assert engine.generate([], use_tqdm=False) == []
 
 
