@@ -5,14 +5,14 @@ cached and is reused by a later request with the same prefix, until its place is
 
 Placement keeps each sequence's blocks in one run of the pool where it can: a decode step reads every sequence's K/V,
 and the CPU attention kernel reads a sequence's blocks faster where they lie in one run than at random places
-(`python scripts/cpu_ops_ab.py attention`). A sequence's next block is
-the one after its last if no one holds that; otherwise a new run is sought from a cursor that sweeps the pool, long
-enough for the sequence's remaining tokens (prompt plus max_tokens), and the cursor moves past all of it so that the
-sequence grows into the rest of the run while other sequences start further on. Runs of blocks that cache nothing are
-sought first, so that cached prefixes outlive free space; cached blocks nobody holds are taken when there are none, as
-the sweep reaches them. When every block is free again the sweep starts over at the first block: the pool is mapped
-lazily (host_memory.py), and a first write to a page costs a fault: a K/V store into new pages is several times
-slower than into mapped ones."""
+(`python scripts/cpu_ops_ab.py attention`). A sequence's next block is the one after its last if no one holds that;
+otherwise a new run is sought from a cursor that sweeps the pool, long enough for the sequence's remaining tokens
+(prompt plus max_tokens, within the context and the pool), and the cursor moves past all of it so that the sequence
+grows into the rest of the run while other sequences start further on. Runs of blocks that cache nothing are sought
+first, so that cached prefixes outlive free space; cached blocks nobody holds are taken when there are none, as the
+sweep reaches them. When every block is free again the sweep starts over at the first block: the pool is mapped lazily
+(host_memory.py), and a first write to a page costs a fault: a K/V store into new pages is several times slower than
+into mapped ones."""
 
 from __future__ import annotations
 
@@ -25,10 +25,15 @@ class KVPoolExhausted(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_model_len: int | None = None
+    ):
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
+        # No sequence grows past the context, nor past the pool: a run is never sought longer than that, whatever
+        # max_tokens a request asks for.
+        self.max_blocks_per_seq = min(num_blocks, -(-(max_model_len or num_blocks * block_size) // block_size))
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -72,7 +77,7 @@ class BlockManager:
             after = seq.block_table[-1] + 1
             if after < self.num_blocks and self._free[after]:
                 return after
-        final = -(-(seq.num_prompt_tokens + seq.max_tokens) // self.block_size)
+        final = min(-(-(seq.num_prompt_tokens + seq.max_tokens) // self.block_size), self.max_blocks_per_seq)
         want = max(needed, final - len(seq.block_table))
         for blocks, length in ((self._blank, want), (self._free, want), (self._free, needed), (self._free, 1)):
             start = self._find_run(blocks, length)

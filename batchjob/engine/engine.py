@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -60,7 +62,9 @@ class Engine:
         self.budget_cap = budget_cap(
             self.config.max_num_seqs, self.max_model_len, self.num_kv_blocks * self.config.block_size
         )
-        self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching, self.max_model_len
+        )
         self.scheduler = Scheduler(self.config, self.block_manager, self._auto_budget() if auto else None)
         self.sampler = Sampler(self.config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_ids)
@@ -69,6 +73,8 @@ class Engine:
         self.structured = StructuredOutput(self.tokenizer, loaded.config.vocab_size, list(self.eos_token_ids))
         self._step_callbacks: list[Callable[[StepMetrics], None]] = []
         self._arrivals = itertools.count()
+        self._request_counter = itertools.count()
+        self._streaming = False
         self._aborting = False
         self._aborting_waiting = False
         self.step_count = 0
@@ -123,23 +129,29 @@ class Engine:
     def generate(
         self,
         prompts: list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in input order. Text prompts are tokenized as they are (no chat template; see chat()).
         use_tqdm shows a tqdm.auto bar (a widget in notebooks) with requests done and output tokens/s."""
         from tqdm.auto import tqdm
 
-        params = params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        requests = [
-            Request(str(i), self.tokenizer.encode(p) if isinstance(p, str) else list(p), sp)
-            for i, (p, sp) in enumerate(zip(prompts, plist))
-        ]
+        if isinstance(prompts, str):  # one prompt, as vLLM takes it
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, list | tuple) and len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params: the lengths must be the same")
+        plist = params if isinstance(params, list | tuple) else [params] * len(prompts)
+        # Ids unique to this engine (vLLM's request counter): an output can only be matched to its own call.
+        requests = [Request(str(next(self._request_counter)), self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}
         start, tokens = time.perf_counter(), 0
-        with tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
-            for out in self.stream(requests):
+        with (
+            tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar,
+            contextlib.closing(self.stream(requests)) as outputs,
+        ):
+            for out in outputs:
                 done[out.request_id] = out
                 tokens += sum(len(s.token_ids) for s in out.samples)
                 bar.set_postfix_str(f"output {tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
@@ -158,10 +170,23 @@ class Engine:
         return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
-        """Pulls requests lazily while there is room for them and yields each output as soon as it finishes."""
+        """Pulls requests lazily while there is room for them and yields each output as soon as it finishes.
+        However the stream ends (an exception, or the caller closing it), no request of it stays in the engine.
+        One stream at a time: a second one (a generate() from a step callback, say) would take the first one's
+        outputs."""
+        if self._streaming:
+            raise RuntimeError("this engine is already running a stream or generate(): finish or close that first")
         source = iter(requests)
+        self._streaming = True
+        self._aborting = self._aborting_waiting = False
+        try:
+            yield from self._stream(source)
+        finally:
+            self._drop_in_flight()
+            self._streaming = False
+
+    def _stream(self, source: Iterator[Request]) -> Iterator[RequestOutput]:
         exhausted = False
-        self._aborting = False
         while True:
             while not exhausted and not self._aborting and self._wants_more():
                 req = next(source, None)
@@ -212,6 +237,15 @@ class Engine:
         # Tuning starts from the profile's fixed budget: "auto" begins where the untuned default would stay.
         return AutoTokenBudget(self.budget_cap, start=PROFILES[self.config.profile]["max_num_batched_tokens"])
 
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A text prompt tokenized, or a list of token ids as ints; anything else raises before any request runs."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        try:
+            return [operator.index(t) for t in prompt]
+        except TypeError:
+            raise TypeError(f"a prompt is a string or a list of token ids (ints), got {prompt!r:.80}") from None
+
     def _wants_more(self) -> bool:
         # Enough queued to fill the next steps; the rest stays in the caller's iterator (bounded memory).
         return len(self.scheduler.waiting) < max(2 * self.config.max_num_seqs, 64)
@@ -219,15 +253,19 @@ class Engine:
     def _add(self, req: Request) -> RequestOutput | None:
         seq = Sequence(req, next(self._arrivals))
         n = seq.num_prompt_tokens
+        # No sequence grows past the context (it ends there with "length", as in vLLM): capped here, before anything
+        # is sized by it, whatever max_tokens the request asks for.
+        seq.max_tokens = min(seq.max_tokens, max(self.max_model_len - n, 0))
         error = None
         if n == 0:
             error = "empty prompt"
         elif n >= self.max_model_len:
             error = f"prompt has {n} tokens; the model's context is {self.max_model_len}"
-        elif -(-min(n + seq.max_tokens, self.max_model_len) // self.config.block_size) > self.num_kv_blocks:
+        elif (blocks := -(-(n + seq.max_tokens) // self.config.block_size)) > self.num_kv_blocks:
+            capped = f" ({seq.max_tokens} within the context)" if seq.max_tokens < req.params.max_tokens else ""
             error = (
-                f"prompt of {n} tokens plus max_tokens {seq.max_tokens} needs more KV blocks than the pool's "
-                f"{self.num_kv_blocks}"
+                f"prompt of {n} tokens plus max_tokens {req.params.max_tokens}{capped} needs more KV blocks "
+                f"({blocks}) than the pool's {self.num_kv_blocks}"
             )
         elif max(req.prompt_token_ids) >= self.model_config.vocab_size or min(req.prompt_token_ids) < 0:
             error = "prompt holds token ids outside the vocabulary"
@@ -320,6 +358,15 @@ class Engine:
             if output is not None:
                 yield output
         yield from self._abort_waiting()
+
+    def _drop_in_flight(self) -> None:
+        """After a stream that ended early: its requests leave the engine and their KV blocks go back to the pool,
+        so that a later stream neither runs them nor returns their outputs."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq, "abort")
+        for seq in self.scheduler.waiting:  # none holds blocks, unless the step failed while admitting it
+            self.block_manager.free(seq)
+        self.scheduler.waiting.clear()
 
     def _abort_waiting(self) -> Iterator[RequestOutput]:
         """Requests none of whose samples is running; a preempted sample waits for its running siblings."""

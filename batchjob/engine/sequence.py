@@ -53,6 +53,7 @@ class Sequence:
         the prompt's KV blocks (BlockManager.fork) and draws its own tokens (seed + index when seeded)."""
         child = Sequence(Request(self.request_id, self.prompt_token_ids, self.params), self.arrival_index)
         child.index, child.root = index, self
+        child.max_tokens, child.length_capped = self.max_tokens, self.length_capped  # as capped at admission
         if self.params.seed is not None:
             child.generator = torch.Generator().manual_seed(self.params.seed + index)
         child.metrics.arrival_time = self.metrics.arrival_time

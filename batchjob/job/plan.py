@@ -42,7 +42,7 @@ def plan_job(
             constrained += len(work.rows)
             grammars.add(key)
         lengths.append(len(work.token_ids))
-        max_tokens.append(work.params.max_tokens)
+        max_tokens.append(max_output_tokens(engine, work))
         duplicates += len(work.rows) - 1
         shared += cache.hit_tokens(work.token_ids)
         if len(sample) < CALIBRATION_REQUESTS:  # the first in planned order: what the run starts with
@@ -93,6 +93,11 @@ def plan_job(
     return report
 
 
+def max_output_tokens(engine: JobEngine, work: Work) -> int:
+    """The most tokens a request can generate: its max_tokens, within the model's context (as the engine caps it)."""
+    return min(work.params.max_tokens, max(engine.max_model_len - len(work.token_ids), 0))
+
+
 def measure(engine: JobEngine, sample: list[Work]) -> dict:
     steps: list[StepMetrics] = []
     engine.generate(
@@ -113,7 +118,8 @@ def measure(engine: JobEngine, sample: list[Work]) -> dict:
     decode = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
     # A request cut by the calibration's cap is assumed to run to its own max_tokens.
     lengths = [
-        len(o.token_ids) if o.finish_reason == "stop" else by_id[o.request_id].params.max_tokens for o in outputs
+        len(o.token_ids) if o.finish_reason == "stop" else max_output_tokens(engine, by_id[o.request_id])
+        for o in outputs
     ]
     prefill_time = sum(s.step_time for s in prefill)
     return {

@@ -121,3 +121,18 @@ def test_a_drained_pool_places_from_its_first_block_again():
     b = seq([2] * 8, 1)
     run(bm, b)  # a's run was 18 blocks (8 tokens + 64 max_tokens); its two full blocks stay cached
     assert b.block_table[0] == 2 and len(bm.hash_to_block) == 4
+
+
+@pytest.mark.parametrize("huge", [10**13, 2**63 - 1, 2**70])
+def test_a_huge_max_tokens_sizes_no_run_past_the_context(huge):
+    """A new run is sized by prompt plus max_tokens, capped by the context (4 blocks here): a huge max_tokens
+    neither sizes a search pattern by it nor takes the whole pool for one sequence."""
+    bm = BlockManager(16, 4, max_model_len=16)
+    a, b = (Sequence(Request(str(i), [i] * 5, SamplingParams(max_tokens=huge)), i) for i in range(2))
+    run(bm, a)
+    run(bm, b)
+    assert a.block_table == [0, 1] and b.block_table == [4, 5]  # each run holds room to the context, no more
+    alone = BlockManager(3, 4)  # without a context the pool is the cap
+    c = Sequence(Request("c", [1] * 5, SamplingParams(max_tokens=huge)), 2)
+    run(alone, c)
+    assert c.block_table == [0, 1]

@@ -78,3 +78,38 @@ def test_incremental_detokenization_handles_multibyte(engine, text):
         seq.token_ids.append(t)
         seq.detokenize(engine.tokenizer)
     assert seq.text == engine.tokenizer.decode(ids) == text
+
+
+def test_greedy_under_preemption_and_chunked_prefill_matches_transformers(hf_oracle, oracle_prompts):
+    """A pool too small for the batch (preemption and recompute) and a token budget smaller than a prompt (prefill
+    in chunks, sharing steps with decodes): each sequence still equals transformers' fp32 greedy, token for token."""
+    from batchjob.engine.engine import Engine
+
+    hf_model, _ = hf_oracle
+    budget = 32
+    engine = Engine(
+        "smollm2-135m-instruct",
+        num_kv_blocks=16,
+        max_num_batched_tokens=budget,
+        kv_watermark=1.0,
+        enable_prefix_caching=False,  # a preempted sequence recomputes its every token
+    )
+    prompts = [engine.tokenizer.encode_chat(m) for m in oracle_prompts[:6]]  # 4 questions, 2 documents
+    need = sum(-(-(len(p) + 16) // engine.config.block_size) for p in prompts)
+    assert need > 2 * engine.num_kv_blocks and max(len(p) for p in prompts) > 4 * budget
+    steps = []
+    engine.add_step_callback(steps.append)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16), use_tqdm=False)
+    assert sum(s.num_preemptions for s in steps) > 0
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # decode mixed into a prefill step
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in steps)
+    for ids, out in zip(prompts, outs):
+        with torch.inference_mode():
+            ref = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=2,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        assert out.token_ids == ref[0, len(ids) :].tolist(), f"prompt of {len(ids)} tokens"
