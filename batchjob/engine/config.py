@@ -6,18 +6,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from batchjob.engine.sampling_params import SEED_RANGE
+
 # Presets: offline throughput admits until KV is nearly full; latency keeps headroom and smaller steps.
 PROFILES = {
     "throughput": {"kv_watermark": 0.95, "max_num_batched_tokens": 2048, "max_num_seqs": 256},
     "latency": {"kv_watermark": 0.75, "max_num_batched_tokens": 512, "max_num_seqs": 64},
 }
+# Past any host's use, and small enough for the C integers they end in (thread counts, slice bounds).
+MAX_NUM_SEQS = 1 << 16
+MAX_NUM_THREADS = 4096
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     profile: Literal["throughput", "latency"] = "throughput"
-    max_num_seqs: int | None = Field(None, ge=1, description="upper bound on sequences per step")
+    max_num_seqs: int | None = Field(None, ge=1, le=MAX_NUM_SEQS, description="upper bound on sequences per step")
     max_num_batched_tokens: int | Literal["auto"] | None = Field(
         None, description="token budget of one step, or 'auto' to tune it while running (token_budget.py)"
     )
@@ -45,8 +50,8 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="decode steps without CUDA graphs (vLLM's name); graphs are never used on a CPU"
     )
-    num_threads: int | None = Field(None, ge=1)
-    seed: int = 0
+    num_threads: int | None = Field(None, ge=1, le=MAX_NUM_THREADS)
+    seed: int = Field(0, **SEED_RANGE)
 
     @field_validator("max_num_batched_tokens", mode="before")
     @classmethod
