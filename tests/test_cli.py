@@ -66,9 +66,13 @@ def test_settings_that_fail_once_the_model_is_loaded_exit_2_in_one_line(tmp_path
     import torch
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user runs it, not the tests
-    cases = [(["--set", "engine.num_kv_blocks=1000000000000000000000000000000"], "the KV cache of ")]
-    if not torch.cuda.is_available():
-        cases.append((["--set", "engine.ops_backend=triton"], "ops_backend: triton runs on a CPU only in Triton's"))
+    if torch.cuda.is_available():
+        cases = [(["--set", f"engine.num_kv_blocks={2**31 - 1}"], "the KV cache of 2,147,483,647 blocks")]
+    else:
+        cases = [
+            (["--set", "engine.kv_cache_memory_gb=1e30"], "the KV cache of "),
+            (["--set", "engine.ops_backend=triton"], "ops_backend: triton runs on a CPU only in Triton's"),
+        ]
     for args, says in cases:
         result = run(job_file(tmp_path, tmp_path / "out"), *args, env=env)
         assert result.returncode == EXIT_USAGE and says in one_line(result), result.stderr

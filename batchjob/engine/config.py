@@ -13,7 +13,7 @@ PROFILES = {
     "throughput": {"kv_watermark": 0.95, "max_num_batched_tokens": 2048, "max_num_seqs": 256},
     "latency": {"kv_watermark": 0.75, "max_num_batched_tokens": 512, "max_num_seqs": 64},
 }
-# Past any host's use, and small enough for the C integers they end in (thread counts, slice bounds).
+# Past any host's use, and small enough for the C integers they end in (thread counts, slice bounds, tensor sizes).
 MAX_NUM_SEQS = 1 << 16
 MAX_NUM_THREADS = 4096
 
@@ -32,7 +32,7 @@ class EngineConfig(BaseModel):
     kv_cache_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="share of GPU memory for weights, activations, CUDA graphs and KV"
     )
-    num_kv_blocks: int | None = Field(None, ge=1, description="overrides the memory-derived pool size")
+    num_kv_blocks: int | None = Field(None, ge=1, lt=2**31, description="overrides the memory-derived pool size")
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     kv_watermark: float | None = Field(None, gt=0, le=1, description="stop admitting prefills above this KV usage")
     enable_prefix_caching: bool = True

@@ -168,7 +168,8 @@ def test_values_that_would_fail_after_the_model_loads_fail_at_load(tmp_path):
     """Each was exit 70 once the model had loaded: a KeyError, "Overflow when unpacking long long"."""
     text = MINIMAL.replace("docs.parquet}", "docs.parquet, passthrough: [title, text, title]}")
     assert "input: passthrough: title named more than once" in error_of(tmp_path, text)
-    for key, value in [("engine.seed", 10**26), ("engine.num_threads", 10**20), ("engine.max_num_seqs", 10**30)]:
+    settings = [("seed", 10**26), ("num_threads", 10**20), ("max_num_seqs", 10**30), ("num_kv_blocks", 2**31)]
+    for key, value in [(f"engine.{name}", value) for name, value in settings]:
         message = error_of(tmp_path, MINIMAL, [f"{key}={value}"])
         assert f"{key}: Input should be less than" in message and "[set on the command line]" in message
     assert load(tmp_path, MINIMAL, ["engine.seed=18446744073709551615"]).engine.seed == 2**64 - 1
