@@ -25,7 +25,7 @@ from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.telemetry.progress import LogProgress, RichProgress
 from batchjob.model.builtin import DEFAULT_MODEL
-from batchjob.model.errors import ModelNotFoundError
+from batchjob.model.errors import CacheDirError, ModelError
 
 _set_option = click.option(
     "--set",
@@ -56,7 +56,7 @@ def _failures() -> Iterator[None]:
         yield
     except (LockHeld, LeaseLost) as e:
         _fail(str(e), EXIT_LOCKED)
-    except (InputError, StateError, JobFileError, ModelNotFoundError, DeviceSettingError) as e:
+    except (InputError, StateError, JobFileError, ModelError, DeviceSettingError, CacheDirError) as e:
         _fail(str(e), EXIT_USAGE)
     except OSError as e:  # a read-only folder, a full disk, a file that went away
         _fail(f"cannot read or write a file: {e}", EXIT_IO)
@@ -117,7 +117,7 @@ def run(
 ) -> None:
     """Run JOB_FILE: read its input, generate, and commit results to its output folder; resumes by itself.
 
-    Exit codes: 0 all rows done; 2 usage, job-file, input or model-not-found error; 3 finished but some rows
+    Exit codes: 0 all rows done; 2 usage, job-file, input, model or setting error; 3 finished but some rows
     failed (with fail_on_row_errors); 70 internal error (the message names the log with the traceback); 74 a file
     cannot be read or written (read-only folder, full disk); 75 another run holds the output folder; 129/130/143
     interrupted (SIGHUP/SIGINT/SIGTERM), resumable."""
@@ -225,9 +225,14 @@ def generate(prompt, model, max_tokens, temperature, seed, system, no_chat) -> N
         tok = engine.tokenizer
         if no_chat:
             ids = tok.encode(prompt)
+        elif tok.chat_template is None:
+            _fail(f"{model} has no chat template: add --no-chat to send the prompt as it is", EXIT_USAGE)
         else:
             system_turn = [{"role": "system", "content": system}] if system else []
-            ids = tok.encode_chat([*system_turn, {"role": "user", "content": prompt}])
+            try:
+                ids = tok.encode_chat([*system_turn, {"role": "user", "content": prompt}])
+            except Exception as e:  # the template is the model's code: some refuse a system turn, for one
+                _fail(f"the model's chat template refused this prompt: {e}", EXIT_USAGE)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         [out] = engine.generate([ids], params, use_tqdm=False)
     click.echo(out.text)

@@ -18,6 +18,8 @@ from batchjob.engine.outputs import Request, RequestMetrics, RequestOutput, Step
 
 
 class FakeTokenizer:
+    chat_template: str | None = "<|{role}|>{content}"  # what apply_chat_template writes; None: a model without one
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 

@@ -1,6 +1,7 @@
 """`batchjob run` as a user sees it when something named goes wrong: one line, a documented exit code, no traceback;
 and for anything else (a bug) the internal-error code with the traceback in a log file."""
 
+import os
 import resource
 import signal
 import subprocess
@@ -27,7 +28,7 @@ def job_file(tmp_path, out, **sections):
     return str(path)
 
 
-def run(*args: str, preexec_fn=None) -> subprocess.CompletedProcess:
+def run(*args: str, preexec_fn=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "batchjob.cli", "run", *args, "--log-interval", "60"],
         cwd=REPO,
@@ -35,6 +36,7 @@ def run(*args: str, preexec_fn=None) -> subprocess.CompletedProcess:
         text=True,
         timeout=180,
         preexec_fn=preexec_fn,
+        env=env,
     )
 
 
@@ -57,6 +59,62 @@ def test_a_device_setting_the_host_cannot_meet_exits_2_in_one_line(tmp_path):
         pytest.skip("needs a host without a CUDA device")
     result = run(job_file(tmp_path, tmp_path / "out", engine={**ENGINE, "device": "cuda"}))
     assert result.returncode == EXIT_USAGE and "torch sees no CUDA device" in one_line(result)
+
+
+def test_settings_that_fail_once_the_model_is_loaded_exit_2_in_one_line(tmp_path):
+    """Each was exit 70, "internal error", after the model had loaded."""
+    import torch
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user runs it, not the tests
+    if torch.cuda.is_available():
+        cases = [(["--set", f"engine.num_kv_blocks={2**31 - 1}"], "the KV cache of 2,147,483,647 blocks")]
+    else:
+        cases = [
+            (["--set", "engine.kv_cache_memory_gb=1e30"], "the KV cache of "),
+            (["--set", "engine.ops_backend=triton"], "ops_backend: triton runs on a CPU only in Triton's"),
+        ]
+    for args, says in cases:
+        result = run(job_file(tmp_path, tmp_path / "out"), *args, env=env)
+        assert result.returncode == EXIT_USAGE and says in one_line(result), result.stderr
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "sampling.stop=[a, b",
+        "sampling.stop=@x",
+        "sampling.stop=*ref",
+        "sampling.stop=!!python/object:os.system echo",
+        "input.passthrough=[text, text]",
+        "engine.seed=99999999999999999999999999",
+        "engine.num_threads=99999999999999999999",
+        "engine=5",
+        "engine.no_such_key.x=1",
+        "x",
+    ],
+)
+def test_a_bad_set_exits_2_naming_it(tmp_path, setting):
+    """The first four were a YAML traceback and exit 1; the next three exit 70 once the model had loaded."""
+    result = CliRunner().invoke(cli.main, ["run", job_file(tmp_path, tmp_path / "out"), "--set", setting])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "Traceback" not in result.output and result.output.startswith("error: ")
+    assert f"--set {setting!r}" in result.output or "[set on the command line]" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_home_folder_and_no_batchjob_cache_exits_2_saying_what_to_set(tmp_path, monkeypatch):
+    """Path.home() raises where HOME is unset and the user id has no passwd entry (a container's --user)."""
+
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    job = job_file(tmp_path, tmp_path / "out")
+    monkeypatch.delenv("BATCHJOB_CACHE", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    result = CliRunner().invoke(cli.main, ["run", job])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.output == "error: cannot find a cache folder: set BATCHJOB_CACHE (or HOME)\n"
 
 
 def test_an_output_folder_that_cannot_be_created_exits_74_in_one_line(tmp_path):

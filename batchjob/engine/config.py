@@ -6,18 +6,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from batchjob.engine.sampling_params import SEED_RANGE
+
 # Presets: offline throughput admits until KV is nearly full; latency keeps headroom and smaller steps.
 PROFILES = {
     "throughput": {"kv_watermark": 0.95, "max_num_batched_tokens": 2048, "max_num_seqs": 256},
     "latency": {"kv_watermark": 0.75, "max_num_batched_tokens": 512, "max_num_seqs": 64},
 }
+# Past any host's use, and small enough for the C integers they end in (thread counts, slice bounds, tensor sizes).
+MAX_NUM_SEQS = 1 << 16
+MAX_NUM_THREADS = 4096
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     profile: Literal["throughput", "latency"] = "throughput"
-    max_num_seqs: int | None = Field(None, ge=1, description="upper bound on sequences per step")
+    max_num_seqs: int | None = Field(None, ge=1, le=MAX_NUM_SEQS, description="upper bound on sequences per step")
     max_num_batched_tokens: int | Literal["auto"] | None = Field(
         None, description="token budget of one step, or 'auto' to tune it while running (token_budget.py)"
     )
@@ -27,7 +32,7 @@ class EngineConfig(BaseModel):
     kv_cache_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="share of GPU memory for weights, activations, CUDA graphs and KV"
     )
-    num_kv_blocks: int | None = Field(None, ge=1, description="overrides the memory-derived pool size")
+    num_kv_blocks: int | None = Field(None, ge=1, lt=2**31, description="overrides the memory-derived pool size")
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     kv_watermark: float | None = Field(None, gt=0, le=1, description="stop admitting prefills above this KV usage")
     enable_prefix_caching: bool = True
@@ -45,8 +50,8 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="decode steps without CUDA graphs (vLLM's name); graphs are never used on a CPU"
     )
-    num_threads: int | None = Field(None, ge=1)
-    seed: int = 0
+    num_threads: int | None = Field(None, ge=1, le=MAX_NUM_THREADS)
+    seed: int = Field(0, **SEED_RANGE)
 
     @field_validator("max_num_batched_tokens", mode="before")
     @classmethod

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from batchjob import env
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
@@ -39,6 +40,14 @@ def pick_device(config: EngineConfig) -> torch.device:
 
 def pick_ops_backend(config: EngineConfig, device: torch.device) -> str:
     """Triton kernels on a CUDA device (or when asked for, e.g. under TRITON_INTERPRET=1); torch otherwise."""
+    if config.ops_backend == "triton":
+        if not importlib.util.find_spec("triton"):
+            raise DeviceSettingError("ops_backend: triton was asked for, but Triton is not installed")
+        if device.type == "cpu" and env.get("TRITON_INTERPRET") != "1":
+            raise DeviceSettingError(
+                "ops_backend: triton runs on a CPU only in Triton's interpreter (TRITON_INTERPRET=1, for tests); "
+                "use ops_backend torch or auto"
+            )
     if config.ops_backend != "auto":
         return config.ops_backend
     return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
@@ -89,7 +98,15 @@ class ModelRunner:
         self.memory: MemoryProfile | None = None  # what the pool was sized against, on a GPU
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(graphs)
         # One block beyond those the block manager hands out: padded decode rows write and read it (decode_graphs.py).
-        self.kv_caches = self._make_caches(self.num_blocks + 1)
+        try:
+            self.kv_caches = self._make_caches(self.num_blocks + 1)
+        except (MemoryError, OverflowError, OSError, torch.OutOfMemoryError) as e:  # OSError: the mmap of lazy_zeros
+            gib = (self.num_blocks + 1) * self.block_size * self.kv_bytes_per_token / 2**30
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DeviceSettingError(
+                f"the KV cache of {self.num_blocks:,} blocks ({gib:,.1f} GiB) cannot be allocated on "
+                f"{self.device.type}: {reason}; lower num_kv_blocks or kv_cache_memory_gb"
+            ) from None
         self.decode_graphs: DecodeGraphs | None = self.make_decode_graphs(capture=True) if graphs else None
         # The self-check's: raise at a host synchronisation inside a step (with enforce_eager: a capture waits).
         self.forbid_host_sync = False

@@ -14,6 +14,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_N = 128
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 CONSTRAINTS = ("response_format", "regex", "choice")  # at most one per request
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit value; anything else fails up front.
+SEED_RANGE = {"ge": -(2**63), "lt": 2**64}
 
 
 class JsonSchemaSpec(BaseModel):
@@ -52,8 +54,7 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0, description="0 disables")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    # torch.Generator.manual_seed takes a signed or unsigned 64-bit value; anything else fails the request up front.
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, **SEED_RANGE)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False

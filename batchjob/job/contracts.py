@@ -14,6 +14,8 @@ from batchjob.model.chat_shape import Chat
 
 
 class Tokenizer(Protocol):
+    chat_template: str | None  # the model's (jinja2); None for a model without one, such as most base models
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]: ...

@@ -4,7 +4,7 @@ import signal
 
 EXIT_OK = 0
 EXIT_CHECKS_FAILED = 1  # `batchjob selftest` ran, and some check failed
-EXIT_USAGE = 2  # usage, job-file or input error
+EXIT_USAGE = 2  # usage, job-file, input, model or setting error
 EXIT_ROW_ERRORS = 3  # finished, but some rows failed (with fail_on_row_errors)
 EXIT_INTERNAL = 70  # a bug (EX_SOFTWARE): the message names the log file that holds the traceback
 EXIT_IO = 74  # a file cannot be read or written: a read-only folder, a full disk (EX_IOERR); committed rows are kept

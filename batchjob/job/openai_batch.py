@@ -11,7 +11,7 @@ from typing import Any
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # Body fields that become per-request sampling settings, by SamplingParams name. top_k, min_p and
-# repetition_penalty are vLLM's extensions to the OpenAI API.
+# repetition_penalty are vLLM's extensions to the OpenAI API. Of two fields for one setting, the later here wins.
 SAMPLING_FIELDS = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
@@ -53,7 +53,9 @@ def parse_request(obj: dict) -> tuple[dict, dict]:
         raise RequestLineError(f"unsupported field {', '.join(unsupported)}")
     if body.get("stream"):
         raise RequestLineError("unsupported field stream: true (a batch has no stream)")
-    overrides = {SAMPLING_FIELDS[k]: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
+    # In SAMPLING_FIELDS' order, not the line's: of max_tokens and max_completion_tokens, the latter wins, as in
+    # OpenAI's API and vLLM.
+    overrides = {name: body[k] for k, name in SAMPLING_FIELDS.items() if body.get(k) is not None}
     if isinstance(overrides.get("stop"), str):
         overrides["stop"] = [overrides["stop"]]
     if url == COMPLETIONS_URL and "logprobs" in overrides:

@@ -99,6 +99,11 @@ class PromptBuilder:
         if self.format == "openai-batch":
             if "prompt" in row.values:  # a /v1/completions line: the prompt as given, no template
                 return (lambda text: text), _text(row.values["prompt"], "body.prompt")
+            if self.tokenizer.chat_template is None:
+                raise RowError(
+                    "a /v1/chat/completions line needs a chat template, and this model has none "
+                    "(a /v1/completions line with body.prompt needs none)"
+                )
             return self._messages_parts(row.values["messages"])
         if self.messages_column:
             return self._messages_parts(row.values[self.messages_column])
@@ -136,12 +141,18 @@ class PromptBuilder:
             raise _template_refused(e) from None
 
     def check(self) -> None:
-        """Fail before any work when the job asks for a chat template that the model does not have."""
-        if self.prompt.chat_template or self.messages_column or self.format == "openai-batch":
-            try:
-                self.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
-            except ValueError as e:
-                raise JobFileError(f"prompt.chat_template: {e}") from None
+        """Fail before any work when every prompt would need a chat template that the model does not have. An OpenAI
+        Batch file may hold /v1/completions lines only, which need none: there each chat line fails alone. (A
+        template that refuses some messages fails those rows, not the job.)"""
+        if self.tokenizer.chat_template is not None or self.format == "openai-batch":
+            return
+        if self.messages_column:
+            raise JobFileError("input.messages_column: chat messages need a chat template, and this model has none")
+        if self.prompt.chat_template:
+            raise JobFileError(
+                "prompt.chat_template: this model has no chat template; "
+                "set prompt.chat_template: false to send the prompt text as it is"
+            )
 
 
 def _template_refused(e: Exception) -> RowError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import string
 import typing
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +59,9 @@ class InputSpec(_Section):
                     "set input.format to one of 'parquet', 'jsonl', 'openai-batch'"
                 )
             object.__setattr__(self, "format", FORMAT_BY_SUFFIX[suffix])
+        twice = sorted({c for c in self.passthrough if self.passthrough.count(c) > 1})
+        if twice:
+            raise ValueError(f"passthrough: {', '.join(twice)} named more than once")
         clashes = sorted(RESULT_COLUMNS & set(self.passthrough))
         if clashes:
             raise ValueError(
@@ -142,7 +146,7 @@ class RaySpec(_Section):
 
 
 class JobSpec(_Section):
-    model: str = DEFAULT_MODEL
+    model: str = Field(DEFAULT_MODEL, min_length=1)
     executor: Literal["local", "ray"] = Field("local", description="'ray': scale out over Ray Data actors")
     input: InputSpec
     prompt: PromptSpec = Field(default_factory=PromptSpec)
@@ -176,15 +180,27 @@ class JobSpec(_Section):
         return self
 
 
+# A job file is a few hundred values; past these it is not one (/dev/zero, a log named by mistake, or aliases that
+# make billions of values out of a few lines), and reading on would only exhaust memory.
+MAX_JOB_FILE_BYTES = 16 << 20
+MAX_JOB_VALUES = 1_000_000
+
+
 def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobSpec:
     """Read, override and validate a job file; JobFileError says what is wrong and where."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            data = f.read(MAX_JOB_FILE_BYTES + 1)
     except OSError as e:
         raise JobFileError(f"{path}: cannot read the job file: {e.strerror or e}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise JobFileError(f"{path}: not valid YAML: {e}") from None
+    if len(data) > MAX_JOB_FILE_BYTES:
+        raise JobFileError(f"{path}: larger than {MAX_JOB_FILE_BYTES >> 20} MiB; not a job file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise JobFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    raw = _parse_yaml(text, str(path))
     if not isinstance(raw, dict):
         raise JobFileError(f"{path}: the job file must be a mapping of sections (model, input, prompt, ...)")
     set_paths = [_apply_override(raw, item, path) for item in overrides]
@@ -193,6 +209,63 @@ def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobSpec:
     except pydantic.ValidationError as e:
         lines = [_describe(err, set_paths) for err in e.errors()]
         raise JobFileError(f"{path}: invalid job file\n" + "\n".join(f"  {line}" for line in lines)) from None
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key written twice in one mapping: YAML keeps the last without a word, so a
+    second `sampling:` section would silently replace the first. (A key that a merge `<<: *name` brings may be
+    written over, as YAML means it to be.)"""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = None if key_node.tag == "tag:yaml.org,2002:merge" else self.construct_object(key_node, deep=True)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            if isinstance(key, Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    """The YAML value of `text`; JobFileError in one line, naming `source` (the file, or the --set), when it is not
+    usable."""
+    try:
+        value = yaml.load(text, Loader=_Loader)  # a SafeLoader: plain data only
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = "; ".join(filter(None, [e.context, e.problem]))
+        raise JobFileError(f"{source}: not valid YAML: {problem}{where}") from None
+    except yaml.YAMLError as e:
+        raise JobFileError(f"{source}: not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise JobFileError(f"{source}: not usable YAML: nested too deeply") from None
+    try:
+        _count_values(value, {}, set())
+    except ValueError as e:
+        raise JobFileError(f"{source}: not usable YAML: {e}") from None
+    return value
+
+
+def _count_values(value: Any, counted: dict[int, int], open_: set[int]) -> int:
+    """How many values `value` holds with its aliases (&name, *name) expanded, counted without expanding them;
+    ValueError past MAX_JOB_VALUES or where an alias holds itself."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    key = id(value)
+    if key in counted:
+        return counted[key]
+    if key in open_:
+        raise ValueError("an alias (*name) stands for a value that holds the alias itself")
+    open_.add(key)
+    members = [*value, *value.values()] if isinstance(value, dict) else value
+    n = 1 + sum(_count_values(v, counted, open_) for v in members)
+    open_.discard(key)
+    if n > MAX_JOB_VALUES:
+        raise ValueError(f"its aliases (*name) expand it to more than {MAX_JOB_VALUES:,} values")
+    counted[key] = n
+    return n
 
 
 def _apply_override(raw: dict, item: str, path: Path) -> tuple[str, ...]:
@@ -206,7 +279,7 @@ def _apply_override(raw: dict, item: str, path: Path) -> tuple[str, ...]:
         if not isinstance(node, dict):
             raise JobFileError(f"{path}: --set {item!r}: {'.'.join(keys[: depth + 1])} is not a section")
     # YAML parsing of the value gives 32 an int, true a bool and [a, b] a list, as in the file itself.
-    node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
+    node[keys[-1]] = _parse_yaml(text, f"--set {item!r}") if text.strip() else ""
     return keys
 
 
@@ -222,7 +295,8 @@ def _describe(err: dict, set_paths: list[tuple[str, ...]]) -> str:
         message = err["msg"].removeprefix("Value error, ")
         if "input" in err and not isinstance(err["input"], (dict, list)):
             message += f" (got {err['input']!r})"
-    if any(loc[: len(p)] == p for p in set_paths):
+    # Under a --set (its key, or inside its value), or above it (a section's own check, an unknown key on its path).
+    if any(loc[: len(p)] == p or (loc and p[: len(loc)] == loc) for p in set_paths):
         message += " [set on the command line]"
     return f"{where}: {message}"
 

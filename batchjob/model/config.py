@@ -39,6 +39,8 @@ class ModelConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rope_scaling:
+            self.inv_freq()  # an unsupported or incomplete rope_scaling fails with the config, not at the first step
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -96,3 +98,32 @@ class ModelConfig:
             inv = inv / rope_freqs.double()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of a Llama-family model."""
+    h, q, kv, inter = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if c.attention_bias:
+            shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
+    return shapes

@@ -19,9 +19,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from batchjob.model.builtin import DEFAULT_MODEL
-from batchjob.model.config import ModelConfig
-from batchjob.model.errors import ModelNotFoundError
-from batchjob.model.loader import LoadedModel, load_model
+from batchjob.model.config import ModelConfig, weight_shapes
+from batchjob.model.errors import ModelError, ModelNotFoundError
+from batchjob.model.loader import LoadedModel, load_model, reading_model
 from batchjob.model.tokenizer import Tokenizer
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
@@ -41,35 +41,6 @@ def dummy_config_path(model: str) -> Path:
     raise ModelNotFoundError(
         f"load_format dummy: no config for {model!r}; give an HF config.json (or its folder) or one of {names}"
     )
-
-
-def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Llama-family model."""
-    h, q, kv, inter = (
-        c.hidden_size,
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-        c.intermediate_size,
-    )
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-        if c.attention_bias:
-            shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
-    return shapes
 
 
 def dummy_weights(
@@ -102,7 +73,7 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
     """The built-in model's tokenizer where it loads (from the local cache) and fits the vocabulary, else bytes."""
     try:
         tok = load_model(DEFAULT_MODEL).tokenizer
-    except (ModelNotFoundError, OSError):
+    except (ModelError, OSError):
         return synthetic_tokenizer()
     return tok if tok.vocab_size <= vocab_size else synthetic_tokenizer()
 
@@ -111,8 +82,9 @@ def load_dummy(
     model: str, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
     path = dummy_config_path(model)
-    raw = json.loads(path.read_text())
-    config = ModelConfig.from_hf(raw)
+    with reading_model(path):
+        raw = json.loads(path.read_text())
+        config = ModelConfig.from_hf(raw)
     weights = dummy_weights(config, seed, raw.get("initializer_range", 0.02), device, dtype)
     digest = hashlib.sha256(f"dummy:{seed}:".encode() + path.read_bytes()).hexdigest()
     return LoadedModel(config, weights, _tokenizer(config.vocab_size), path, digest)

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchjob.model.builtin import BUILTIN_MODELS, BUILTIN_PINS, cache_dir
-from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig
-from batchjob.model.errors import ModelNotFoundError
+from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, weight_shapes
+from batchjob.model.errors import ModelError, ModelLoadError, ModelNotFoundError
 from batchjob.model.tokenizer import Tokenizer
 
 # org/name, org/name@revision, or org/name/file.gguf (one GGUF file of the repo), as the Hub spells repo ids.
@@ -42,7 +43,9 @@ class ModelLocation:
 
 def locate_model(model: str) -> ModelLocation:
     tried = []
-    path = Path(model).expanduser()
+    path = Path(model)
+    with contextlib.suppress(RuntimeError):  # "~" with no home folder to expand it to: the name as it is
+        path = path.expanduser()
     if path.exists():
         return ModelLocation(path)
     tried.append(f"path {path} (does not exist)")
@@ -139,6 +142,7 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """ModelNotFoundError when there is no such model, ModelLoadError (naming it) when its files cannot be used."""
     where = locate_model(model)
     path = where.path
     if path.is_dir():
@@ -147,25 +151,62 @@ def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         loaded = _load_gguf(path, dtype)
     else:
         raise ModelNotFoundError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+    with reading_model(path):
+        check_weights(loaded.config, loaded.weights)
     return dataclasses.replace(loaded, revision=where.revision)
+
+
+@contextlib.contextmanager
+def reading_model(path: Path) -> Iterator[None]:
+    """Around the reads of a model's files: any failure there is the model's (a damaged or incomplete file, a config
+    or chat template that does not parse) and becomes one ModelLoadError naming the path. Parsers of such bytes fail
+    in any way they have (gguf: ValueError, IndexError; safetensors: SafetensorError; tokenizers: a bare Exception),
+    so all are caught; writes to the cache stay outside, where a full disk is an I/O error."""
+    try:
+        yield
+    except ModelNotFoundError:
+        raise
+    except Exception as e:
+        reason = str(e) if isinstance(e, ModelError) else _one_line(e)
+        raise ModelLoadError(f"model {path} cannot be loaded: {reason}") from e
+
+
+def _one_line(e: Exception) -> str:
+    """A parser's exception in one line: its type and the first line of its message."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """ModelLoadError for a tensor that the config needs and the files lack or hold in another shape."""
+    for name, shape in weight_shapes(config).items():
+        if name not in weights:
+            raise ModelLoadError(f"it has no tensor {name}")
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"its tensor {name} has shape {tuple(weights[name].shape)}, its config needs {shape}")
 
 
 def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise ModelNotFoundError(f"{path} has no config.json")
-    config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(path / "*.safetensors")))
-    if not files:
-        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
-    weights = {}
-    for f in files:
-        weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
-    return LoadedModel(config, weights, Tokenizer.from_folder(path), path, folder_digest(path, files))
+    with reading_model(path):
+        config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        if not (path / "tokenizer.json").is_file():
+            raise ModelLoadError("the folder has no tokenizer.json")
+        tokenizer = Tokenizer.from_folder(path)  # before the weights: the cheap reads fail first
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(Path(p) for p in glob.glob(str(path / "*.safetensors")))
+        if not files:
+            raise ModelLoadError("the folder has no *.safetensors weights")
+        weights = {}
+        for f in files:
+            weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+        digest = folder_digest(path, files)
+    return LoadedModel(config, weights, tokenizer, path, digest)
 
 
 # Besides the weights, what a Hugging Face folder's results depend on: the architecture, the tokenizer, the chat
@@ -283,40 +324,48 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     cached = cache_dir() / "gguf" / digest
     if not (cached / "config.json").exists():
         convert_gguf(path, cached)
-    config = json.loads((cached / "config.json").read_text())
-    config = ModelConfig(**{**config, "eos_token_ids": tuple(config["eos_token_ids"])})
-    weights = load_file(str(cached / "model.safetensors"))
-    rope_freqs = weights.pop("rope_freqs.weight", None)
-    weights = {k: v.to(dtype) for k, v in weights.items()}
-    return LoadedModel(config, weights, Tokenizer.from_folder(cached), path, digest, rope_freqs)
+    with reading_model(path):  # the converted copy holds the GGUF's content: its chat template is parsed here
+        config = json.loads((cached / "config.json").read_text())
+        config = ModelConfig(**{**config, "eos_token_ids": tuple(config["eos_token_ids"])})
+        weights = load_file(str(cached / "model.safetensors"))
+        rope_freqs = weights.pop("rope_freqs.weight", None)
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+        tokenizer = Tokenizer.from_folder(cached)
+    return LoadedModel(config, weights, tokenizer, path, digest, rope_freqs)
 
 
 def convert_gguf(path: Path, out: Path) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    meta = gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = _gguf_config(meta, has_output="output.weight" in names)
-    if not config.vocab_size:
-        config = ModelConfig(**{**config.__dict__, "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data)})
-    weights = {}
-    permute = meta["general.architecture"] == "llama"
-    for t in reader.tensors:
-        name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
-        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        arr = arr.reshape([int(d) for d in reversed(t.shape)])
-        if permute and name.endswith("q_proj.weight"):
-            arr = unpermute_qk(arr, config.num_attention_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            arr = unpermute_qk(arr, config.num_key_value_heads)
-        weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: GGUF data is a read-only mmap
+    with reading_model(path):
+        try:
+            reader = GGUFReader(str(path))
+        except Exception as e:  # the reader parses header and tensor table at once: it fails however the bytes do
+            raise ModelLoadError(f"not a readable GGUF file (damaged or cut short?): {_one_line(e)}") from e
+        meta = gguf_metadata(reader)
+        names = {t.name for t in reader.tensors}
+        config = _gguf_config(meta, has_output="output.weight" in names)
+        if not config.vocab_size:
+            vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+            config = ModelConfig(**{**config.__dict__, "vocab_size": vocab_size})
+        weights = {}
+        permute = meta["general.architecture"] == "llama"
+        for t in reader.tensors:
+            name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+            arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            arr = arr.reshape([int(d) for d in reversed(t.shape)])
+            if permute and name.endswith("q_proj.weight"):
+                arr = unpermute_qk(arr, config.num_attention_heads)
+            elif permute and name.endswith("k_proj.weight"):
+                arr = unpermute_qk(arr, config.num_key_value_heads)
+            weights[name] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: the GGUF is a read-only mmap
+        tokenizer = Tokenizer.from_gguf(reader, meta)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         save_file(weights, str(tmp / "model.safetensors"))
-        Tokenizer.from_gguf(reader, meta).save(tmp)
+        tokenizer.save(tmp)
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
         try:
             os.replace(tmp, out)

@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from batchjob.model.chat_shape import Chat, ChatShape, splits_at_added_tokens, template_inserts_content_verbatim
+from batchjob.model.errors import ModelLoadError
 
 # The split llama.cpp applies before byte-level BPE, by `tokenizer.ggml.pre`; absent means GPT-2's own regex.
 _LLAMA3_SPLIT = (
@@ -52,7 +53,10 @@ class Tokenizer:
                 pair=f"{bos_token} $A {bos_token} $B",
                 special_tokens=[(bos_token, self.bos_token_id)],
             )
-        self._template = _compile(chat_template) if chat_template else None
+        try:
+            self._template = _compile(chat_template) if chat_template else None
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelLoadError(f"its chat template does not parse: {e.message} (line {e.lineno})") from None
         self._shapes: dict[tuple, ChatShape | None] = {}
 
     @property
@@ -90,7 +94,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
-            raise ValueError("this model has no chat template; set the job's prompt.chat_template to false")
+            raise ValueError("this model has no chat template")
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,

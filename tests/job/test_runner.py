@@ -298,19 +298,44 @@ def test_openai_batch_round_trip(tmp_path, progress):
     assert out["bad-1"]["response"] is None and out["bad-1"]["error"]["message"].startswith("missing prompt")
 
 
+def no_chat_template(job):
+    """The fake engine as a base model: no chat template."""
+    engine = fake_factory()(job)
+    engine.tokenizer.chat_template = None
+
+    def refuse(messages, add_generation_prompt=True):
+        raise ValueError("this model has no chat template")
+
+    engine.tokenizer.apply_chat_template = refuse
+    return engine
+
+
 def test_a_model_without_a_chat_template_fails_before_any_work(tmp_path, docs, progress):
-    def no_template(job):
-        engine = fake_factory()(job)
-
-        def refuse(messages, add_generation_prompt=True):
-            raise ValueError("this model has no chat template; set the job's prompt.chat_template to false")
-
-        engine.tokenizer.apply_chat_template = refuse
-        return engine
-
-    with pytest.raises(JobFileError, match="prompt.chat_template: this model has no chat template"):
-        run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=no_template)
+    with pytest.raises(JobFileError, match="prompt.chat_template: this model has no chat template; set prompt.chat"):
+        run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=no_chat_template)
     assert not list((tmp_path / "out" / "data").iterdir())
+    messages = write_jsonl(tmp_path / "chats.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
+    job = make_job(messages, tmp_path / "out2", input={"messages_column": "messages"})
+    with pytest.raises(JobFileError, match="input.messages_column: chat messages need a chat template"):
+        run_job(job, progress, engine_factory=no_chat_template)
+    job = make_job(docs, tmp_path / "out3", prompt={"chat_template": False})  # the advice holds
+    assert run_job(job, progress, engine_factory=no_chat_template) == EXIT_OK
+
+
+def test_an_openai_batch_of_completions_runs_on_a_model_without_a_chat_template(tmp_path, progress):
+    """Only chat lines need a template: a file of /v1/completions lines ran nowhere but on chat models, and a chat
+    line among them fails alone."""
+    completion = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "one two", "max_tokens": 9}}
+    chat = {"custom_id": "m", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}}
+    batch = write_jsonl(tmp_path / "batch.jsonl", [completion, chat])
+    job = make_job(batch, tmp_path / "out", input={"format": "openai-batch"})
+    assert run_job(job, progress, engine_factory=no_chat_template) == EXIT_OK
+    rows = results(tmp_path / "out")
+    assert rows["c"]["error"] is None and rows["c"]["output"] == "two one"
+    assert rows["m"]["error"] == (
+        "a /v1/chat/completions line needs a chat template, and this model has none "
+        "(a /v1/completions line with body.prompt needs none)"
+    )
 
 
 def test_bad_rows_keep_their_ids_when_the_input_path_is_spelled_otherwise(tmp_path, progress, monkeypatch):

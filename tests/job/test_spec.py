@@ -106,3 +106,71 @@ def test_set_overrides_are_parsed_as_yaml_and_validated(tmp_path):
     assert "engine.block_size:" in message and "[set on the command line]" in message
     assert "expected KEY=VALUE" in error_of(tmp_path, MINIMAL, ["engine.block_size"])
     assert "input.path is not a section" in error_of(tmp_path, MINIMAL, ["input.path.x=1"])
+
+
+@pytest.mark.parametrize(
+    "value,says",
+    [
+        ("[a, b", "not valid YAML: while parsing a flow sequence; expected ',' or ']', but got '<stream end>'"),
+        ("@x", "not valid YAML: while scanning for the next token; found character '@' that cannot start any token"),
+        ("*ref", "not valid YAML: found undefined alias 'ref'"),
+        ("!!python/object:os.system x", "not valid YAML: could not determine a constructor for the tag"),
+        ("{a: 1, a: 2}", "not valid YAML: duplicate key 'a'"),
+        ("&a [*a]", "not usable YAML: an alias (*name) stands for a value that holds the alias itself"),
+    ],
+)
+def test_a_set_value_that_is_not_yaml_is_a_job_file_error_in_one_line(tmp_path, value, says):
+    """Each was a YAML traceback and exit 1."""
+    message = error_of(tmp_path, MINIMAL, [f"sampling.stop={value}"])
+    assert message.startswith(f"--set 'sampling.stop={value}': {says}") and "\n" not in message
+
+
+# "Billion laughs": each line holds the one before nine times, so eight lines stand for 9**8 strings.
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{k}: &{k} [{', '.join([f'*{p}'] * 9)}]\n" for p, k in zip("abcdefg", "bcdefgh")
+)
+
+
+@pytest.mark.parametrize(
+    "text,says",
+    [
+        (b"- a\n- b\n", "the job file must be a mapping of sections"),
+        (b"hello\n", "the job file must be a mapping of sections"),
+        (b"", "the job file must be a mapping of sections"),
+        (b"# nothing but a comment\n", "the job file must be a mapping of sections"),
+        (MINIMAL.encode() + b"model: \xff\xfe\n", f"not UTF-8 text (invalid start byte at byte {len(MINIMAL) + 7})"),
+        (MINIMAL.encode() + b"model: " + b"[" * 5000 + b"]" * 5000 + b"\n", "not usable YAML: nested too deeply"),
+        (MINIMAL.encode() + b"input: {path: other.parquet}\n", "not valid YAML: duplicate key 'input' (line 3"),
+        (b"input: &i {path: docs.parquet, storage_options: {x: *i}}\noutput: {path: out}\n", "holds the alias"),
+        ((LAUGHS + MINIMAL).encode(), "not usable YAML: its aliases (*name) expand it to more than 1,000,000 values"),
+        (b"#" * (16 << 20) + b"\n", "larger than 16 MiB; not a job file"),
+    ],
+)
+def test_a_job_file_that_is_not_a_usable_mapping_says_so_in_one_line(tmp_path, text, says):
+    """Deep nesting was a RecursionError traceback; aliases that expand to billions of values, or hold themselves,
+    went on into json.dumps (memory, or "Circular reference detected"); a second section replaced the first without
+    a word; /dev/zero was read forever."""
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text)
+    with pytest.raises(JobFileError) as e:
+        load_job(path)
+    assert str(e.value).startswith(f"{path}: ") and says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_anchors_and_merge_keys_are_still_yaml(tmp_path):
+    text = MINIMAL + "prompt: {system: &sys Be brief.}\n"
+    text += "sampling: {<<: {max_tokens: 8, n: 2}, max_tokens: 9, stop: [*sys]}\n"
+    job = load(tmp_path, text)  # a merged key may be written over: that is what a merge means
+    assert (job.sampling.max_tokens, job.sampling.n, job.sampling.stop) == (9, 2, ["Be brief."])
+
+
+def test_values_that_would_fail_after_the_model_loads_fail_at_load(tmp_path):
+    """Each was exit 70 once the model had loaded: a KeyError, "Overflow when unpacking long long"."""
+    text = MINIMAL.replace("docs.parquet}", "docs.parquet, passthrough: [title, text, title]}")
+    assert "input: passthrough: title named more than once" in error_of(tmp_path, text)
+    settings = [("seed", 10**26), ("num_threads", 10**20), ("max_num_seqs", 10**30), ("num_kv_blocks", 2**31)]
+    for key, value in [(f"engine.{name}", value) for name, value in settings]:
+        message = error_of(tmp_path, MINIMAL, [f"{key}={value}"])
+        assert f"{key}: Input should be less than" in message and "[set on the command line]" in message
+    assert load(tmp_path, MINIMAL, ["engine.seed=18446744073709551615"]).engine.seed == 2**64 - 1
+    assert "model: String should have at least 1 character" in error_of(tmp_path, MINIMAL, ["model="])

@@ -103,6 +103,44 @@ def test_openai_fields_are_honoured_or_fail_the_row():
     assert overrides == {"max_tokens": 6, "logprobs": True, "top_logprobs": 2, "n": 3, "logit_bias": {"15": 5}}
 
 
+@pytest.mark.parametrize("first", ["max_tokens", "max_completion_tokens"])
+def test_max_completion_tokens_wins_over_max_tokens_in_either_order(first):
+    """OpenAI's API and vLLM take max_completion_tokens; the JSON's key order used to decide."""
+    values = {"max_tokens": 50, "max_completion_tokens": 7}
+    second = next(k for k in values if k != first)
+    body = {"messages": [{"role": "user", "content": "hi"}], first: values[first], second: values[second]}
+    _, overrides = parse_request({"custom_id": "a", "url": "/v1/chat/completions", "body": body})
+    assert overrides["max_tokens"] == 7
+
+
+def test_a_schema_keyword_that_would_not_be_enforced_fails_its_row_and_no_other(tmp_path, progress):
+    unenforced = {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}, "required": ["a"]}
+    lines = [line("ok"), line("not", response_format={"type": "json_schema", "json_schema": {"schema": unenforced}})]
+    job = make_job(write_jsonl(tmp_path / "batch.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "data").to_pylist()}
+    assert rows["ok"]["error"] is None
+    assert rows["not"]["error"] == (
+        "response_format.json_schema.schema: keyword 'not' at /properties/a is not supported: "
+        "the output would not be held to it"
+    )
+
+
+def test_a_schema_keyword_that_would_not_be_enforced_is_a_job_file_error(tmp_path):
+    schema = {"type": "string", "format": "idn-email"}
+    (tmp_path / "job.yaml").write_text(
+        json.dumps(
+            {
+                "input": {"path": "x.parquet"},
+                "output": {"path": "out"},
+                "sampling": {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+            }
+        )
+    )
+    with pytest.raises(JobFileError, match="sampling: response_format.json_schema.schema: format 'idn-email' is not"):
+        load_job(tmp_path / "job.yaml")
+
+
 def test_a_huge_n_fails_its_row_and_no_other(tmp_path, progress):
     lines = [line("ok"), line("huge", n=10**12)]
     job = make_job(write_jsonl(tmp_path / "batch.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})

@@ -9,8 +9,8 @@ import torch
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.model.config import ModelConfig
-from batchjob.model.dummy import CONFIGS_DIR, dummy_config_path, load_dummy, synthetic_tokenizer, weight_shapes
+from batchjob.model.config import ModelConfig, weight_shapes
+from batchjob.model.dummy import CONFIGS_DIR, dummy_config_path, load_dummy, synthetic_tokenizer
 from batchjob.model.errors import ModelNotFoundError
 
 TINY = {

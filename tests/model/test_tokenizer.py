@@ -100,5 +100,6 @@ def test_no_chat_template_is_a_clear_error(tok, tmp_path):
     assert plain.encode("Hi there") == tok.encode("Hi there")
     with pytest.raises(ValueError, match="no chat template"):
         plain.apply_chat_template([{"role": "user", "content": "Hi"}])
-    with pytest.raises(ValueError, match="chat_template to false"):
+    with pytest.raises(ValueError, match="no chat template"):  # the job layer says what to do about it
         plain.encode_chat([{"role": "user", "content": "Hi"}])
+    assert plain.chat_template is None
