@@ -56,6 +56,14 @@ class StressShape:
     block_size: int
     kv_blocks: int
 
+    def engine_config(self) -> dict:
+        return dict(
+            max_num_batched_tokens=self.token_budget,
+            num_kv_blocks=self.kv_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.prompts,
+        )
+
 
 @dataclass(frozen=True)
 class GraphsShape:
@@ -219,17 +227,8 @@ class Check:
 
         model = self.plan.models[0]
         st = self.plan.stress
-        n, inp, out, budget, block, blocks = (
-            st.prompts,
-            st.input_len,
-            st.output_len,
-            st.token_budget,
-            st.block_size,
-            st.kv_blocks,
-        )
-        config = dict(
-            dtype="float32", max_num_batched_tokens=budget, num_kv_blocks=blocks, block_size=block, max_num_seqs=n
-        )
+        n, inp, out, budget = st.prompts, st.input_len, st.output_len, st.token_budget
+        config = dict(dtype="float32", **st.engine_config())
         outputs, counts = {}, {}
         for ops in ("triton", "torch"):
             self._within(deadline, f"equality with {ops} ops")
@@ -391,15 +390,7 @@ class Check:
         from batchjob.bench.workloads import synthetic
 
         st = self.plan.stress
-        n, inp, out, budget, block, blocks = (
-            st.prompts,
-            st.input_len,
-            st.output_len,
-            st.token_budget,
-            st.block_size,
-            st.kv_blocks,
-        )
-        config = dict(max_num_batched_tokens=budget, num_kv_blocks=blocks, block_size=block, max_num_seqs=n)
+        n, inp, out, config = st.prompts, st.input_len, st.output_len, st.engine_config()
         engine = self._engine(self.plan.models[0], "triton", enforce_eager=True, **config)
         engine.forbid_host_sync()
         wl = synthetic(engine.model_config.vocab_size, n, inp, out, range_ratio=0.65, seed=2)
