@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
-from batchjob.job.output.state import StateError
+from batchjob.job.output.state import OutputDir, StateError
 from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError
@@ -118,6 +118,9 @@ def test_a_second_signal_during_the_model_load_stops_it_at_once(tmp_path, docs, 
     assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=slow_load) == 130
     assert time.monotonic() - started < 10 and loaded == ["survived the first signal"]
     assert results(tmp_path / "out") == {} and progress.messages[-1].startswith("interrupted: 0 of 23")
+    # No job was recorded, so nothing was written beside data/ (a metrics.prom there would not be batchjob's)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_lock", "data"]
+    assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=fake_factory()) == EXIT_OK
 
 
 def test_at_the_end_of_the_grace_the_requests_in_flight_are_dropped(tmp_path, docs, progress):
@@ -391,3 +394,56 @@ def test_a_binary_text_column_is_read_as_utf8_and_bad_bytes_fail_their_row(tmp_p
     rows = results(tmp_path / "out")
     assert rows["a"]["output"] == "text fine a" and rows["b"]["output"] == "ok \u00e9t\u00e9"
     assert "text is bytes that are not UTF-8" in rows["c"]["error"]
+
+
+@pytest.mark.parametrize("order", ["completion", "input"])
+def test_a_part_dropped_after_the_job_finished_is_redone_and_the_completion_files_go_first(tmp_path, order, progress):
+    """Seen: with a part gone, _SUCCESS stood and every rerun said "already complete" over the missing rows."""
+    lines = [{"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": f"w{i} x"}} for i in range(9)]
+    out = tmp_path / "out"
+    job = make_job(
+        write_jsonl(tmp_path / "b.jsonl", lines),
+        out,
+        input={"format": "openai-batch"},
+        output={"format": "openai-batch", "checkpoint_rows": 3, "order": order, "rows_per_file": 3},
+    )
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    sorted(out.glob("data/*.parquet"))[1].unlink()
+    assert OutputDir(out).status()["state"].startswith("incomplete (3 rows missing")
+
+    def no_model(job):  # the completion files are gone before any model loads
+        assert not any((out / name).exists() for name in ("_SUCCESS", "_summary.json", "output.jsonl"))
+        return fake_factory()(job)
+
+    assert run_job(job, progress, engine_factory=no_model) == EXIT_OK
+    assert "rows are missing since; they will be redone" in " ".join(progress.messages)
+    assert len(results(out)) == 9 and OutputDir(out).status()["state"] == "done"
+    assert len((out / "output.jsonl").read_text().splitlines()) == 9
+
+
+def test_cleanup_and_overwrites_touch_only_the_files_that_job_json_names(tmp_path, docs, progress):
+    out = tmp_path / "out"
+    job = make_job(docs, out)
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    files = json.loads((out / "_job.json").read_text())["files"]
+    assert files == ["_SUCCESS", "_summary.json", "_timeline.parquet", "metrics.prom"]  # not output.jsonl: Parquet
+    (out / "output.jsonl").write_text("the user's, put here after the job ran\n")
+    with pytest.raises(StateError, match="holds output.jsonl, which batchjob's records"):
+        run_job(job, progress, restart=True, engine_factory=fake_factory())
+    with pytest.raises(StateError, match="holds output.jsonl, which batchjob's records"):
+        run_job(job, progress, engine_factory=fake_factory())
+    assert (out / "output.jsonl").read_text() == "the user's, put here after the job ran\n"
+    assert (out / "_SUCCESS").exists() and len(results(out)) == 23
+    (out / "output.jsonl").unlink()
+    assert run_job(job, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK and len(results(out)) == 23
+
+
+def test_a_job_json_from_before_the_files_list_owns_every_name_batchjob_writes(tmp_path, docs, progress):
+    out = tmp_path / "out"
+    job = make_job(docs, out)
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    meta = json.loads((out / "_job.json").read_text())
+    del meta["files"]
+    (out / "_job.json").write_text(json.dumps(meta))
+    assert run_job(job, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
+    assert len(json.loads((out / "_job.json").read_text())["files"]) == 4 and len(results(out)) == 23
