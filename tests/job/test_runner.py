@@ -447,3 +447,63 @@ def test_a_job_json_from_before_the_files_list_owns_every_name_batchjob_writes(t
     (out / "_job.json").write_text(json.dumps(meta))
     assert run_job(job, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
     assert len(json.loads((out / "_job.json").read_text())["files"]) == 4 and len(results(out)) == 23
+
+
+def _changes(path):
+    """Ways an input file changes under a running job: each leaves other content where the digest was taken."""
+    new = documents(6, start=100)
+    return {
+        "replaced": lambda: os.replace(write_jsonl(path.with_name("new.jsonl"), new), path),
+        "appended": lambda: path.write_bytes(path.read_bytes() + json.dumps(new[0]).encode() + b"\n"),
+        "truncated": lambda: path.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:2])),
+    }
+
+
+@pytest.mark.parametrize("change", ["replaced", "appended", "truncated"])
+def test_an_input_that_changes_during_the_model_load_stops_the_job_before_any_row(tmp_path, progress, change):
+    """Seen: replaced, the results came from the new content under the old digest; appended, exit 70 IndexError;
+    truncated, exit 70 "4 of 6 rows got no result"."""
+    path = write_jsonl(tmp_path / "in.jsonl", documents(6))
+
+    def load_while_it_changes(job):  # after the digest and the scan, before any row is read
+        _changes(path)[change]()
+        return fake_factory()(job)
+
+    job = make_job(path, tmp_path / "out", output={"checkpoint_rows": 1})
+    with pytest.raises(InputError, match=f"^input changed during the run: {path}$"):
+        run_job(job, progress, engine_factory=load_while_it_changes)
+    assert results(tmp_path / "out") == {}
+
+
+@pytest.mark.parametrize("change", ["replaced", "appended", "truncated"])
+def test_an_input_that_changes_mid_read_keeps_only_rows_of_the_content_read(tmp_path, progress, monkeypatch, change):
+    from batchjob.job.reader import InputSource
+
+    path = write_jsonl(tmp_path / "in.jsonl", documents(6))
+    read = InputSource._json_row
+    seen = []
+
+    def row_then_change(self, *args):
+        seen.append(args)
+        if len(seen) == 6 + 3:  # the scan read all 6 lines; the work pass has read 3 when the file changes
+            _changes(path)[change]()
+        return read(self, *args)
+
+    monkeypatch.setattr(InputSource, "_json_row", row_then_change)
+    job = make_job(path, tmp_path / "out", output={"checkpoint_rows": 1})
+    with pytest.raises(InputError, match="^input changed during the run"):
+        run_job(job, progress, engine_factory=fake_factory())
+    original = {d["id"]: reversed_words(d["text"]) for d in documents(6)}
+    assert {k: r["output"] for k, r in results(tmp_path / "out").items()}.items() <= original.items()
+
+
+def test_a_parquet_input_replaced_during_the_model_load_stops_the_job(tmp_path, progress):
+    path = write_parquet(tmp_path / "in.parquet", documents(6))
+
+    def load_while_it_changes(job):
+        os.replace(write_parquet(tmp_path / "new.parquet", documents(6, start=100)), path)
+        return fake_factory()(job)
+
+    with pytest.raises(InputError, match=f"^input changed during the run: {path}$"):
+        run_job(make_job(path, tmp_path / "out"), progress, engine_factory=load_while_it_changes)
+    assert results(tmp_path / "out") == {}
