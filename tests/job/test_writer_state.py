@@ -271,3 +271,18 @@ def test_status_asks_the_lock_not_the_recorded_pid(tmp_path):
     assert out.status()["state"] == "stopped (killed; resumable)"
     with out.lock():
         assert out.status()["state"] == "running"
+
+
+@pytest.mark.parametrize(
+    "text", ["", '{"fingerprint": {}', "[]", '"x"', '{"fingerprint": null}', '{"files": 3}', b"\xff\xfe{}"]
+)
+def test_a_job_json_that_batchjob_did_not_write_is_refused_and_nothing_is_cleaned_on_its_word(tmp_path, text):
+    """Seen: [] or a non-object gave exit 70 (AttributeError); {"fingerprint": null} was taken as a job record."""
+    out = OutputDir(tmp_path)
+    out.recover()
+    writer(out.data, rows=1).add(record(0))
+    (tmp_path / JOB_FILE).write_bytes(text if isinstance(text, bytes) else text.encode())
+    for act in (out.reset, out.status, lambda: out.check_fingerprint({}, keys=[])):
+        with pytest.raises(StateError, match="_job.json.*move it away or choose another output.path"):
+            act()
+    assert len(out.parts()) == 1

@@ -218,12 +218,19 @@ class OutputDir:
         return done
 
     def read_job(self) -> dict | None:
+        """_job.json, which batchjob writes whole (never half): anything else in its place is not batchjob's record,
+        so it is refused, and nothing here is cleaned up on its word."""
+        path = self.path / JOB_FILE
         try:
-            return json.loads((self.path / JOB_FILE).read_text())
+            meta = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, json.JSONDecodeError) as e:
-            raise StateError(f"cannot read {self.path / JOB_FILE}: {e}") from None
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+            raise StateError(f"cannot read {path}: {e}; move it away or choose another output.path") from None
+        shapes = {"fingerprint": dict, "files": list, "rows_total": int}
+        if not isinstance(meta, dict) or any(k in meta and not isinstance(meta[k], t) for k, t in shapes.items()):
+            raise StateError(f"{path} is not a job record batchjob wrote; move it away or choose another output.path")
+        return meta
 
     def write_job(self, meta: dict) -> None:
         write_json(self.path / JOB_FILE, meta)
