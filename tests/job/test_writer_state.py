@@ -286,3 +286,25 @@ def test_a_job_json_that_batchjob_did_not_write_is_refused_and_nothing_is_cleane
         with pytest.raises(StateError, match="_job.json.*move it away or choose another output.path"):
             act()
     assert len(out.parts()) == 1
+
+
+def test_restart_with_data_linked_to_another_disk_keeps_the_link_and_empties_it(tmp_path):
+    """Seen: --restart deleted the parts, then failed on rmdir of the link (exit 74), and so on every retry."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "data").symlink_to(disk)
+    out = OutputDir(tmp_path / "out")
+    out.recover()
+    out.write_job({"fingerprint": {}, "rows_total": 1, "files": []})
+    writer(out.data, rows=1).add(record(0))
+    out.reset()
+    assert (tmp_path / "out" / "data").is_symlink() and list(disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["data", "_sorted", "_quarantine"])
+def test_a_file_where_batchjob_keeps_a_folder_is_refused_and_kept(tmp_path, name):
+    (tmp_path / name).write_text("the user's")
+    with pytest.raises(StateError, match=f"{name} is not a folder"):
+        OutputDir(tmp_path).recover()
+    assert (tmp_path / name).read_text() == "the user's"

@@ -108,6 +108,9 @@ class OutputDir:
         """Bring a folder left by a killed run to a clean state; call holding the lock. Returns the damaged parts
         moved to _quarantine/ (their rows are not committed any more, so this run redoes them; the job is no longer
         complete)."""
+        for folder in (self.data, self.staging, self.path / QUARANTINE):
+            if not is_remote(folder) and folder.exists() and not folder.is_dir():
+                raise StateError(f"{folder} is not a folder; batchjob keeps its files there: move it away")
         self.data.mkdir(exist_ok=True)
         for folder in (self.path, self.data):
             for tmp in folder.glob(f"{TMP_PREFIX}*.tmp"):
@@ -387,7 +390,8 @@ def remove_ours(folder: Location) -> None:
     for p in folder.iterdir():
         if OUR_FILE.fullmatch(p.name) and p.is_file():
             p.unlink()
-    if not is_remote(folder) and not any(folder.iterdir()):  # an object store has no empty folders to remove
+    # An object store has no empty folders to remove; a symlinked folder (data/ on another disk) stays linked.
+    if not is_remote(folder) and not folder.is_symlink() and not any(folder.iterdir()):
         folder.rmdir()
 
 
