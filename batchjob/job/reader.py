@@ -105,7 +105,10 @@ class InputSource:
         except FileNotFoundError:
             now = None
         if self.versions.setdefault(path, now) != now:
-            raise InputChanged(f"input changed during the run: {self.names[path]}")
+            raise self._changed(path)
+
+    def _changed(self, path: str) -> InputChanged:
+        return InputChanged(f"input changed during the run: {self.names[path]}")
 
     def _check_parquet(self, path: str) -> None:
         try:
@@ -196,15 +199,14 @@ class InputSource:
             first, scanned = index, self._scanned_rows.get(path)
             for row in self._json_rows(path, index):
                 if scanned is not None and index - first == scanned:  # a line past the scanned ones: appended
-                    self.check_unchanged(path)
-                    raise InputChanged(f"input changed during the run: {self.names[path]}")
+                    raise self._changed(path)
                 row.passthrough = {
                     c: _normalize(v, self.passthrough_schema.field(c).type) for c, v in row.passthrough.items()
                 }
                 yield row
                 index += 1
             if scanned is not None and index - first < scanned:  # fewer lines than scanned: truncated
-                raise InputChanged(f"input changed during the run: {self.names[path]}")
+                raise self._changed(path)
 
     def rows_between(self, start: int, stop: int) -> Iterator[Row]:
         """The Parquet rows at input positions start..stop-1, without converting the others (a Ray worker reads its
