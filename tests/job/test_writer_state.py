@@ -308,3 +308,13 @@ def test_a_file_where_batchjob_keeps_a_folder_is_refused_and_kept(tmp_path, name
     with pytest.raises(StateError, match=f"{name} is not a folder"):
         OutputDir(tmp_path).recover()
     assert (tmp_path / name).read_text() == "the user's"
+
+
+def test_a_lock_file_that_is_not_batchjobs_is_refused_and_kept(tmp_path):
+    (tmp_path / LOCK).write_text("the user's own _lock notes")
+    with pytest.raises(StateError, match="is not batchjob's lock file"):
+        OutputDir(tmp_path).lock()
+    assert (tmp_path / LOCK).read_text() == "the user's own _lock notes"
+    (tmp_path / LOCK).write_text("")  # as a run leaves it when it ends
+    with OutputDir(tmp_path).lock():
+        pass

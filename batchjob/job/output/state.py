@@ -92,6 +92,9 @@ class OutputDir:
         lock = self.path / LOCK
         if lock.is_symlink() or (lock.exists() and not lock.is_file()):  # OutputLock refuses these too, less clearly
             raise StateError(f"{lock} is not a regular file (a symlink?); batchjob will not open it")
+        # batchjob's lock file is empty or names its holder; taking the lock would empty anything else
+        if lock.exists() and lock.stat().st_size and read_holder(lock) is None:
+            raise StateError(f"{lock} is not batchjob's lock file; move it away or choose another output.path")
         return OutputLock(lock)
 
     @property
