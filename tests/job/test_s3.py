@@ -123,6 +123,24 @@ def test_an_unrecorded_folder_of_the_users_files_is_left_untouched_on_s3(s3, tmp
     assert not s3.exists(f"{BUCKET}/users-{restart}/_job.json")
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_an_input_object_replaced_during_the_model_load_stops_the_job(s3, tmp_path, progress, fmt):
+    from batchjob.job.reader import InputError
+
+    key = f"{BUCKET}/changing/in.{fmt}"
+    write = write_parquet if fmt == "parquet" else write_jsonl
+    s3.put(str(write(tmp_path / f"old.{fmt}", documents(4))), key)
+
+    def load_while_it_changes(job):
+        s3.put(str(write(tmp_path / f"new.{fmt}", documents(4, start=10))), key)
+        return fake_factory()(job)
+
+    job = make_job(f"s3://{key}", tmp_path / "out")
+    with pytest.raises(InputError, match=f"^input changed during the run: s3://{key}$"):
+        run_job(job, progress, engine_factory=load_while_it_changes)
+    assert not list((tmp_path / "out" / "data").iterdir())
+
+
 @pytest.mark.slow
 def test_kill_9_twice_mid_run_then_resume_gives_every_id_exactly_once(s3, tmp_path):
     data = short_documents(tmp_path, ROWS, 30)
