@@ -318,3 +318,12 @@ def test_a_lock_file_that_is_not_batchjobs_is_refused_and_kept(tmp_path):
     (tmp_path / LOCK).write_text("")  # as a run leaves it when it ends
     with OutputDir(tmp_path).lock():
         pass
+
+
+def test_a_finished_record_without_a_row_count_is_trusted_not_redone_forever(tmp_path):
+    out = committed_dir(tmp_path, [record(i) for i in range(3)], rows=3)
+    out.write_job({"fingerprint": {}})
+    out.write_success({})
+    assert out.complete(out.read_job()) and out.status()["state"] == "done"
+    out.write_job({"fingerprint": {}, "rows_total": 4})
+    assert not out.complete(out.read_job()) and out.status()["state"].startswith("incomplete (1 rows missing")

@@ -155,7 +155,8 @@ class OutputDir:
         counts in the parts (a part deleted after the job finished leaves _SUCCESS standing over missing rows)."""
         if meta is None or not self.succeeded:
             return False
-        return sum(_footer_rows(p) or 0 for p in self.parts()) == meta.get("rows_total")
+        total = meta.get("rows_total")  # None: a record without the count, which cannot be checked
+        return total is None or sum(_footer_rows(p) or 0 for p in self.parts()) == total
 
     @staticmethod
     def recorded(meta: dict | None) -> set[str]:
@@ -361,7 +362,7 @@ class OutputDir:
         total = meta.get("rows_total") if meta else None
         if held:
             state = "running"
-        elif self.succeeded and meta is not None and committed.rows == total:
+        elif self.succeeded and meta is not None and total in (None, committed.rows):
             state = "done"
         elif self.succeeded and meta is not None:  # a part went missing after the job finished
             state = f"incomplete ({total - committed.rows} rows missing; the next run redoes them)"
