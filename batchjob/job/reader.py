@@ -5,8 +5,9 @@ writes it as a failed row and goes on; an input that cannot be opened at all rai
 
 The rows are read long after the digest that names them in the job's fingerprint (the model loads in between), so
 each file's version (digest.file_version) is taken when the source is made and checked after the digest, around the
-scan, whenever a file is opened, after its last row and on a read error; a file that yields more or fewer rows than
-the scan counted has changed too. Any change raises InputChanged: no row of other content is committed."""
+scan, whenever a file is opened, after its last row and on a read error, and (check_reading) before each commit of
+results while a file is being read; a file that yields more or fewer rows than the scan counted has changed too. Any
+change raises InputChanged: no row of other content is committed."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ class InputSource:
             self.passthrough = list(spec.passthrough)
         self.versions: dict[str, list] = dict(versions or {})
         self._scanned_rows: dict[str, int] = {}  # by file, what scan() counted
+        self._reading: str | None = None  # the file rows() has open
         for path in self.files:
             if not (self.fs.isfile(path) if self.fs else Path(path).is_file()):
                 raise InputError(f"input.path: {path} is not a readable file")
@@ -106,6 +108,12 @@ class InputSource:
             now = None
         if self.versions.setdefault(path, now) != now:
             raise self._changed(path)
+
+    def check_reading(self) -> None:
+        """check_unchanged for the file being read, if any: called before results are committed, so that rows read
+        after an edit in place (same inode and size) cannot be committed before its last row shows the change."""
+        if self._reading is not None:
+            self.check_unchanged(self._reading)
 
     def _changed(self, path: str) -> InputChanged:
         return InputChanged(f"input changed during the run: {self.names[path]}")
@@ -215,9 +223,11 @@ class InputSource:
         for path, metadata in self._parquet.items():
             if index < stop and start < index + metadata.num_rows:
                 self.check_unchanged(path)
+                self._reading = path
                 with pq.ParquetFile(path, filesystem=self.fs) as pf:
                     yield from self._parquet_rows(path, pf, index, start, stop)
                 self.check_unchanged(path)
+                self._reading = None
             index += metadata.num_rows
 
     # --- Parquet
@@ -280,6 +290,7 @@ class InputSource:
 
     def _json_rows(self, path: str, index: int) -> Iterator[Row]:
         self.check_unchanged(path)
+        self._reading = path
         with self._open(path) as f:
             for lineno, raw in enumerate(f, start=1):
                 if lineno == 1:
@@ -288,6 +299,7 @@ class InputSource:
                     yield self._json_row(path, lineno, raw, index)
                     index += 1
         self.check_unchanged(path)
+        self._reading = None
 
     def _json_row(self, path: str, lineno: int, raw: bytes, index: int) -> Row:
         synthetic = _synthetic_id(self.names[path], lineno, line=True)

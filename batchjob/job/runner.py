@@ -129,7 +129,7 @@ class JobRun:
             checkpoint_seconds=job.output.checkpoint_seconds,
             next_part=out.next_part_number(),
             run_tag=out.run_tag,
-            before_commit=out.check_held,
+            before_commit=lambda: (out.check_held(), source.check_reading()),
         )
 
         def model_known(identity: dict) -> None:
