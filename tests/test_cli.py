@@ -173,3 +173,20 @@ def test_every_command_maps_a_users_mistake_to_exit_2_in_one_line(args):
 
 def test_every_command_is_registered_on_the_group():
     assert set(cli.main.commands) == {"run", "plan", "status", "generate", "bench", "report", "selftest"}
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_folder_of_the_users_own_files_is_refused_with_exit_2_and_left_untouched(tmp_path, restart):
+    """Seen: in a folder without _job.json, --restart deleted the user's output.jsonl and overwrote the rest; a plain
+    run overwrote metrics.prom."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = {name: f"the user's {name}\n" for name in ("output.jsonl", "metrics.prom", "_summary.json")}
+    mine["_timeline.parquet"] = "not batchjob's timeline\n"
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    result = run(job_file(tmp_path, out), *(["--restart"] if restart else []))
+    assert result.returncode == EXIT_USAGE and "_job.json) do not name as its own" in one_line(result)
+    assert "metrics.prom" in one_line(result)
+    assert {name: (out / name).read_text() for name in mine} == mine
+    assert not (out / "_job.json").exists() and not list(out.glob("data/*"))

@@ -63,9 +63,9 @@ class EngineWorker:
         job: JobSpec,
         passthrough: pa.Schema,
         engine_factory: Callable[[JobSpec], JobEngine],
-        files: list[str],
+        versions: dict[str, list],
     ):
-        self.job, self.files = job, files
+        self.job, self.versions = job, versions
         self.source: InputSource | None = None  # opened with the first RowRange
         self.engine = engine_factory(job)
         self.records: list[dict] = []  # the result rows of the shard in hand
@@ -74,7 +74,7 @@ class EngineWorker:
 
     def run_shard(self, shard: pa.Table | RowRange) -> pa.Table:
         if isinstance(shard, RowRange):
-            self.source = self.source or InputSource(self.job, self.files)
+            self.source = self.source or InputSource(self.job, self.versions)
             rows = self.source.rows_between(shard.start, shard.stop)
             rows = (row for row in rows if not shard.done[row.index - shard.start])
         else:
@@ -116,7 +116,7 @@ class RayExecutor:
         )
         source = pending.source
         actors = [
-            worker.remote(pending.job, pending.scan.passthrough_schema, self.engine_factory, source.files)
+            worker.remote(pending.job, pending.scan.passthrough_schema, self.engine_factory, source.versions)
             for _ in range(spec.num_workers)
         ]
         pool = ActorPool(actors)

@@ -1,7 +1,13 @@
 """Input rows from Parquet (in batches, lazily), JSONL and OpenAI Batch files (line by line).
 
 A row that cannot be used (bad JSON, bad UTF-8, an unreadable Parquet page) comes out with `error` set, so the job
-writes it as a failed row and goes on; an input that cannot be opened at all raises InputError before any work."""
+writes it as a failed row and goes on; an input that cannot be opened at all raises InputError before any work.
+
+The rows are read long after the digest that names them in the job's fingerprint (the model loads in between), so
+each file's version (digest.file_version) is taken when the source is made and checked after the digest, around the
+scan, whenever a file is opened, after its last row and on a read error, and (check_reading) before each commit of
+results while a file is being read; a file that yields more or fewer rows than the scan counted has changed too. Any
+change raises InputChanged: no row of other content is committed."""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.job.openai_batch import RequestLineError, parse_request
-from batchjob.job.output.digest import file_sha256
+from batchjob.job.output.digest import file_sha256, file_version
 from batchjob.job.output.storage import is_url, url_to_fs
 from batchjob.job.spec import InputSpec, JobSpec
 
@@ -32,6 +38,10 @@ SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 class InputError(Exception):
     """The input cannot be used at all: no file, an unreadable file, missing columns, duplicate ids."""
+
+
+class InputChanged(InputError):
+    """An input file changed (replaced, appended to, truncated, edited) while the job read it."""
 
 
 @dataclass
@@ -52,15 +62,16 @@ class Scan:
 
 
 class InputSource:
-    def __init__(self, job: JobSpec, files: list[str] | None = None):
-        """`files`: the files a driver's InputSource found (a Ray worker reads the same ones); default: input.path's."""
+    def __init__(self, job: JobSpec, versions: dict[str, list] | None = None):
+        """`versions`: a driver's InputSource.versions, so that a Ray worker reads the files the driver found and
+        digested, as they were then; default: input.path's files as they are now."""
         spec: InputSpec = job.input
         self.spec, self.format = spec, spec.format
         # A URL is read through fsspec (credentials and endpoint from the environment or input.storage_options);
         # a local path as it always was, so its synthetic ids and fingerprint stay the same.
         self.fs, root = url_to_fs(spec.path, spec.storage_options) if is_url(spec.path) else (None, spec.path)
         lister = self.fs.glob if self.fs else glob.glob
-        self.files = files or (sorted(lister(root)) if glob.has_magic(root) else [root])
+        self.files = list(versions or ()) or (sorted(lister(root)) if glob.has_magic(root) else [root])
         if not self.files:
             raise InputError(f"input.path: no file matches {spec.path!r}")
         if self.format == "openai-batch":
@@ -71,18 +82,41 @@ class InputSource:
                 [spec.messages_column] if spec.messages_column else sorted(set(job.prompt.fields) | {spec.text_column})
             )
             self.passthrough = list(spec.passthrough)
+        self.versions: dict[str, list] = dict(versions or {})
+        self._scanned_rows: dict[str, int] = {}  # by file, what scan() counted
+        self._reading: str | None = None  # the file rows() has open
         for path in self.files:
             if not (self.fs.isfile(path) if self.fs else Path(path).is_file()):
                 raise InputError(f"input.path: {path} is not a readable file")
         # Each file's full name, however input.path spelled it: the URL with its scheme, or the resolved local path.
         # It names the file in the fingerprint and in the synthetic ids of rows whose id cannot be read.
         self.names = {p: self.fs.unstrip_protocol(p) if self.fs else str(Path(p).resolve()) for p in self.files}
+        for path in self.files:
+            self.check_unchanged(path)
         # Metadata only: a file is opened when it is read, so a glob may name more files than the open-file limit.
         self._parquet: dict[str, pq.FileMetaData] = {}
         self._passthrough_schemas: list[pa.Schema] = []
         if self.format == "parquet":
             for path in self.files:
                 self._check_parquet(path)
+
+    def check_unchanged(self, path: str) -> None:
+        """Raise InputChanged if `path` is not the file it was when this source first looked at it."""
+        try:
+            now = file_version(path, self.fs)
+        except FileNotFoundError:
+            now = None
+        if self.versions.setdefault(path, now) != now:
+            raise self._changed(path)
+
+    def check_reading(self) -> None:
+        """check_unchanged for the file being read, if any: called before results are committed, so that rows read
+        after an edit in place (same inode and size) cannot be committed before its last row shows the change."""
+        if self._reading is not None:
+            self.check_unchanged(self._reading)
+
+    def _changed(self, path: str) -> InputChanged:
+        return InputChanged(f"input changed during the run: {self.names[path]}")
 
     def _check_parquet(self, path: str) -> None:
         try:
@@ -115,6 +149,7 @@ class InputSource:
         for path in self.files:
             size = self.fs.size(path) if self.fs else Path(path).stat().st_size
             out.append({"path": self.names[path], "size": size, "sha256": file_sha256(path, self.fs)})
+            self.check_unchanged(path)  # the digest is of the file the rows will come from
         return out
 
     def _open(self, path: str) -> BinaryIO:
@@ -127,14 +162,17 @@ class InputSource:
         total = 0
         if self.format == "parquet":
             for path, metadata in self._parquet.items():
+                self.check_unchanged(path)
                 with pq.ParquetFile(path, filesystem=self.fs) as pf:
                     for rg in range(metadata.num_row_groups):
                         chunks.append(pa.array(self._row_group_ids(path, pf, rg, total), pa.large_string()))
                         total += metadata.row_group(rg).num_rows
+                self.check_unchanged(path)
             schema = self._parquet_passthrough_schema()
         else:
             pending: list[str] = []
             for path in self.files:
+                first = total
                 try:
                     for row in self._json_rows(path, total):
                         pending.append(row.id)
@@ -147,6 +185,7 @@ class InputSource:
                         total += 1
                 except OSError as e:
                     raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+                self._scanned_rows[path] = total - first
             chunks.append(pa.array(pending, pa.large_string()))
             schema = pa.schema([(c, _json_type(kinds[c])) for c in self.passthrough])
         ids = pa.chunked_array(chunks, pa.large_string())
@@ -165,12 +204,17 @@ class InputSource:
             return
         index = 0
         for path in self.files:
+            first, scanned = index, self._scanned_rows.get(path)
             for row in self._json_rows(path, index):
+                if scanned is not None and index - first == scanned:  # a line past the scanned ones: appended
+                    raise self._changed(path)
                 row.passthrough = {
                     c: _normalize(v, self.passthrough_schema.field(c).type) for c, v in row.passthrough.items()
                 }
                 yield row
                 index += 1
+            if scanned is not None and index - first < scanned:  # fewer lines than scanned: truncated
+                raise self._changed(path)
 
     def rows_between(self, start: int, stop: int) -> Iterator[Row]:
         """The Parquet rows at input positions start..stop-1, without converting the others (a Ray worker reads its
@@ -178,8 +222,12 @@ class InputSource:
         index = 0
         for path, metadata in self._parquet.items():
             if index < stop and start < index + metadata.num_rows:
+                self.check_unchanged(path)
+                self._reading = path
                 with pq.ParquetFile(path, filesystem=self.fs) as pf:
                     yield from self._parquet_rows(path, pf, index, start, stop)
+                self.check_unchanged(path)
+                self._reading = None
             index += metadata.num_rows
 
     # --- Parquet
@@ -206,6 +254,7 @@ class InputSource:
                         if index + done >= stop:
                             break
                 except (OSError, pa.ArrowException) as e:
+                    self.check_unchanged(path)  # a file that changed is not a damaged page: fail the job, not rows
                     ids = self._row_group_ids(path, pf, rg, index)
                     for k in range(max(done, start - index), min(n, stop - index)):
                         yield Row(index + k, ids[k], {}, error=f"unreadable Parquet data in {path}: {e}")
@@ -240,6 +289,8 @@ class InputSource:
     # --- JSONL and OpenAI Batch
 
     def _json_rows(self, path: str, index: int) -> Iterator[Row]:
+        self.check_unchanged(path)
+        self._reading = path
         with self._open(path) as f:
             for lineno, raw in enumerate(f, start=1):
                 if lineno == 1:
@@ -247,6 +298,8 @@ class InputSource:
                 if raw.strip():
                     yield self._json_row(path, lineno, raw, index)
                     index += 1
+        self.check_unchanged(path)
+        self._reading = None
 
     def _json_row(self, path: str, lineno: int, raw: bytes, index: int) -> Row:
         synthetic = _synthetic_id(self.names[path], lineno, line=True)

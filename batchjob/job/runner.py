@@ -100,8 +100,12 @@ class JobRun:
             self.progress.message(f"--restart: discarded earlier results in {out.path}")
         # Everything but the model digest is known before the slow model load, so a mismatch fails at once.
         out.check_fingerprint(fp, keys=[k for k in fp if k not in MODEL_KEYS])
-        if out.succeeded and out.read_job() is not None:  # a _SUCCESS that no _job.json explains proves nothing
+        meta = out.read_job()
+        if out.complete(meta):  # a _SUCCESS that no _job.json explains, or with rows missing, proves nothing
             return self._already_done()
+        if out.succeeded and meta is not None:
+            out.invalidate()
+            self.progress.message(f"{out.path} was finished but rows are missing since; they will be redone")
         scan = source.scan()
         committed = out.committed()
         if committed.rows < scan.total and not self.stopper.stopping:
@@ -125,7 +129,7 @@ class JobRun:
             checkpoint_seconds=job.output.checkpoint_seconds,
             next_part=out.next_part_number(),
             run_tag=out.run_tag,
-            before_commit=out.check_held,
+            before_commit=lambda: (out.check_held(), source.check_reading()),
         )
 
         def model_known(identity: dict) -> None:
@@ -135,6 +139,7 @@ class JobRun:
             if meta and meta["fingerprint"].get("model_digest") is not None:
                 out.check_fingerprint(fp, keys=["model_digest", "model_revision"])
             self._write_job(fp, scan, meta, self._numerics_change(meta, fp["numerics"], committed.rows))
+            out.own(TIMELINE)  # a local executor's engine steps from now on
 
         done = committed.done_at(scan.ids)
         rows = (row for row in source.rows() if not done[row.index])
@@ -167,7 +172,7 @@ class JobRun:
     def _write_job(self, fp: dict, scan: Scan, meta: dict | None, numerics_change: dict | None = None) -> None:
         """Record the job before its first part is committed, so that every part belongs to a known job; `meta` is
         what _job.json held."""
-        meta = dict(meta or {"created": now_iso()})
+        meta = dict(meta or {"created": now_iso(), "files": []})
         if numerics_change:
             meta["numerics_changes"] = [*meta.get("numerics_changes", []), numerics_change]
         self.out.write_job(
@@ -189,7 +194,7 @@ class JobRun:
             sort_parts(out.parts(), out.staging, job.output.rows_per_file)
             out.stage_complete()
             out.publish_sorted()
-        if job.output.format == "openai-batch":
+        if job.output.format == "openai-batch" and out.own(OPENAI_OUTPUT):
             write_openai_output(out.parts(), out.path / OPENAI_OUTPUT, job.model)
         stats = self.progress.stats
         generating = time.monotonic() - stats.started  # the rates leave out the model load
@@ -223,7 +228,10 @@ class JobRun:
         return self._write_metrics(committed, total, self._exit_code(committed.failed))
 
     def _write_metrics(self, committed: Committed, total: int, code: int) -> int:
-        """metrics.prom at the end of a run that got to generate; returns `code`."""
+        """metrics.prom at the end of a run that got to generate; returns `code`. Not before the job is recorded
+        (a run stopped during its first model load): only a recorded name is batchjob's to write."""
+        if not self.out.own(METRICS):
+            return code
         t, labels = self.executor.timeline, {"model_name": self.job.model, "output": display(self.out.path)}
         write_metrics(
             self.out.path / METRICS,

@@ -202,6 +202,35 @@ def test_a_second_run_on_the_same_output_exits_75_naming_the_holder(tmp_path, da
     assert f"pid {os.getpid()}" in result.stderr and "started" in result.stderr
 
 
+def test_a_damaged_part_of_a_finished_job_is_redone_and_status_never_says_done_over_missing_rows(tmp_path):
+    """Seen: the damaged part was quarantined, then "already complete (_SUCCESS, same job)", 30 of 40 rows kept,
+    and `status` said "done" beside "rows: 30 of 40"."""
+    data = short_documents(tmp_path, 40, 10)
+    job = str(
+        write_job(
+            tmp_path / "job.yaml",
+            data,
+            tmp_path / "out",
+            sampling={"temperature": 0.0, "max_tokens": 4},
+            output={"path": str(tmp_path / "out"), "checkpoint_rows": 10},
+        )
+    )
+    first = cli("run", job)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert sorted(p.name for p in (tmp_path / "out" / "data").iterdir())[1] == "part-000001.parquet"
+    os.truncate(tmp_path / "out" / "data" / "part-000001.parquet", 100)  # a disk that lost a write
+    status = cli("status", str(tmp_path / "out"))
+    assert ": incomplete (10 rows missing" in status.stdout and "rows: 30 of 40 done" in status.stdout, status.stdout
+
+    rerun = cli("run", job)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "quarantined the damaged part" in rerun.stdout and "already complete" not in rerun.stdout
+    assert "done: 40 rows ok, 0 failed" in rerun.stdout
+    assert len(dataset(tmp_path / "out")) == 40  # dataset() also asserts that no id is there twice
+    status = cli("status", str(tmp_path / "out"))
+    assert status.stdout.splitlines()[0].endswith(": done") and "rows: 40 of 40 done" in status.stdout
+
+
 def test_bad_rows_on_the_real_model(tmp_path):
     job = write_job(
         tmp_path / "job.yaml",

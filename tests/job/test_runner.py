@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import batchjob.job.planner
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
-from batchjob.job.output.state import StateError
+from batchjob.job.output.state import OutputDir, StateError
 from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError
@@ -123,6 +124,9 @@ def test_a_second_signal_during_the_model_load_stops_it_at_once(tmp_path, docs, 
     assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=slow_load) == 130
     assert time.monotonic() - started < 10 and loaded == ["survived the first signal"]
     assert results(tmp_path / "out") == {} and progress.messages[-1].startswith("interrupted: 0 of 23")
+    # No job was recorded, so nothing was written beside data/ (a metrics.prom there would not be batchjob's)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_lock", "data"]
+    assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=fake_factory()) == EXIT_OK
 
 
 def test_at_the_end_of_the_grace_the_requests_in_flight_are_dropped(tmp_path, docs, progress):
@@ -421,3 +425,132 @@ def test_a_binary_text_column_is_read_as_utf8_and_bad_bytes_fail_their_row(tmp_p
     rows = results(tmp_path / "out")
     assert rows["a"]["output"] == "text fine a" and rows["b"]["output"] == "ok \u00e9t\u00e9"
     assert "text is bytes that are not UTF-8" in rows["c"]["error"]
+
+
+@pytest.mark.parametrize("order", ["completion", "input"])
+def test_a_part_dropped_after_the_job_finished_is_redone_and_the_completion_files_go_first(tmp_path, order, progress):
+    """Seen: with a part gone, _SUCCESS stood and every rerun said "already complete" over the missing rows."""
+    lines = [{"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": f"w{i} x"}} for i in range(9)]
+    out = tmp_path / "out"
+    job = make_job(
+        write_jsonl(tmp_path / "b.jsonl", lines),
+        out,
+        input={"format": "openai-batch"},
+        output={"format": "openai-batch", "checkpoint_rows": 3, "order": order, "rows_per_file": 3},
+    )
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    sorted(out.glob("data/*.parquet"))[1].unlink()
+    assert OutputDir(out).status()["state"].startswith("incomplete (3 rows missing")
+
+    def no_model(job):  # the completion files are gone before any model loads
+        assert not any((out / name).exists() for name in ("_SUCCESS", "_summary.json", "output.jsonl"))
+        return fake_factory()(job)
+
+    assert run_job(job, progress, engine_factory=no_model) == EXIT_OK
+    assert "rows are missing since; they will be redone" in " ".join(progress.messages)
+    assert len(results(out)) == 9 and OutputDir(out).status()["state"] == "done"
+    assert len((out / "output.jsonl").read_text().splitlines()) == 9
+
+
+def test_cleanup_and_overwrites_touch_only_the_files_that_job_json_names(tmp_path, docs, progress):
+    out = tmp_path / "out"
+    job = make_job(docs, out)
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    files = json.loads((out / "_job.json").read_text())["files"]
+    assert files == ["_SUCCESS", "_summary.json", "_timeline.parquet", "metrics.prom"]  # not output.jsonl: Parquet
+    (out / "output.jsonl").write_text("the user's, put here after the job ran\n")
+    with pytest.raises(StateError, match="holds output.jsonl, which batchjob's records"):
+        run_job(job, progress, restart=True, engine_factory=fake_factory())
+    with pytest.raises(StateError, match="holds output.jsonl, which batchjob's records"):
+        run_job(job, progress, engine_factory=fake_factory())
+    assert (out / "output.jsonl").read_text() == "the user's, put here after the job ran\n"
+    assert (out / "_SUCCESS").exists() and len(results(out)) == 23
+    (out / "output.jsonl").unlink()
+    assert run_job(job, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK and len(results(out)) == 23
+
+
+def test_a_job_json_from_before_the_files_list_owns_every_name_batchjob_writes(tmp_path, docs, progress):
+    out = tmp_path / "out"
+    job = make_job(docs, out)
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    meta = json.loads((out / "_job.json").read_text())
+    del meta["files"]
+    (out / "_job.json").write_text(json.dumps(meta))
+    assert run_job(job, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
+    assert len(json.loads((out / "_job.json").read_text())["files"]) == 4 and len(results(out)) == 23
+
+
+def _changes(path, new: list[dict] | None = None):
+    """Ways an input file changes under a running job: each leaves other content where the digest was taken."""
+    new = new or documents(6, start=100)
+    return {
+        "replaced": lambda: os.replace(write_jsonl(path.with_name("new.jsonl"), new), path),
+        "appended": lambda: path.write_bytes(path.read_bytes() + json.dumps(new[0]).encode() + b"\n"),
+        "truncated": lambda: path.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:2])),
+        "edited": lambda: edit_in_place(path, b"w", b"v"),  # same inode and size: only the mtime tells
+    }
+
+
+def edit_in_place(path, old: bytes, new: bytes) -> None:
+    mtime = path.stat().st_mtime_ns
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(data.replace(old, new))
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # a later write, whatever the filesystem's clock granularity
+
+
+@pytest.mark.parametrize("change", ["replaced", "appended", "truncated"])
+def test_an_input_that_changes_during_the_model_load_stops_the_job_before_any_row(tmp_path, progress, change):
+    """Seen: replaced, the results came from the new content under the old digest; appended, exit 70 IndexError;
+    truncated, exit 70 "4 of 6 rows got no result"."""
+    path = write_jsonl(tmp_path / "in.jsonl", documents(6))
+
+    def load_while_it_changes(job):  # after the digest and the scan, before any row is read
+        _changes(path)[change]()
+        return fake_factory()(job)
+
+    job = make_job(path, tmp_path / "out", output={"checkpoint_rows": 1})
+    with pytest.raises(InputError, match=f"^input changed during the run: {path}$"):
+        run_job(job, progress, engine_factory=load_while_it_changes)
+    assert results(tmp_path / "out") == {}
+
+
+@pytest.mark.parametrize("change", ["replaced", "appended", "truncated", "edited"])
+def test_an_input_that_changes_mid_read_keeps_only_rows_of_the_content_read(tmp_path, progress, monkeypatch, change):
+    from batchjob.job.reader import InputSource
+
+    # Lines longer than a read buffer, so that the lines after the change are read from the disk, not a buffer
+    docs = [{"id": f"doc-{i}", "text": " ".join(f"w{i}x{k}" for k in range(2000))} for i in range(12)]
+    path = write_jsonl(tmp_path / "in.jsonl", docs)
+    read = InputSource._json_row
+    seen = []
+
+    def row_then_change(self, *args):
+        seen.append(args)
+        if len(seen) == 12 + 3:  # the scan read all 12 lines; the work pass has read 3 when the file changes
+            _changes(path, [{**d, "id": f"new-{d['id']}"} for d in docs])[change]()
+        return read(self, *args)
+
+    monkeypatch.setattr(InputSource, "_json_row", row_then_change)
+    # A row at a time through the planner and two through the engine: rows read after the change finish (and would
+    # be committed) while later lines are still unread
+    monkeypatch.setattr(batchjob.job.planner, "TOKENIZE_CHUNK", 1)
+    job = make_job(path, tmp_path / "out", output={"checkpoint_rows": 1}, schedule={"sort_window": 1})
+    with pytest.raises(InputError, match="^input changed during the run"):
+        run_job(job, progress, engine_factory=fake_factory(max_model_len=1 << 16, max_num_seqs=2))
+    original = {d["id"]: reversed_words(d["text"]) for d in docs}
+    committed = {k: r["output"] for k, r in results(tmp_path / "out").items()}
+    assert committed and committed.items() <= original.items()  # the rows read before the change, as they were
+
+
+def test_a_parquet_input_replaced_during_the_model_load_stops_the_job(tmp_path, progress):
+    path = write_parquet(tmp_path / "in.parquet", documents(6))
+
+    def load_while_it_changes(job):
+        os.replace(write_parquet(tmp_path / "new.parquet", documents(6, start=100)), path)
+        return fake_factory()(job)
+
+    with pytest.raises(InputError, match=f"^input changed during the run: {path}$"):
+        run_job(make_job(path, tmp_path / "out"), progress, engine_factory=load_while_it_changes)
+    assert results(tmp_path / "out") == {}

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from batchjob.job.output.lock import LockHeld
-from batchjob.job.output.state import OutputDir
+from batchjob.job.output.state import OutputDir, StateError
 from batchjob.job.reader import InputSource
 from batchjob.job.runner import run_job
 from tests.helpers import REPO, Messages, documents, fake_factory, make_job, short_documents, write_jsonl, write_parquet
@@ -109,6 +109,38 @@ def test_a_run_is_refused_while_another_holds_the_lease_and_takes_over_an_expire
     assert not OutputDir(url).status()["state"].startswith("running")
     assert run_job(job, progress, engine_factory=fake_factory()) == 0
     assert any("took over the lock" in m for m in progress.messages)
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_an_unrecorded_folder_of_the_users_files_is_left_untouched_on_s3(s3, tmp_path, progress, restart):
+    url = f"s3://{BUCKET}/users-{restart}"
+    mine = {name: f"the user's {name}".encode() for name in ("output.jsonl", "metrics.prom", "_summary.json")}
+    for name, data in mine.items():
+        s3.pipe_file(f"{BUCKET}/users-{restart}/{name}", data)
+    job = make_job(write_parquet(tmp_path / "in.parquet", documents(3)), url)
+    with pytest.raises(StateError, match="do not name as its own"):
+        run_job(job, progress, restart=restart, engine_factory=fake_factory())
+    s3.invalidate_cache()
+    assert {name: s3.cat_file(f"{BUCKET}/users-{restart}/{name}") for name in mine} == mine
+    assert not s3.exists(f"{BUCKET}/users-{restart}/_job.json")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_an_input_object_replaced_during_the_model_load_stops_the_job(s3, tmp_path, progress, fmt):
+    from batchjob.job.reader import InputError
+
+    key = f"{BUCKET}/changing/in.{fmt}"
+    write = write_parquet if fmt == "parquet" else write_jsonl
+    s3.put(str(write(tmp_path / f"old.{fmt}", documents(4))), key)
+
+    def load_while_it_changes(job):
+        s3.put(str(write(tmp_path / f"new.{fmt}", documents(4, start=10))), key)
+        return fake_factory()(job)
+
+    job = make_job(f"s3://{key}", tmp_path / "out")
+    with pytest.raises(InputError, match=f"^input changed during the run: s3://{key}$"):
+        run_job(job, progress, engine_factory=load_while_it_changes)
+    assert not list((tmp_path / "out" / "data").iterdir())
 
 
 @pytest.mark.slow

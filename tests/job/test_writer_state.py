@@ -271,3 +271,59 @@ def test_status_asks_the_lock_not_the_recorded_pid(tmp_path):
     assert out.status()["state"] == "stopped (killed; resumable)"
     with out.lock():
         assert out.status()["state"] == "running"
+
+
+@pytest.mark.parametrize(
+    "text", ["", '{"fingerprint": {}', "[]", '"x"', '{"fingerprint": null}', '{"files": 3}', b"\xff\xfe{}"]
+)
+def test_a_job_json_that_batchjob_did_not_write_is_refused_and_nothing_is_cleaned_on_its_word(tmp_path, text):
+    """Seen: [] or a non-object gave exit 70 (AttributeError); {"fingerprint": null} was taken as a job record."""
+    out = OutputDir(tmp_path)
+    out.recover()
+    writer(out.data, rows=1).add(record(0))
+    (tmp_path / JOB_FILE).write_bytes(text if isinstance(text, bytes) else text.encode())
+    for act in (out.reset, out.status, lambda: out.check_fingerprint({}, keys=[])):
+        with pytest.raises(StateError, match="_job.json.*move it away or choose another output.path"):
+            act()
+    assert len(out.parts()) == 1
+
+
+def test_restart_with_data_linked_to_another_disk_keeps_the_link_and_empties_it(tmp_path):
+    """Seen: --restart deleted the parts, then failed on rmdir of the link (exit 74), and so on every retry."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "data").symlink_to(disk)
+    out = OutputDir(tmp_path / "out")
+    out.recover()
+    out.write_job({"fingerprint": {}, "rows_total": 1, "files": []})
+    writer(out.data, rows=1).add(record(0))
+    out.reset()
+    assert (tmp_path / "out" / "data").is_symlink() and list(disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["data", "_sorted", "_quarantine"])
+def test_a_file_where_batchjob_keeps_a_folder_is_refused_and_kept(tmp_path, name):
+    (tmp_path / name).write_text("the user's")
+    with pytest.raises(StateError, match=f"{name} is not a folder"):
+        OutputDir(tmp_path).recover()
+    assert (tmp_path / name).read_text() == "the user's"
+
+
+def test_a_lock_file_that_is_not_batchjobs_is_refused_and_kept(tmp_path):
+    (tmp_path / LOCK).write_text("the user's own _lock notes")
+    with pytest.raises(StateError, match="is not batchjob's lock file"):
+        OutputDir(tmp_path).lock()
+    assert (tmp_path / LOCK).read_text() == "the user's own _lock notes"
+    (tmp_path / LOCK).write_text("")  # as a run leaves it when it ends
+    with OutputDir(tmp_path).lock():
+        pass
+
+
+def test_a_finished_record_without_a_row_count_is_trusted_not_redone_forever(tmp_path):
+    out = committed_dir(tmp_path, [record(i) for i in range(3)], rows=3)
+    out.write_job({"fingerprint": {}})
+    out.write_success({})
+    assert out.complete(out.read_job()) and out.status()["state"] == "done"
+    out.write_job({"fingerprint": {}, "rows_total": 4})
+    assert not out.complete(out.read_job()) and out.status()["state"].startswith("incomplete (1 rows missing")

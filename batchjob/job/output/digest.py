@@ -14,14 +14,20 @@ from batchjob.job.output.storage import write_json
 from batchjob.model.builtin import cache_dir
 
 
-def file_sha256(path: str, fs: Any = None) -> str:
+def file_version(path: str, fs: Any = None) -> list:
+    """What changes whenever a file's content does: device, inode, size and mtime locally (a replace gives another
+    inode, an append another size, an edit another mtime); size and ETag (or mtime) on an object store."""
     if fs is None:
         st = Path(path).stat()
-        name, version = str(Path(path).resolve()), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-    else:
-        info = fs.info(path)
-        name = fs.unstrip_protocol(path)
-        version = [info.get("size"), str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or "")]
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    fs.invalidate_cache(path)  # the listing cache would answer with what the file was
+    info = fs.info(path)
+    return [info.get("size"), str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or "")]
+
+
+def file_sha256(path: str, fs: Any = None) -> str:
+    name = str(Path(path).resolve()) if fs is None else fs.unstrip_protocol(path)
+    version = file_version(path, fs)
     memo = cache_dir() / "input-digests" / f"{hashlib.sha256(name.encode()).hexdigest()}.json"
     try:
         known = json.loads(memo.read_text())

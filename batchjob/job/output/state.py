@@ -8,7 +8,11 @@ OUT/_quarantine/    parts found damaged (e.g. truncated by a full disk), moved a
 OUT/output.jsonl    OpenAI Batch output lines, when output.format is openai-batch
 OUT/_timeline.parquet   the engine's steps over time (timeline.py), for `batchjob report`
 OUT/metrics.prom    the last run's figures for Prometheus (prom.py)
-OUT/_summary.json, OUT/_SUCCESS   written last, only when every row is done"""
+OUT/_summary.json, OUT/_SUCCESS   written last, only when every row is done
+
+Beside data/, batchjob overwrites or deletes only the files that _job.json's "files" names: a name is recorded there
+before batchjob first writes it, so a folder's own files of those names (the user's metrics.prom, say) are refused,
+never touched."""
 
 from __future__ import annotations
 
@@ -43,6 +47,10 @@ from batchjob.job.output.storage import (
 JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_lock"
 DATA, STAGING, STAGED, OPENAI_OUTPUT = "data", "_sorted", "_COMPLETE", "output.jsonl"
 TIMELINE, METRICS, QUARANTINE = "_timeline.parquet", "metrics.prom", "_quarantine"
+# The files batchjob writes beside data/ (recorded in _job.json's "files" before it first writes them).
+WRITTEN = (SUCCESS, SUMMARY, OPENAI_OUTPUT, TIMELINE, METRICS)
+# The files that say the job is complete: removed together, first, whenever the results are repaired.
+COMPLETION = (SUCCESS, SUMMARY, OPENAI_OUTPUT)
 # The only names batchjob writes inside data/, _sorted/ and _quarantine/; cleanup deletes these and nothing else.
 OUR_FILE = re.compile(rf"(part|sorted)-\d{{6}}(-[0-9a-f]+)?\.parquet|{re.escape(TMP_PREFIX)}.*\.tmp|{STAGED}")
 
@@ -84,6 +92,9 @@ class OutputDir:
         lock = self.path / LOCK
         if lock.is_symlink() or (lock.exists() and not lock.is_file()):  # OutputLock refuses these too, less clearly
             raise StateError(f"{lock} is not a regular file (a symlink?); batchjob will not open it")
+        # batchjob's lock file is empty or names its holder; taking the lock would empty anything else
+        if lock.exists() and lock.stat().st_size and read_holder(lock) is None:
+            raise StateError(f"{lock} is not batchjob's lock file; move it away or choose another output.path")
         return OutputLock(lock)
 
     @property
@@ -98,7 +109,11 @@ class OutputDir:
 
     def recover(self) -> list[Path]:
         """Bring a folder left by a killed run to a clean state; call holding the lock. Returns the damaged parts
-        moved to _quarantine/ (their rows are not committed any more, so this run redoes them)."""
+        moved to _quarantine/ (their rows are not committed any more, so this run redoes them; the job is no longer
+        complete)."""
+        for folder in (self.data, self.staging, self.path / QUARANTINE):
+            if not is_remote(folder) and folder.exists() and not folder.is_dir():
+                raise StateError(f"{folder} is not a folder; batchjob keeps its files there: move it away")
         self.data.mkdir(exist_ok=True)
         for folder in (self.path, self.data):
             for tmp in folder.glob(f"{TMP_PREFIX}*.tmp"):
@@ -114,7 +129,9 @@ class OutputDir:
         disk that lost a write (or was full); its rows will be redone."""
         moved = []
         for part in self.parts():
-            if not _footer_ok(part):
+            if _footer_rows(part) is None:
+                if not moved:  # before the first part goes, so no crash leaves _SUCCESS beside missing rows
+                    self.invalidate()
                 target = self.path / QUARANTINE / f"{part.stem}-{int(time.time())}{part.suffix}"
                 target.parent.mkdir(exist_ok=True)
                 part.rename(target)
@@ -122,6 +139,56 @@ class OutputDir:
         if moved and not is_remote(self.data):
             fsync_dir(self.data)
         return moved
+
+    def invalidate(self) -> None:
+        """The results are no longer complete (a part was moved aside or is missing): remove the files that say they
+        are, _SUCCESS first, so that the next run redoes the missing rows instead of finding the job done."""
+        recorded = self.recorded(self.read_job())
+        for name in COMPLETION:
+            if name in recorded:
+                (self.path / name).unlink(missing_ok=True)
+        if not is_remote(self.path):
+            fsync_dir(self.path)
+
+    def complete(self, meta: dict | None) -> bool:
+        """Whether the folder holds a finished job: _SUCCESS, the _job.json that explains it, and every row it
+        counts in the parts (a part deleted after the job finished leaves _SUCCESS standing over missing rows)."""
+        if meta is None or not self.succeeded:
+            return False
+        total = meta.get("rows_total")  # None: a record without the count, which cannot be checked
+        return total is None or sum(_footer_rows(p) or 0 for p in self.parts()) == total
+
+    @staticmethod
+    def recorded(meta: dict | None) -> set[str]:
+        """The files beside data/ that batchjob's records say it wrote: _job.json's "files" (every one of WRITTEN
+        for a _job.json from before that list, as that batchjob wrote them all); none without a _job.json."""
+        if meta is None:
+            return set()
+        return set(meta.get("files", WRITTEN))
+
+    def own(self, name: str) -> bool:
+        """Record in _job.json that batchjob writes `name` beside data/, before it does. False where no job is
+        recorded yet: then nothing may be written there."""
+        meta = self.read_job()
+        if meta is None:
+            return False
+        if name not in self.recorded(meta):
+            self.write_job({**meta, "files": sorted({*meta.get("files", []), name})})
+        return True
+
+    def unrecorded_files(self, meta: dict | None) -> list[Location]:
+        """Files beside data/ with a name batchjob writes that its records do not name: someone else's, which batchjob
+        must neither overwrite nor delete. An empty _SUCCESS is a marker that holds nothing, not a file to keep."""
+        recorded = self.recorded(meta)
+        found = []
+        for name in WRITTEN:
+            path = self.path / name
+            if name in recorded or not path.exists():
+                continue
+            if name == SUCCESS and path.is_file() and path.stat().st_size == 0:
+                continue
+            found.append(path)
+        return found
 
     def parts(self) -> list[Path]:
         refresh(self.data)
@@ -158,24 +225,34 @@ class OutputDir:
         return done
 
     def read_job(self) -> dict | None:
+        """_job.json, which batchjob writes whole (never half): anything else in its place is not batchjob's record,
+        so it is refused, and nothing here is cleaned up on its word."""
+        path = self.path / JOB_FILE
         try:
-            return json.loads((self.path / JOB_FILE).read_text())
+            meta = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, json.JSONDecodeError) as e:
-            raise StateError(f"cannot read {self.path / JOB_FILE}: {e}") from None
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+            raise StateError(f"cannot read {path}: {e}; move it away or choose another output.path") from None
+        shapes = {"fingerprint": dict, "files": list, "rows_total": int}
+        if not isinstance(meta, dict) or any(k in meta and not isinstance(meta[k], t) for k, t in shapes.items()):
+            raise StateError(f"{path} is not a job record batchjob wrote; move it away or choose another output.path")
+        return meta
 
     def write_job(self, meta: dict) -> None:
         write_json(self.path / JOB_FILE, meta)
 
     def check_fingerprint(self, fingerprint: dict, *, keys: list[str]) -> None:
-        """Refuse to add to results of a different job; `keys` are the fingerprint parts known so far."""
+        """Refuse to add to results of a different job, or to write over files that are not batchjob's; `keys` are
+        the fingerprint parts known so far."""
         meta = self.read_job()
         if foreign := self.foreign_files():
             raise StateError(
                 f"{self.path} holds files batchjob did not write ({', '.join(p.name for p in foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''} in {foreign[0].parent.name}/); choose another output.path"
             )
+        if unrecorded := self.unrecorded_files(meta):
+            raise StateError(self._unrecorded(unrecorded, "nothing was written"))
         if meta is None:
             if self.parts():
                 raise StateError(
@@ -210,15 +287,27 @@ class OutputDir:
                 f"{', ...' if len(foreign) > 3 else ''}); nothing was deleted. Move them away or choose another "
                 "output.path"
             )
+        meta = self.read_job()
+        if unrecorded := self.unrecorded_files(meta):
+            raise StateError("--restart: " + self._unrecorded(unrecorded, "nothing was deleted"))
         # _job.json last: until it is gone, a crash in the middle leaves a folder that --restart may still clear.
-        for name in (SUCCESS, SUMMARY, OPENAI_OUTPUT, TIMELINE, METRICS):
-            (self.path / name).unlink(missing_ok=True)
+        recorded = self.recorded(meta)
+        for name in WRITTEN:
+            if name in recorded:
+                (self.path / name).unlink(missing_ok=True)
         for folder in (self.staging, self.data, self.path / QUARANTINE):
             remove_ours(folder)
         (self.path / JOB_FILE).unlink(missing_ok=True)
         self.data.mkdir(exist_ok=True)
         if not is_remote(self.path):
             fsync_dir(self.path)
+
+    def _unrecorded(self, files: list[Location], outcome: str) -> str:
+        names = ", ".join(p.name for p in files)
+        return (
+            f"{self.path} holds {names}, which batchjob's records ({JOB_FILE}) do not name as its own; {outcome}. "
+            "Move them away or choose another output.path"
+        )
 
     def stage_complete(self) -> None:
         """Mark the staged input-ordered files ready to publish; _COMPLETE lists them, so a publish interrupted at any
@@ -242,6 +331,8 @@ class OutputDir:
         remove_ours(self.staging)
 
     def write_success(self, summary: dict) -> None:
+        self.own(SUMMARY)
+        self.own(SUCCESS)
         write_json(self.path / SUMMARY, summary)
         write_atomic(self.path / SUCCESS, lambda f: None)
 
@@ -264,32 +355,35 @@ class OutputDir:
         holder = read_holder(self.path / LOCK)
         # A live lease on an object store; locally the flock, not the recorded pid (which may belong to another).
         held = bool(holder) and not lease_expired(holder) if is_remote(self.path) else lock_is_held(self.path / LOCK)
+        parts = self.parts() if self.data.exists() else []
+        damaged = [p for p in parts if _footer_rows(p) is None]
+        parts = [p for p in parts if p not in damaged]
+        committed = self._count(parts)
+        total = meta.get("rows_total") if meta else None
         if held:
             state = "running"
-        elif self.succeeded:
+        elif self.succeeded and meta is not None and total in (None, committed.rows):
             state = "done"
+        elif self.succeeded and meta is not None:  # a part went missing after the job finished
+            state = f"incomplete ({total - committed.rows} rows missing; the next run redoes them)"
         elif meta is not None:
             state = "stopped (killed; resumable)" if holder else "stopped (resumable)"
         else:
             state = "not started"
-        parts = self.parts() if self.data.exists() else []
-        damaged = [p for p in parts if not _footer_ok(p)]
         if damaged:
-            parts = [p for p in parts if p not in damaged]
             state += f"; {len(damaged)} damaged part(s), moved aside and redone by the next run"
-        committed = self._count(parts)
         return {
             "folder": display(self.path),
             "state": state,
             "holder": holder if held else None,
-            "rows_total": meta.get("rows_total") if meta else None,
+            "rows_total": total,
             "rows_done": committed.rows,
             "rows_failed": committed.failed,
             "prompt_tokens": committed.prompt_tokens,
             "output_tokens": committed.output_tokens,
             "parts": len(parts),
             "last_commit_s_ago": round(time.time() - max(mtime(p) for p in parts)) if parts else None,
-            "summary": self.read_summary() if self.succeeded else None,
+            "summary": self.read_summary() if state == "done" else None,
         }
 
 
@@ -300,15 +394,17 @@ def remove_ours(folder: Location) -> None:
     for p in folder.iterdir():
         if OUR_FILE.fullmatch(p.name) and p.is_file():
             p.unlink()
-    if not is_remote(folder) and not any(folder.iterdir()):  # an object store has no empty folders to remove
+    # An object store has no empty folders to remove; a symlinked folder (data/ on another disk) stays linked.
+    if not is_remote(folder) and not folder.is_symlink() and not any(folder.iterdir()):
         folder.rmdir()
 
 
-def _footer_ok(part: Location) -> bool:
+def _footer_rows(part: Location) -> int | None:
+    """The rows a part's footer counts; None where the footer cannot be read."""
     try:
-        return parquet_file(part).metadata is not None
+        return parquet_file(part).metadata.num_rows
     except Exception:  # any unreadable footer, whatever pyarrow calls it
-        return False
+        return None
 
 
 def now_iso() -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -17,6 +19,10 @@ from rich.progress import Progress as RichBar
 from rich.text import Text
 
 from batchjob.engine.outputs import StepMetrics
+
+# What writing progress raises once its reader went away (`batchjob run ... | head -1`: BrokenPipeError, as Python
+# ignores SIGPIPE), its terminal hung up (EIO) or its stream was closed (ValueError).
+LOST_OUTPUT = (OSError, ValueError)
 
 
 @dataclass
@@ -75,10 +81,25 @@ def _duration(seconds: float) -> str:
 
 
 class Progress(ABC):
-    """What a run reports; subclasses show it."""
+    """What a run reports; subclasses show it. Showing it never stops the job: once the output fails, the rest is
+    dropped and the run goes on (its exit code is the job's)."""
 
     def __init__(self):
         self.stats = Stats()
+        self.lost = False  # the output failed once: nothing more is shown
+
+    @contextlib.contextmanager
+    def showing(self, stream: TextIO):
+        """Around each write to `stream`: a failure silences this progress and points the stream's descriptor at
+        the null device, so that no later write to it (click's, the interpreter's flush at exit) fails either."""
+        try:
+            yield
+        except LOST_OUTPUT:
+            self.lost = True
+            with contextlib.suppress(*LOST_OUTPUT, AttributeError):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, stream.fileno())
+                os.close(null)
 
     def start(self, total: int, done_before: int) -> None:
         self.stats = Stats(total=total, done_before=done_before)
@@ -132,9 +153,12 @@ class LogProgress(Progress):
             self.refresh(force=True)
 
     def _emit(self, item: str | dict) -> None:
+        if self.lost:
+            return
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
         line = json.dumps({"time": stamp, **item}) if isinstance(item, dict) else f"{stamp} {item}"
-        print(line, file=self.stream, flush=True)
+        with self.showing(self.stream):
+            print(line, file=self.stream, flush=True)
 
 
 class RichProgress(Progress):
@@ -158,10 +182,11 @@ class RichProgress(Progress):
     def start(self, total: int, done_before: int) -> None:
         super().start(total, done_before)
         self.task = self.bar.add_task("rows", total=total, completed=done_before, eta="?")
-        self.live.start()
+        with self.showing(self.console.file):
+            self.live.start()
 
     def refresh(self) -> None:
-        if self.task is not None:
+        if self.task is not None and not self.lost:
             s = self.stats.snapshot()
             self.bar.update(
                 self.task, completed=s["rows_done"], eta="?" if s["eta_s"] is None else _duration(s["eta_s"])
@@ -173,9 +198,12 @@ class RichProgress(Progress):
             )
 
     def message(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False)
+        if not self.lost:
+            with self.showing(self.console.file):
+                self.console.print(text, markup=False, highlight=False)
 
     def close(self) -> None:
         if self.task is not None:
             self.refresh()
-            self.live.stop()
+            with self.showing(self.console.file):
+                self.live.stop()
