@@ -32,10 +32,25 @@ def test_the_unpacked_weight_is_let_go_unless_kept():
     assert dropped.nbytes == kept.nbytes == w.numel() * 4
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 GEMM here")
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_bf16_weights_are_packed_and_match_f_linear(rows):
+    """bf16 products summed in float32 and rounded once: within a bf16 rounding of the float32 product of the same
+    bf16 values (a wrong layout or a bf16 accumulator would be far off)."""
+    w, b = _tensor(1536, 576, seed=1).bfloat16(), _tensor(1536, seed=2).bfloat16()
+    lin = Linear(w.clone(), b)
+    assert lin.packed is not None and lin.packed.dtype == torch.bfloat16
+    x = _tensor(rows, 576, seed=3).bfloat16()
+    out = lin(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()), rtol=1e-2, atol=2e-2)
+    assert lin.nbytes == (w.numel() + b.numel()) * 2
+
+
 def test_other_dtypes_take_f_linear():
-    w = _tensor(16, 8, seed=5).to(torch.bfloat16)
+    w = _tensor(16, 8, seed=5).to(torch.float16)
     lin = Linear(w)
-    x = _tensor(4, 8, seed=6).to(torch.bfloat16)
+    x = _tensor(4, 8, seed=6).to(torch.float16)
     assert lin.packed is None
     assert torch.equal(lin(x), F.linear(x, w))
 
