@@ -1,7 +1,7 @@
 """The ops backend on a CPU: the torch ops (ops.py), each float32 or bfloat16 call sent to its C++ kernel
-(cpu_native.py) where that is built. Unlike the torch reference, rms_norm with a residual and rotary work in place, as vLLM's fused
-add-RMSNorm does: the model never reads their inputs again, and each large tensor a step does not allocate is
-page faults it does not take."""
+(cpu_native.py) where that is built. Unlike the torch reference, rms_norm with a residual and rotary work in place,
+as vLLM's fused add-RMSNorm does: the model never reads their inputs again, and each large tensor a step does not
+allocate is page faults it does not take."""
 
 from __future__ import annotations
 
