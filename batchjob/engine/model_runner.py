@@ -45,7 +45,7 @@ def pick_ops_backend(config: EngineConfig, device: torch.device) -> str:
 
 
 def load_ops(backend: str) -> OpsBackend:
-    """Triton's kernels, or the torch ops with their C++ forms for float32 on a CPU (model/cpu_ops.py)."""
+    """Triton's kernels, or the torch ops with their C++ forms for float32 and bfloat16 on a CPU (model/cpu_ops.py)."""
     return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.cpu_ops")
 
 

@@ -6,7 +6,8 @@
 // its context block by block, twice (scores, then the weighted sum of V), and within a block one KV head at a time
 // for the G query heads that share it, so that each K/V row is loaded once for all G of them. For head sizes that
 // are a multiple of 16 (64, 128) and G <= 8, a templated path keeps a row's G queries and G output accumulators in
-// vector registers; other shapes take the generic loops.
+// vector registers; other shapes take the generic loops. q and the caches are float32 or bf16 (cpu_types.h: bf16 is
+// widened on load, so scores, softmax and sums run in float32; a bf16 cache halves the bytes a decode step reads).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
