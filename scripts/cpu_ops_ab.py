@@ -4,6 +4,7 @@
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
   ops (BATCHJOB_CPU_OPS=torch) against the C++ kernels; `prof` adds a torch-profiler table per path and phase.
+  DTYPE sets the engine's dtype (default: its own).
 - gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for oneDNN's GEMM
   (model/linear.py), at 8 to 2,048 rows.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
@@ -49,8 +50,13 @@ def set_ops(path: str) -> None:
     os.environ["BATCHJOB_CPU_OPS"] = "torch" if path == "torch" else ""
 
 
+def dtype_setting() -> dict:
+    """The engine's dtype from DTYPE, else its default."""
+    return {"dtype": os.environ["DTYPE"]} if "DTYPE" in os.environ else {}
+
+
 def steps_ab() -> None:
-    engine = Engine("smollm2-135m-instruct")
+    engine = Engine("smollm2-135m-instruct", **dtype_setting())
     runner = engine.runner
     model, caches, bs = runner.model, runner.kv_caches, runner.block_size
 
@@ -230,8 +236,7 @@ def job_phases() -> None:
     sends them, ROUNDS times: wall time and the time of its prefill (and mixed) and decode-only steps; with
     PROFILE_STEPS=30,40 a torch-profiler line for each of those steps."""
     job = load_job("jobs/summarize.yaml")
-    dtype = {"dtype": os.environ["DTYPE"]} if "DTYPE" in os.environ else {}
-    engine = Engine(job.model, **{**job.engine.model_dump(exclude_unset=True), **dtype})
+    engine = Engine(job.model, **{**job.engine.model_dump(exclude_unset=True), **dtype_setting()})
     n = int(os.environ.get("N", "64"))
     vocab = engine.model_config.vocab_size
     wl = synthetic(vocab, n, 256, 64) if os.environ.get("SYN") else job_workload(job, engine, n)
