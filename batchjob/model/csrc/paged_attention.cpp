@@ -13,6 +13,9 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #include "cpu_types.h"
 
@@ -130,37 +133,66 @@ inline void walk_blocks(const Tile<T>& t, const T* cache, const T* then, F&& f) 
   }
 }
 
+// A row's G query heads in registers, and their dot products with a key row as 16 partial sums (lanes to be added):
+// the queries widened to float32 and pre-scaled, the key widened on load.
+template <int NV, int G, typename T>
+struct QueryRegs {
+  v16 q[G][NV];
+  static constexpr bool kScaled = true;  // the scale is in q: the dots are the scores
+  QueryRegs(const T* src, float scale) { load_heads(q, src, scale); }
+  inline v16 dot(int g, const T* k) const {
+    v16 a = q[g][0] * load16(k);
+    for (int i = 1; i < NV; ++i) a += q[g][i] * load16(k + i * 16);
+    return a;
+  }
+};
+
+#ifdef __AVX512BF16__
+// bf16 on a CPU with AVX512_BF16: vdpbf16ps multiplies 32 bf16 pairs of q and K and adds each pair's products into
+// a float32 lane, one instruction per 32 elements where widening K costs two and the products another. q stays bf16
+// (the model's own values), so the scale is applied to the sums instead.
+template <int NV, int G>
+struct QueryRegs<NV, G, bf16> {
+  __m512bh q[G][NV / 2];
+  static constexpr bool kScaled = false;
+  QueryRegs(const bf16* src, float) {
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < NV / 2; ++i) q[g][i] = (__m512bh)_mm512_loadu_si512(src + (g * NV / 2 + i) * 32);
+  }
+  inline v16 dot(int g, const bf16* k) const {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], (__m512bh)_mm512_loadu_si512(k));
+    for (int i = 1; i < NV / 2; ++i) a = _mm512_dpbf16_ps(a, q[g][i], (__m512bh)_mm512_loadu_si512(k + i * 32));
+    return (v16)a;
+  }
+};
+#endif
+
 template <int NV, int G, typename T>
 void attend_fast(const Tile<T>& t) {
   constexpr int64_t D = NV * 16;
   // Pass 1: scaled scores.
   walk_blocks(t, t.k, t.v, [&](const T* kb, int64_t p0, int64_t last, int64_t kh, int64_t j) {
-    v16 q[G][NV];
-    load_heads(q, t.q + j * t.q_row + kh * G * D, t.scale);
+    using Q = QueryRegs<NV, G, T>;
+    const Q q(t.q + j * t.q_row + kh * G * D, t.scale);
+    const float post = Q::kScaled ? 1.f : t.scale;
     float* s = t.scores + (j * t.h + kh * G) * t.ctx;
     if (last - p0 == 16) {  // a whole block of 16 keys: 16 dot products reduced together, no per-score lane sum
       for (int g = 0; g < G; ++g) {
         v16 dots[16];
-        for (int64_t p = 0; p < 16; ++p) {
-          const T* kr = kb + p * t.row_stride + kh * D;
-          v16 a = q[g][0] * load16(kr);
-          for (int i = 1; i < NV; ++i) a += q[g][i] * load16(kr + i * 16);
-          dots[p] = a;
-        }
-        *reinterpret_cast<v16*>(s + g * t.ctx + p0) = lane_sums16(dots);
+        for (int64_t p = 0; p < 16; ++p) dots[p] = q.dot(g, kb + p * t.row_stride + kh * D);
+        v16 sums = lane_sums16(dots);
+        if constexpr (!Q::kScaled) sums *= post;
+        *reinterpret_cast<v16*>(s + g * t.ctx + p0) = sums;
       }
       return;
     }
     for (int64_t p = p0; p < last; ++p) {
       const T* kr = kb + (p - p0) * t.row_stride + kh * D;
-      v16 kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = load16(kr + i * 16);
       for (int g = 0; g < G; ++g) {
-        v16 a = q[g][0] * kv[0];
-        for (int i = 1; i < NV; ++i) a += q[g][i] * kv[i];
+        const v16 a = q.dot(g, kr);
         float sum = 0.f;
         for (int l = 0; l < 16; ++l) sum += a[l];
-        s[g * t.ctx + p] = sum;
+        s[g * t.ctx + p] = sum * post;
       }
     }
   });
