@@ -65,3 +65,20 @@ def test_a_onednn_that_cannot_pack_leaves_f_linear(monkeypatch, caplog):
     assert lin.packed is None and lin.backend == "torch" and lin.weight is w
     assert torch.equal(lin(x), F.linear(x, w))
     assert "cannot pack a (32, 16) weight" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_alone_equals_the_row_in_a_batch(dtype):
+    """Bit for bit, as batch invariance needs (a decode step of one sequence against one of many): oneDNN's one-row
+    kernel sums otherwise than its batch kernels, which shows on the down projection's shape with a spread of
+    magnitudes (some inputs x1000), so a single row is computed as two."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 GEMM here")
+    lin = Linear((_tensor(576, 1536, seed=9) * 0.05).to(dtype))
+    for draw in range(20):
+        x = _tensor(40, 1536, seed=100 + draw)
+        x[:, draw::11] *= 1000
+        x = x.to(dtype)
+        batch = lin(x)
+        assert torch.equal(lin(x[:1]), batch[:1]), draw
+        assert torch.equal(lin(x[0]), batch[0]), draw  # a lone vector too
