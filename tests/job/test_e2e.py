@@ -21,9 +21,7 @@ from tests.helpers import REPO, SAMPLE_DATA, short_documents, write_jsonl
 pytestmark = pytest.mark.slow
 
 ROWS = 12
-# float32: a resumed run equals an uninterrupted one token for token in the mode whose results do not depend on the
-# batch (bf16's may: see test_bf16.py)
-ENGINE = {"max_num_seqs": 4, "kv_cache_memory_gb": 0.1, "max_model_len": 512, "dtype": "float32"}
+ENGINE = {"max_num_seqs": 4, "kv_cache_memory_gb": 0.1, "max_model_len": 512}
 
 
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
