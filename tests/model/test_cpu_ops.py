@@ -206,7 +206,7 @@ def test_fused_rotary_in_bf16_matches_the_torch_op():
 @needs_compiler
 def test_fused_silu_and_mul_in_bf16_matches_the_torch_op():
     x = _bf16(_rows(70, 2 * 1536, 10) * 4)
-    out = cpu_ops.silu_and_mul(x)
+    out = cpu_native.native_ops().silu_and_mul(x)  # called directly: the torch fallback would pass as well
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ops.silu_and_mul(x), **BF16_TOL)
 
