@@ -1,9 +1,10 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention|job]
-   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS)
+"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention|job|dtype|invariance]
+   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, DTYPE)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
   ops (BATCHJOB_CPU_OPS=torch) against the C++ kernels; `prof` adds a torch-profiler table per path and phase.
+  DTYPE sets the engine's dtype (default: its own).
 - gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for oneDNN's GEMM
   (model/linear.py), at 8 to 2,048 rows.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
@@ -12,8 +13,15 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   causal GFLOP/s of prefills and chunks, and the cache bytes/s of a decode step over a 1.5 GiB pool (more than L3):
   blocks at random places, each sequence's blocks in one run, 32- and 64-token blocks, and every sequence on the same
   blocks (in cache: the kernel's compute alone).
+  DTYPE=bfloat16: the same on a bf16 pool and queries (half the bytes a decode reads).
 - job: the summarize job's rows through the engine, per round: wall time, prefill and decode-only step times, and
-  torch-profiler lines for chosen steps (where a real step's time goes)."""
+  torch-profiler lines for chosen steps (where a real step's time goes). DTYPE sets the engine's dtype.
+- dtype: N (64) prompts of 256 random tokens, 64 greedy tokens each (`batchjob bench --num-prompts 64 --input-len
+  256 --output-len 64`'s workload, through the bench's run_engine), ROUNDS rounds of: the engine in float32, in
+  bfloat16, and in bfloat16 with the LM head in bf16 too (bf16 logits): tok/s, prefill and decode-only step times,
+  and the greedy outputs' agreement with float32 (whole sequences, first tokens).
+- invariance: 32 prompts (as tests/engine/test_engine.py's) per dtype, 12 greedy tokens: how many equal the prompt's
+  tokens alone when run in one batch, and in 64-token steps (chunked prefill)."""
 
 import os
 import random
@@ -21,6 +29,7 @@ import statistics
 import sys
 import time
 
+import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
@@ -41,8 +50,13 @@ def set_ops(path: str) -> None:
     os.environ["BATCHJOB_CPU_OPS"] = "torch" if path == "torch" else ""
 
 
+def dtype_setting() -> dict:
+    """The engine's dtype from DTYPE, else its default."""
+    return {"dtype": os.environ["DTYPE"]} if "DTYPE" in os.environ else {}
+
+
 def steps_ab() -> None:
-    engine = Engine("smollm2-135m-instruct")
+    engine = Engine("smollm2-135m-instruct", **dtype_setting())
     runner = engine.runner
     model, caches, bs = runner.model, runner.kv_caches, runner.block_size
 
@@ -167,13 +181,14 @@ def run_ab() -> None:
 def attention() -> None:
     ops = native_ops()
     h, kvh, d = 9, 3, 64
-    pool_tokens = 1_024_000  # K and V of 12 KiB a 16-token block: 1.5 GiB, larger than the L3 cache, as a real pool is
+    dtype = getattr(torch, os.environ.get("DTYPE", "float32"))
+    pool_tokens = 1_024_000  # K and V of 12 KiB a 16-token block (fp32): 1.5 GiB, larger than the L3 cache
     pools = {}
 
     def case(specs, bs, layout):  # (cached context, query rows) per sequence; blocks at random places, in one run
         nblocks = pool_tokens // bs  # per sequence, or the same few blocks for every sequence (cache-resident)
         if bs not in pools:
-            pools[bs] = [torch.randn(nblocks, bs, kvh, d) for _ in range(2)], torch.randperm(nblocks).tolist()
+            pools[bs] = [torch.randn(nblocks, bs, kvh, d).to(dtype) for _ in range(2)], torch.randperm(nblocks).tolist()
         free = pools[bs][1]
         tables, lens, starts = [], [], [0]
         for ctx, n in specs:
@@ -185,7 +200,7 @@ def attention() -> None:
         w = max(map(len, tables))
         table = torch.tensor([t + [0] * (w - len(t)) for t in tables], dtype=torch.int32)
         meta = (table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32))
-        return torch.randn(starts[-1], h, d), meta
+        return torch.randn(starts[-1], h, d).to(dtype), meta
 
     decode = [(700, 1)] * 64
     for name, specs, bs, layout in [
@@ -208,7 +223,7 @@ def attention() -> None:
             times.append(time.perf_counter() - t)
         best = min(times)
         flops = sum(4 * h * d * sum(ctx + i + 1 for i in range(n)) for ctx, n in specs)
-        kv_bytes = sum((ctx + n) * kvh * d * 4 * 2 for ctx, n in specs)
+        kv_bytes = sum((ctx + n) * kvh * d * dtype.itemsize * 2 for ctx, n in specs)
         print(
             f"{name}: {best * 1e3:.2f} ms, {flops / best / 1e9:.0f} GFLOP/s, cache read {kv_bytes / best / 1e9:.1f} "
             f"GB/s  load {os.getloadavg()[0]:.1f}",
@@ -221,7 +236,7 @@ def job_phases() -> None:
     sends them, ROUNDS times: wall time and the time of its prefill (and mixed) and decode-only steps; with
     PROFILE_STEPS=30,40 a torch-profiler line for each of those steps."""
     job = load_job("jobs/summarize.yaml")
-    engine = Engine(job.model, **job.engine.model_dump(exclude_unset=True))
+    engine = Engine(job.model, **{**job.engine.model_dump(exclude_unset=True), **dtype_setting()})
     n = int(os.environ.get("N", "64"))
     vocab = engine.model_config.vocab_size
     wl = synthetic(vocab, n, 256, 64) if os.environ.get("SYN") else job_workload(job, engine, n)
@@ -255,4 +270,60 @@ def job_phases() -> None:
         )
 
 
-{"steps": steps_ab, "prof": steps_ab, "gemm": gemm_ab, "run": run_ab, "attention": attention, "job": job_phases}[MODE]()
+def dtype_ab() -> None:
+    n = int(os.environ.get("N", "64"))
+    fp32 = Engine("smollm2-135m-instruct", dtype="float32")
+    bf16 = Engine("smollm2-135m-instruct", dtype="bfloat16")
+    bf16_head = Engine("smollm2-135m-instruct", dtype="bfloat16")
+    model = bf16_head.runner.model  # the LM head packed in bf16, logits rounded to bf16 before the sampler
+    model.logits_dtype, model.lm_head = torch.bfloat16, linear.Linear(model.embed, keep_weight=True)
+    configs = {"float32": fp32, "bfloat16": bf16, "bfloat16, bf16 LM head": bf16_head}
+    wl = synthetic(fp32.model_config.vocab_size, n, 256, 64)
+    for engine in configs.values():  # warm-up: builds, first touch of each KV pool
+        run_engine(engine, synthetic(fp32.model_config.vocab_size, 8, 256, 8, seed=1))
+    for r in range(int(os.environ.get("ROUNDS", "2"))):
+        outs = {}
+        for name in list(configs) if r % 2 == 0 else list(reversed(configs)):
+            res = run_engine(configs[name], wl)
+            outs[name] = res.outputs
+            print(
+                f"round {r} {name}: {res.wall:.1f} s wall ({(res.prompt_tokens + res.output_tokens) / res.wall:.0f} "
+                f"tok/s in+out, {res.output_tokens / res.wall:.0f} out), prefill and mixed steps "
+                f"{res.prefill_time:.1f} s, decode-only steps {res.decode_time:.1f} s  load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        ref = outs["float32"]
+        for name, out in outs.items():
+            same = sum(out[k] == ref[k] for k in ref)
+            first = sum(out[k][0] == ref[k][0] for k in ref)
+            print(f"round {r} {name}: greedy equal to float32 {same}/{len(ref)}, first token {first}/{len(ref)}")
+
+
+def invariance() -> None:
+    docs = pq.read_table("sample_data/documents.parquet").column("text").to_pylist()
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine("smollm2-135m-instruct", dtype=dtype)
+        words = [" ".join(docs[i].split()[: 8 + (i * 37) % 260]) for i in range(32)]
+        prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": "Summarize: " + w}]) for w in words]
+        alone = [engine.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
+        batched = [o.token_ids for o in engine.generate(prompts, sp, use_tqdm=False)]
+        chunked_engine = Engine("smollm2-135m-instruct", dtype=dtype, max_num_batched_tokens=64)
+        chunked = [o.token_ids for o in chunked_engine.generate(prompts, sp, use_tqdm=False)]
+        print(
+            f"{dtype}: one batch equals alone {sum(a == b for a, b in zip(alone, batched))}/32, 64-token steps "
+            f"{sum(a == b for a, b in zip(alone, chunked))}/32",
+            flush=True,
+        )
+
+
+{
+    "steps": steps_ab,
+    "prof": steps_ab,
+    "gemm": gemm_ab,
+    "run": run_ab,
+    "attention": attention,
+    "job": job_phases,
+    "dtype": dtype_ab,
+    "invariance": invariance,
+}[MODE]()

@@ -44,9 +44,10 @@ def loaded():
 
 @pytest.fixture(scope="session")
 def engine():
+    """The exact mode: float32 is what equals transformers token for token (`auto` may pick bf16 on a CPU)."""
     from batchjob.engine.engine import Engine
 
-    return Engine("smollm2-135m-instruct")
+    return Engine("smollm2-135m-instruct", dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -87,12 +88,13 @@ def oracle_prompts(loaded) -> list[list[dict]]:
 
 
 def forward_logits(model, ids: list[int], last_only: bool = True, block_size: int = 16) -> torch.Tensor:
-    """Our model's logits for one sequence through a fresh paged cache: the last row, or every row."""
+    """Our model's logits for one sequence through a fresh paged cache of the model's dtype: the last row, or every
+    row."""
     c = model.config
     n = len(ids)
     blocks = -(-n // block_size)
     caches = [
-        tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim) for _ in range(2))
+        tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=model.dtype) for _ in range(2))
         for _ in range(c.num_hidden_layers)
     ]
     meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)))

@@ -21,6 +21,7 @@ from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.env import configure_threads
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
+from batchjob.model.cpu_features import has_native_bf16
 from batchjob.model.cpu_native import native_ops_for
 from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.llama import LlamaModel
@@ -54,13 +55,16 @@ def pick_ops_backend(config: EngineConfig, device: torch.device) -> str:
 
 
 def load_ops(backend: str) -> OpsBackend:
-    """Triton's kernels, or the torch ops with their C++ forms for float32 on a CPU (model/cpu_ops.py)."""
+    """Triton's kernels, or the torch ops with their C++ forms for float32 and bfloat16 on a CPU (model/cpu_ops.py)."""
     return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.cpu_ops")
 
 
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    # bf16 matmul is far slower than fp32 on CPUs without native bf16: fp32 there, bf16 on a GPU.
-    return _DTYPES.get(config.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    """`auto`: bf16 on a GPU and on a CPU that computes bf16 natively (its GEMM runs about twice the fp32 rate);
+    fp32 on other CPUs, where bf16 is emulated slower than fp32."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    return torch.bfloat16 if device.type == "cuda" or has_native_bf16() else torch.float32
 
 
 def use_cuda_graphs(config: EngineConfig, device: torch.device, ops: OpsBackend) -> bool:
@@ -127,8 +131,9 @@ class ModelRunner:
 
     @property
     def numerics(self) -> dict[str, str]:
-        """What decides the numbers beyond the weights, as resolved (dtype `auto` is float32 on a CPU, bfloat16 on
-        a GPU): results computed under two of these differ in their last bits, and so in some greedy tokens."""
+        """What decides the numbers beyond the weights, as resolved (dtype `auto` is bfloat16 on a GPU and on a CPU
+        with native bf16, else float32; see pick_dtype): results computed under two of these differ in their last
+        bits, and so in some greedy tokens."""
         device = self.device.type
         if device == "cuda":  # kernels (and their reduction orders) are tuned per GPU model
             device += f":{torch.cuda.get_device_name(self.device)}"

@@ -20,6 +20,11 @@ from batchjob.engine.token_budget import AutoTokenBudget
 _THROTTLE_STEP, _THROTTLE_DECAY, _THROTTLE_MAX = 0.02, 0.01, 0.5
 _SUSTAINED_PRESSURE_STEPS = 20
 _MAX_LOOKAHEAD = 32  # requests one step may pass over while looking for one that fits
+# A prefill chunk that is not its prompt's last ends at a multiple of this many positions: the CPU attention computes
+# query rows in tiles of 16 from the chunk's start, by other arithmetic in a tile of a few rows than in a full one,
+# so chunks cut anywhere would make a row's numbers depend on how its prompt was split (in bf16 enough to flip a
+# greedy token). Cut on this grid, every tile of a prompt holds the same rows however it is split or batched.
+PREFILL_CHUNK_ALIGN = 16
 
 
 @dataclass
@@ -88,6 +93,7 @@ class Scheduler:
                 if victim is seq:
                     break
                 n = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
+            n = self._align(seq, n)
             if n == 0:
                 continue
             self._schedule(seq, n, out)
@@ -97,6 +103,16 @@ class Scheduler:
             self._admit(budget, out)
         self._update_pressure(out.num_preempted)
         return out
+
+    @staticmethod
+    def _align(seq: Sequence, n: int) -> int:
+        """n tokens of `seq`, fewer if needed so that a chunk short of the prompt's end ends on the
+        PREFILL_CHUNK_ALIGN grid (unchanged where that would leave none)."""
+        if n >= seq.num_uncomputed_tokens:
+            return n
+        end = seq.num_computed_tokens + n
+        aligned = end - end % PREFILL_CHUNK_ALIGN
+        return aligned - seq.num_computed_tokens if aligned > seq.num_computed_tokens else n
 
     def _fit(self, seq: Sequence, n: int) -> int:
         """The most of `n` tokens of `seq` that the free blocks hold."""
@@ -133,7 +149,7 @@ class Scheduler:
             # room to grow. Hard cap: not even a useful first chunk fits in the free blocks. Either way a smaller
             # request behind it may still go first, a bounded number of times.
             over_watermark = self.running and (bm.num_used_blocks + need) / bm.num_blocks > self.effective_watermark
-            n = 0 if over_watermark else self._fit(seq, n)
+            n = 0 if over_watermark else self._align(seq, self._fit(seq, n))
             if n < min(seq.num_uncomputed_tokens, bm.block_size):
                 bm.free(seq)
                 blocked.append(seq)

@@ -24,7 +24,7 @@ from batchjob.job.telemetry.prom import write_metrics
 
 MODEL_KEYS = ("model_digest", "model_revision", "numerics")  # the parts known once the model is loaded
 # Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in
-# "numerics": `dtype: auto` is float32 on a CPU and bfloat16 on a GPU.
+# "numerics": `dtype: auto` is bfloat16 on a GPU and on a CPU with native bf16, float32 on other CPUs.
 RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed"}
 
 

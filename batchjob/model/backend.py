@@ -1,7 +1,7 @@
 """The ops a model calls, as a Protocol: `batchjob.model.ops` (torch, the reference), `batchjob.model.cpu_ops` (those
-with C++ kernels for float32 on a CPU) and `batchjob.kernels.ops` (Triton) implement it with the same signatures;
-the engine's model runner picks one. A backend may write an rms_norm's x and residual and rotary's q and k in place:
-the model never reads them again."""
+with C++ kernels for float32 and bfloat16 on a CPU) and `batchjob.kernels.ops` (Triton) implement it with the same
+signatures; the engine's model runner picks one. A backend may write an rms_norm's x and residual and rotary's q
+and k in place: the model never reads them again."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""C++ kernels for float32 on a CPU (csrc/): paged attention that reads the KV blocks where they lie instead of
-gathering a copy per layer, and the decoder layer's elementwise ops fused into one pass each. Compiled with
+"""C++ kernels for float32 and bfloat16 on a CPU (csrc/): paged attention that reads the KV blocks where they lie
+instead of gathering a copy per layer, and the decoder layer's elementwise ops fused into one pass each. Compiled with
 torch.utils.cpp_extension on first use into the cache folder (once per source, torch and CPU); where that fails (no
 compiler) or BATCHJOB_CPU_OPS=torch is set, `native_ops()` is None and the torch ops run instead (cpu_ops.py).
 
@@ -16,7 +16,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -30,27 +29,22 @@ import torch
 
 from batchjob import env
 from batchjob.model.builtin import cache_dir
+from batchjob.model.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "cpu_types.h"]  # included by the sources: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: glibc's vector expf in the softmax
 _POLL_S = 0.2  # short sleeps while waiting for another build: a signal's handler runs between them
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def _cpu_flags() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def build_paths() -> tuple[Path, Path]:
     """The folder that holds a whole build and the lock file its builders hold. The name keys the build on the
-    sources, torch, the flags and this CPU (-march=native code is only valid on it)."""
-    parts = [p.read_text() for p in SOURCES] + [torch.__version__, _cpu_flags(), *_FLAGS]
+    sources and the header they include, torch, the flags and this CPU (-march=native code is only valid on it)."""
+    parts = [p.read_text() for p in SOURCES + HEADERS] + [torch.__version__, cpu_flags(), *_FLAGS]
     key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:12]
     name = f"batchjob_cpu_ops_{key}"
     root = cache_dir() / "cpu_ops"
@@ -159,5 +153,7 @@ def native_ops() -> Any | None:
 
 
 def native_ops_for(device: torch.device, *dtypes: torch.dtype) -> Any | None:
-    """The C++ ops where tensors of these dtypes on this device go to them (all float32 on a CPU), else None."""
-    return native_ops() if device.type == "cpu" and all(d == torch.float32 for d in dtypes) else None
+    """The C++ ops where tensors of these dtypes on this device go to them (all float32, or all bfloat16, on a
+    CPU), else None."""
+    same = len(set(dtypes)) == 1 and dtypes[0] in (torch.float32, torch.bfloat16)
+    return native_ops() if device.type == "cpu" and same else None

@@ -1,7 +1,7 @@
-"""The ops backend on a CPU: the torch ops (ops.py), each float32 call sent to its C++ kernel (cpu_native.py) where
-that is built. Unlike the torch reference, rms_norm with a residual and rotary work in place, as vLLM's fused
-add-RMSNorm does: the model never reads their inputs again, and each large tensor a step does not allocate is
-page faults it does not take."""
+"""The ops backend on a CPU: the torch ops (ops.py), each float32 or bfloat16 call sent to its C++ kernel
+(cpu_native.py) where that is built. Unlike the torch reference, rms_norm with a residual and rotary work in place,
+as vLLM's fused add-RMSNorm does: the model never reads their inputs again, and each large tensor a step does not
+allocate is page faults it does not take."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
     """ops.rotary, in place on q and k (views of the fused qkv rows) where the C++ kernel takes them."""
-    native = native_ops_for(q.device, q.dtype, k.dtype, cos_sin_cache.dtype)
+    native = native_ops_for(q.device, q.dtype, k.dtype)
     d = q.shape[-1]
     heads_back_to_back = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == d for t in (q, k))
-    if native is None or not heads_back_to_back or k.shape[-1] != d:
+    # the cos/sin table stays float32 whatever the model's dtype (ModelConfig.cos_sin_cache)
+    if native is None or not heads_back_to_back or k.shape[-1] != d or cos_sin_cache.dtype != torch.float32:
         return torch_ops.rotary(q, k, positions, cos_sin_cache)
     native.rotary_(q, k, positions, cos_sin_cache)
     return q, k
@@ -60,7 +61,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_c
 def paged_attention(
     q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
 ) -> torch.Tensor:
-    """ops.paged_attention; float32 goes to the C++ kernel, one call for all sequences, reading blocks in place."""
+    """ops.paged_attention; float32 or bfloat16 (q and cache alike) goes to the C++ kernel, one call for all
+    sequences, reading blocks in place."""
     native = native_ops_for(q.device, q.dtype, k_cache.dtype)
     if native is None:
         return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache)

@@ -7,7 +7,8 @@ freezes a CPU model; vLLM's CPU backend runs its linear layers through oneDNN to
 every row count measured, most at decode's few rows, where MKL's own packed GEMM did not (`python
 scripts/cpu_ops_ab.py gemm`; docs/perf-history.md). Every row count takes the packed path, one code path whatever a
 step holds; W itself is let go unless the caller keeps it (a tied embedding): the packed copy is all a matmul reads.
-Float32 on a CPU with oneDNN only; elsewhere (a GPU, other dtypes) F.linear."""
+Float32, and bfloat16 where oneDNN computes it (bf16 products summed in fp32, rounded to bf16 once at the end), on a
+CPU; elsewhere (a GPU, other dtypes) F.linear."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _PACK_HINT_ROWS = 64  # oneDNN packs for a row count; the layout serves any (checked at load, and in the tests)
+# How close the packed GEMM must come to F.linear on a probe at load: fp32 sums in another order; bf16 rounds each
+# output once, and F.linear (MKL) may round otherwise.
+_PROBE_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-    )
+    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -41,10 +44,12 @@ class Linear:
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
         if _packable(weight):
-            probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            tol = _PROBE_TOL[weight.dtype]
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
-                agrees = torch.allclose(_packed_linear(probe, packed, None), F.linear(probe, weight), 1e-4, 1e-4)
+                ours, ref = _packed_linear(probe, packed, None).float(), F.linear(probe, weight).float()
+                agrees = torch.allclose(ours, ref, tol, tol)
             except RuntimeError as e:  # a oneDNN build without this primitive (another CPU's backend, say)
                 log.warning("oneDNN cannot pack a %s weight (%s); not packing", tuple(weight.shape), e)
             else:
@@ -73,4 +78,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or not x.numel():
             return F.linear(x, self.weight, self.bias)
+        if x.numel() == x.shape[-1]:
+            # oneDNN's one-row kernel sums in another order than its kernels for more rows, which agree with each
+            # other: a row computed alone would differ in its last bits from the same row in a batch (in bf16, a
+            # whole rounding step now and then, enough to flip a greedy token). Two copies of the row take the
+            # batch kernels; at one row the matmul's time is reading W, not the arithmetic.
+            return _packed_linear(x.reshape(1, -1).expand(2, -1), self.packed, self.bias)[:1].view(x.shape[:-1] + (-1,))
         return _packed_linear(x, self.packed, self.bias)

@@ -30,7 +30,11 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         tied = c.tie_word_embeddings
-        self.lm_head = Linear(self.embed if tied else w["lm_head.weight"], keep_weight=tied)
+        head = self.embed if tied else w["lm_head.weight"]
+        # Logits in fp32 on a CPU whatever the model's dtype: bf16 logits keep 8 bits, so near the top (16 to 32 for
+        # SmolLM2) they fall on steps of 1/8 and ties appear, which greedy breaks by the lowest id.
+        self.logits_dtype = torch.float32 if torch.device(device).type == "cpu" else head.dtype
+        self.lm_head = Linear(head.to(self.logits_dtype), keep_weight=tied and head.dtype == self.logits_dtype)
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -109,4 +113,4 @@ class LlamaModel:
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden.to(self.logits_dtype)).float()

@@ -1,5 +1,6 @@
-"""Continuous batching on the real SmolLM2 model (greedy): every way of batching a prompt gives the tokens it gets
-alone — mixed lengths, preemption under a tiny KV pool, chunked prefill, prefix-cache hits."""
+"""Continuous batching on the real SmolLM2 model (greedy, float32: the mode whose results do not depend on the
+batch): every way of batching a prompt gives the tokens it gets alone — mixed lengths, preemption under a tiny KV
+pool, chunked prefill, prefix-cache hits."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ import torch
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.model.cpu_features import has_native_bf16
 from batchjob.model.cpu_native import native_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+EXACT = {"dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine("smollm2-135m-instruct")
+    return Engine("smollm2-135m-instruct", **EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_continuous_batching_equals_alone(engine, prompts, alone):
 
 
 def test_preemption_under_a_small_pool_keeps_outputs(prompts, alone):
-    small = Engine("smollm2-135m-instruct", num_kv_blocks=40, kv_watermark=1.0, enable_prefix_caching=False)
+    small = Engine("smollm2-135m-instruct", num_kv_blocks=40, kv_watermark=1.0, enable_prefix_caching=False, **EXACT)
     steps = []
     small.add_step_callback(steps.append)
     outs = small.generate(prompts, GREEDY)
@@ -68,7 +71,7 @@ def test_preemption_under_a_small_pool_keeps_outputs(prompts, alone):
 
 
 def test_chunked_prefill_under_a_small_token_budget_keeps_outputs(prompts, alone):
-    chunked = Engine("smollm2-135m-instruct", max_num_batched_tokens=64)
+    chunked = Engine("smollm2-135m-instruct", max_num_batched_tokens=64, **EXACT)
     steps = []
     chunked.add_step_callback(steps.append)
     outs = chunked.generate(prompts, GREEDY)
@@ -167,8 +170,8 @@ def test_abort_all_returns_in_flight(engine, prompts):
 def test_fp8_kv_cache_doubles_blocks_and_stays_close(prompts):
     """e4m3 keeps 3 mantissa bits, so SmolLM2's flat distributions may flip a near-tie; the first token's
     log-probability must stay close and the first token must agree for most prompts."""
-    fp8 = Engine("smollm2-135m-instruct", kv_cache_dtype="fp8", kv_cache_memory_gb=0.25)
-    ref = Engine("smollm2-135m-instruct", kv_cache_memory_gb=0.25)
+    fp8 = Engine("smollm2-135m-instruct", kv_cache_dtype="fp8", kv_cache_memory_gb=0.25, **EXACT)
+    ref = Engine("smollm2-135m-instruct", kv_cache_memory_gb=0.25, **EXACT)
     assert fp8.num_kv_blocks >= 1.9 * ref.num_kv_blocks
     params = SamplingParams(max_tokens=1, logprobs=True)
     pairs = list(zip(fp8.generate(prompts[:8], params), ref.generate(prompts[:8], params)))
@@ -178,14 +181,19 @@ def test_fp8_kv_cache_doubles_blocks_and_stays_close(prompts):
 
 
 def test_numerics_are_recorded_as_resolved(engine):
-    """`dtype: auto` means float32 on a CPU: the job fingerprint records what ran, not what was written."""
+    """The job fingerprint records what ran, not what was written: `dtype: auto` is bfloat16 on a CPU with native
+    bf16 (KV cache too), float32 elsewhere."""
     cpp = "+cpp" if native_ops() else ""  # the C++ kernels, where they build (no compiler: torch's)
-    assert engine.numerics == {
+    exact = {
         "device": "cpu",
         "dtype": "float32",
         "kv_cache_dtype": "float32",
         "ops_backend": "torch" + cpp,
         "matmul": "onednn" if torch.backends.mkldnn.is_available() else "torch",  # packed weights (model/linear.py)
     }
-    fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8)
+    assert engine.numerics == exact
+    auto = Engine("smollm2-135m-instruct", load_format="dummy", num_kv_blocks=8)
+    resolved = "bfloat16" if has_native_bf16() else "float32"
+    assert auto.numerics == {**exact, "dtype": resolved, "kv_cache_dtype": resolved}
+    fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8, **EXACT)
     assert fp8.numerics["kv_cache_dtype"] == "float8_e4m3fn" and fp8.numerics["dtype"] == "float32"

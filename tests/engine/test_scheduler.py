@@ -8,7 +8,7 @@ from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.engine.scheduler import _MAX_LOOKAHEAD, Scheduler
+from batchjob.engine.scheduler import _MAX_LOOKAHEAD, PREFILL_CHUNK_ALIGN, Scheduler
 from batchjob.engine.sequence import Sequence
 
 
@@ -43,8 +43,21 @@ def test_long_prompt_is_chunked_and_decodes_go_before_new_prefills():
     assert step(sched) == {"a": 16}
     add(sched, "b", 30)
     assert step(sched) == {"a": 8, "b": 8}  # a's last chunk first, b fills the rest of the budget
-    assert step(sched) == {"a": 1, "b": 15}  # a decodes, b gets what remains
-    assert step(sched) == {"a": 1, "b": 7}
+    assert step(sched) == {"a": 1, "b": 8}  # a decodes; b's chunk ends on the 16-position grid, not at 23
+    assert step(sched) == {"a": 1, "b": 14}  # b's last chunk
+
+
+def test_prefill_chunks_end_on_the_grid_of_the_attention_tiles():
+    """Every chunk but a prompt's last ends at a multiple of PREFILL_CHUNK_ALIGN, whatever the budget left (a chunk
+    that would end short of the grid's next point keeps its size: progress first)."""
+    sched = make(256, max_num_batched_tokens=50, max_num_seqs=8, kv_watermark=1.0)
+    add(sched, "a", 160)
+    ends, done = [], 0
+    while done < 160:
+        done += step(sched)["a"]
+        ends.append(done)
+    assert ends == [48, 96, 144, 160]
+    assert all(e % PREFILL_CHUNK_ALIGN == 0 for e in ends[:-1])
 
 
 def test_request_held_back_lets_smaller_ones_pass_a_bounded_number_of_times():

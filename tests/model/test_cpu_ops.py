@@ -146,3 +146,88 @@ def test_store_kv_writes_the_rows_at_their_slots_and_skips_negative_ones():
     assert caches[2].abs().sum() > 0
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_ops.store_kv(k, v, caches[2], caches[3], torch.full((t,), blocks * bs))
+
+
+# bf16: the kernels widen to float32 on load and round once on store, so they differ from a float32 computation on
+# the same bf16 values by about one bf16 rounding of the result (2^-8 relative), far below what a misread K/V row,
+# a wrong head or a skipped block would change.
+BF16_TOL = {"rtol": 1e-2, "atol": 1e-2}
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16)
+
+
+@needs_compiler
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 5)])
+def test_native_op_reads_a_bf16_cache(step, heads, kv_heads, head_dim, page):
+    """bf16 q and KV cache (decodes, prefills, chunks over cached context, the register-blocked and the generic
+    paths) against the torch op in float32 on the same bf16 values."""
+    case = make_attention_case(
+        STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16
+    )
+    assert case.k_cache.dtype == torch.bfloat16
+    out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert out.dtype == torch.bfloat16 and not case.meta.plan_cache  # the native op ran
+    k, v = (torch.nan_to_num(c.float()) for c in (case.k_cache, case.v_cache))
+    ref = ops.paged_attention(case.q.float(), k, v, case.meta, case.scale)
+    torch.testing.assert_close(out.float(), ref, **BF16_TOL)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_fused_rms_norm_in_bf16_matches_the_torch_op(rows):
+    x, res, w = _bf16(_rows(rows, 576, 1)), _bf16(_rows(rows, 576, 2)), _bf16(1 + 0.1 * _rows(1, 576, 3)[0])
+    ref_out, ref_res = ops.rms_norm(x, w, 1e-5, res)
+    x2, res2 = x.clone(), res.clone()
+    out, new_res = cpu_ops.rms_norm(x2, w, 1e-5, res2)
+    assert out.data_ptr() == x2.data_ptr() and out.dtype == torch.bfloat16
+    torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)  # one rounding of the float32 sum, as torch's
+    torch.testing.assert_close(out, ref_out, **BF16_TOL)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5), **BF16_TOL)
+
+
+@needs_compiler
+def test_fused_rotary_in_bf16_matches_the_torch_op():
+    t, heads, kv_heads, head_dim = 45, 9, 3, 64
+    qkv = _bf16(_rows(t, (heads + 2 * kv_heads) * head_dim, 4))
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    cos_sin = _rows(300, head_dim, 5)  # float32, as the model keeps it
+    positions = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(6))
+    ref_q, ref_k = ops.rotary(q, k, positions, cos_sin)
+    out_q, out_k = cpu_ops.rotary(q, k, positions, cos_sin)
+    assert out_q.data_ptr() == q.data_ptr()  # in place: the C++ kernel ran
+    torch.testing.assert_close(out_q, ref_q, **BF16_TOL)
+    torch.testing.assert_close(out_k, ref_k, **BF16_TOL)
+
+
+@needs_compiler
+def test_fused_silu_and_mul_in_bf16_matches_the_torch_op():
+    x = _bf16(_rows(70, 2 * 1536, 10) * 4)
+    out = cpu_native.native_ops().silu_and_mul(x)  # called directly: the torch fallback would pass as well
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ops.silu_and_mul(x), **BF16_TOL)
+
+
+@needs_compiler
+def test_store_kv_writes_a_bf16_cache():
+    t, kvh, d, blocks, bs = 20, 3, 64, 6, 16
+    qkv = _bf16(_rows(t, 5 * kvh * d, 11))
+    k = qkv[:, kvh * d : 2 * kvh * d].view(t, kvh, d)
+    v = qkv[:, 2 * kvh * d : 3 * kvh * d].view(t, kvh, d)
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(12))[:t]
+    slots[3] = -1
+    caches = [torch.zeros(blocks, bs, kvh, d, dtype=torch.bfloat16) for _ in range(4)]
+    ops.store_kv(k, v, caches[0], caches[1], slots)
+    native = cpu_native.native_ops()
+    native.store_kv(k, v, caches[2], caches[3], slots)  # called directly: the fallback would pass as well
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].abs().sum() > 0
+
+
+def test_mixed_dtypes_take_the_torch_ops():
+    """A float32 q over a bf16 cache (or any other mix) has no C++ kernel: the torch op runs."""
+    assert cpu_native.native_ops_for(torch.device("cpu"), torch.float32, torch.bfloat16) is None
+    assert cpu_native.native_ops_for(torch.device("cpu"), torch.float16) is None

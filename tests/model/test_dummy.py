@@ -72,7 +72,9 @@ def test_engine_on_dummy_weights_equals_transformers_greedy(tiny_config):
     same seeded draw: the weights are a real model's, not just tensors of the right size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    engine = Engine(str(tiny_config), load_format="dummy", seed=3, device="cpu", num_kv_blocks=64, block_size=4)
+    engine = Engine(
+        str(tiny_config), load_format="dummy", seed=3, device="cpu", num_kv_blocks=64, block_size=4, dtype="float32"
+    )
     assert engine.tokenizer.vocab_size == 256  # the built-in's 49k vocabulary does not fit 512 ids: bytes
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tiny_config)), dtype=torch.float32).eval()
     hf.load_state_dict(load_dummy(str(tiny_config), 3).weights, strict=True)

@@ -6,48 +6,58 @@
 // its context block by block, twice (scores, then the weighted sum of V), and within a block one KV head at a time
 // for the G query heads that share it, so that each K/V row is loaded once for all G of them. For head sizes that
 // are a multiple of 16 (64, 128) and G <= 8, a templated path keeps a row's G queries and G output accumulators in
-// vector registers; other shapes take the generic loops.
+// vector registers; other shapes take the generic loops. q and the caches are float32 or bf16 (cpu_types.h: bf16 is
+// widened on load, so scores, softmax and sums run in float32; a bf16 cache halves the bytes a decode step reads).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <omp.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+#include "cpu_types.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // query rows per work item: bounds the scores scratch, balances long prefills
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));  // unaligned 16-float vector (GCC lowers per ISA)
-
 struct Item {
   int64_t seq, row0, row1, cost;
 };
 
-// One work item's view of the step: rows [row0, row1) of sequence `seq`, at positions first_pos + j.
+// One work item's view of the step: rows [row0, row1) of sequence `seq`, at positions first_pos + j. T is the
+// element type of q and the caches (float or bf16); the output and all scratch are float32.
+template <typename T>
 struct Tile {
-  const float* q;  // [rows, H, D], rows q_row floats apart (views of the fused qkv rows)
-  float* out;      // [rows, H, D]
-  const float* k;  // cache base
-  const float* v;
+  const T* q;  // [rows, H, D], rows q_row elements apart (views of the fused qkv rows)
+  float* out;  // [rows, H, D]
+  const T* k;  // cache base
+  const T* v;
   const int32_t* table;
   int64_t rows, first_pos, ctx, h, kvh, d, bs, row_stride, block_stride, q_row;
   float scale;
   float* scores;  // [rows, H, ctx]
 };
 
-inline int64_t first_row(int64_t pos, const Tile& t) { return std::max<int64_t>(0, pos - t.first_pos); }
+template <typename T>
+inline int64_t first_row(int64_t pos, const Tile<T>& t) { return std::max<int64_t>(0, pos - t.first_pos); }
 
 // The cache row (all KV heads) of the sequence's key at position pos.
-inline const float* cache_row(const Tile& t, const float* cache, int64_t pos) {
+template <typename T>
+inline const T* cache_row(const Tile<T>& t, const T* cache, int64_t pos) {
   return cache + t.table[pos / t.bs] * t.block_stride + (pos % t.bs) * t.row_stride;
 }
 
-void softmax_rows(const Tile& t) {
+template <typename T>
+void softmax_rows(const Tile<T>& t) {
   for (int64_t j = 0; j < t.rows; ++j) {
     const int64_t n = t.first_pos + j + 1;  // keys row j sees; the unseen tail stays 0 and adds nothing to the sum
     for (int64_t hq = 0; hq < t.h; ++hq) {
@@ -91,11 +101,11 @@ inline v16 lane_sums16(const v16 (&x)[16]) {
          SHUFFLE16(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// G heads' rows of NV * 16 floats, back to back at src, times mul, into registers.
-template <int NV, int G>
-inline void load_heads(v16 (&dst)[G][NV], const float* src, float mul) {
+// G heads' rows of NV * 16 values, back to back at src, times mul, into registers.
+template <int NV, int G, typename T>
+inline void load_heads(v16 (&dst)[G][NV], const T* src, float mul) {
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) dst[g][i] = *reinterpret_cast<const v16*>(src + (g * NV + i) * 16) * mul;
+    for (int i = 0; i < NV; ++i) dst[g][i] = load16(src + (g * NV + i) * 16) * mul;
 }
 
 // Calls f(block_base, p0, last, kh, j) for each block of the context (its rows start at block_base, position p0),
@@ -104,71 +114,101 @@ inline void load_heads(v16 (&dst)[G][NV], const float* src, float mul) {
 // the same rows of block b + 2 are asked into L2, one line per line read; past the last block, `then`'s first blocks
 // (the pass after this one). A burst of a whole block at a time into L1 stalled on the core's few miss buffers
 // (`python scripts/cpu_ops_ab.py attention` compares the two).
-template <typename F>
-inline void walk_blocks(const Tile& t, const float* cache, const float* then, F&& f) {
+template <typename T, typename F>
+inline void walk_blocks(const Tile<T>& t, const T* cache, const T* then, F&& f) {
   constexpr int64_t kAhead = 2;
   const int64_t nblocks = (t.ctx + t.bs - 1) / t.bs;
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t p0 = b * t.bs, p1 = std::min(p0 + t.bs, t.ctx), a = b + kAhead;
-    const float* base = cache + t.table[b] * t.block_stride;
-    const float* ahead = a < nblocks               ? cache + t.table[a] * t.block_stride
+    const T* base = cache + t.table[b] * t.block_stride;
+    const T* ahead = a < nblocks               ? cache + t.table[a] * t.block_stride
                          : then && a - nblocks < nblocks ? then + t.table[a - nblocks] * t.block_stride
                                                          : nullptr;
     for (int64_t kh = 0; kh < t.kvh; ++kh) {
       if (ahead)
         for (int64_t p = 0; p < t.bs; ++p)
-          for (int64_t i = 0; i < t.d; i += 16) __builtin_prefetch(ahead + p * t.row_stride + kh * t.d + i, 0, 1);
+          for (int64_t i = 0; i < t.d; i += 64 / sizeof(T)) __builtin_prefetch(ahead + p * t.row_stride + kh * t.d + i, 0, 1);
       for (int64_t j = first_row(p0, t); j < t.rows; ++j) f(base, p0, std::min(p1, t.first_pos + j + 1), kh, j);
     }
   }
 }
 
+// A row's G query heads in registers, and their dot products with a key row as 16 partial sums (lanes to be added):
+// the queries widened to float32 and pre-scaled, the key widened on load.
+template <int NV, int G, typename T>
+struct QueryRegs {
+  v16 q[G][NV];
+  static constexpr bool kScaled = true;  // the scale is in q: the dots are the scores
+  QueryRegs(const T* src, float scale) { load_heads(q, src, scale); }
+  inline v16 dot(int g, const T* k) const {
+    v16 a = q[g][0] * load16(k);
+    for (int i = 1; i < NV; ++i) a += q[g][i] * load16(k + i * 16);
+    return a;
+  }
+};
+
+#ifdef __AVX512BF16__
+// bf16 on a CPU with AVX512_BF16: vdpbf16ps multiplies 32 bf16 pairs of q and K and adds each pair's products into
+// a float32 lane, one instruction per 32 elements where widening K costs two and the products another. q stays bf16
+// (the model's own values), so the scale is applied to the sums instead.
 template <int NV, int G>
-void attend_fast(const Tile& t) {
+struct QueryRegs<NV, G, bf16> {
+  __m512bh q[G][NV / 2];
+  static constexpr bool kScaled = false;
+  QueryRegs(const bf16* src, float) {
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < NV / 2; ++i) q[g][i] = (__m512bh)_mm512_loadu_si512(src + (g * NV / 2 + i) * 32);
+  }
+  inline v16 dot(int g, const bf16* k) const {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], (__m512bh)_mm512_loadu_si512(k));
+    for (int i = 1; i < NV / 2; ++i) a = _mm512_dpbf16_ps(a, q[g][i], (__m512bh)_mm512_loadu_si512(k + i * 32));
+    return (v16)a;
+  }
+};
+#endif
+
+template <int NV, int G, typename T>
+void attend_fast(const Tile<T>& t) {
   constexpr int64_t D = NV * 16;
   // Pass 1: scaled scores.
-  walk_blocks(t, t.k, t.v, [&](const float* kb, int64_t p0, int64_t last, int64_t kh, int64_t j) {
-    v16 q[G][NV];
-    load_heads(q, t.q + j * t.q_row + kh * G * D, t.scale);
+  walk_blocks(t, t.k, t.v, [&](const T* kb, int64_t p0, int64_t last, int64_t kh, int64_t j) {
+    using Q = QueryRegs<NV, G, T>;
+    const Q q(t.q + j * t.q_row + kh * G * D, t.scale);
+    const float post = Q::kScaled ? 1.f : t.scale;
     float* s = t.scores + (j * t.h + kh * G) * t.ctx;
     if (last - p0 == 16) {  // a whole block of 16 keys: 16 dot products reduced together, no per-score lane sum
       for (int g = 0; g < G; ++g) {
         v16 dots[16];
-        for (int64_t p = 0; p < 16; ++p) {
-          const v16* kr = reinterpret_cast<const v16*>(kb + p * t.row_stride + kh * D);
-          v16 a = q[g][0] * kr[0];
-          for (int i = 1; i < NV; ++i) a += q[g][i] * kr[i];
-          dots[p] = a;
-        }
-        *reinterpret_cast<v16*>(s + g * t.ctx + p0) = lane_sums16(dots);
+        for (int64_t p = 0; p < 16; ++p) dots[p] = q.dot(g, kb + p * t.row_stride + kh * D);
+        v16 sums = lane_sums16(dots);
+        if constexpr (!Q::kScaled) sums *= post;
+        *reinterpret_cast<v16*>(s + g * t.ctx + p0) = sums;
       }
       return;
     }
     for (int64_t p = p0; p < last; ++p) {
-      const v16* kr = reinterpret_cast<const v16*>(kb + (p - p0) * t.row_stride + kh * D);
-      v16 kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = kr[i];
+      const T* kr = kb + (p - p0) * t.row_stride + kh * D;
       for (int g = 0; g < G; ++g) {
-        v16 a = q[g][0] * kv[0];
-        for (int i = 1; i < NV; ++i) a += q[g][i] * kv[i];
+        const v16 a = q.dot(g, kr);
         float sum = 0.f;
         for (int l = 0; l < 16; ++l) sum += a[l];
-        s[g * t.ctx + p] = sum;
+        s[g * t.ctx + p] = sum * post;
       }
     }
   });
   softmax_rows(t);
   // Pass 2: out = P V, accumulated in registers per (row, KV head) over a block.
   std::fill(t.out, t.out + t.rows * t.h * D, 0.f);
-  walk_blocks(t, t.v, nullptr, [&](const float* vb, int64_t p0, int64_t last, int64_t kh, int64_t j) {
+  walk_blocks(t, t.v, static_cast<const T*>(nullptr), [&](const T* vb, int64_t p0, int64_t last, int64_t kh,
+                                                          int64_t j) {
     v16 acc[G][NV];
     float* orow = t.out + (j * t.h + kh * G) * D;
     load_heads(acc, orow, 1.f);
     const float* s = t.scores + (j * t.h + kh * G) * t.ctx;
     for (int64_t p = p0; p < last; ++p) {
-      const v16* vr = reinterpret_cast<const v16*>(vb + (p - p0) * t.row_stride + kh * D);
+      const T* vr = vb + (p - p0) * t.row_stride + kh * D;
       v16 vv[NV];
-      for (int i = 0; i < NV; ++i) vv[i] = vr[i];
+      for (int i = 0; i < NV; ++i) vv[i] = load16(vr + i * 16);
       for (int g = 0; g < G; ++g) {
         const float w = s[g * t.ctx + p];
         for (int i = 0; i < NV; ++i) acc[g][i] += w * vv[i];
@@ -191,14 +231,14 @@ constexpr int kKeysPerStep = 2;  // 16 ymm registers: a v16 takes two
 #endif
 
 // s[kp][m] = scale * K(kp) . qt[:, m] for KP keys (rows at k[kp]) and MV vectors of 16 query vectors from m0.
-template <int D, int MV, int KP>
-inline void tile_scores(const float* qt, int64_t m_pad, const float* const* k, float* s, float scale) {
+template <int D, int MV, int KP, typename T>
+inline void tile_scores(const float* qt, int64_t m_pad, const T* const* k, float* s, float scale) {
   v16 acc[KP][MV] = {};
   for (int d = 0; d < D; ++d) {
     v16 qv[MV];
     for (int i = 0; i < MV; ++i) qv[i] = *reinterpret_cast<const v16*>(qt + d * m_pad + i * 16);
     for (int kp = 0; kp < KP; ++kp) {
-      const float kd = k[kp][d];
+      const float kd = to_f32(k[kp][d]);
       for (int i = 0; i < MV; ++i) acc[kp][i] += kd * qv[i];
     }
   }
@@ -207,17 +247,17 @@ inline void tile_scores(const float* qt, int64_t m_pad, const float* const* k, f
 }
 
 // Scores of every key of the tile's context against query vectors [m0, m0 + 16 MV).
-template <int D, int MV>
-void scores_run(const Tile& t, const float* qt, int64_t m0, int64_t m_pad, int64_t kh, float* s) {
+template <int D, int MV, typename T>
+void scores_run(const Tile<T>& t, const float* qt, int64_t m0, int64_t m_pad, int64_t kh, float* s) {
   auto key = [&](int64_t p) { return cache_row(t, t.k, p) + kh * D; };
   int64_t p = 0;
   for (; p + kKeysPerStep <= t.ctx; p += kKeysPerStep) {
-    const float* k[kKeysPerStep];
+    const T* k[kKeysPerStep];
     for (int i = 0; i < kKeysPerStep; ++i) k[i] = key(p + i);
     tile_scores<D, MV, kKeysPerStep>(qt + m0, m_pad, k, s + p * m_pad + m0, t.scale);
   }
   for (; p < t.ctx; ++p) {
-    const float* k[1] = {key(p)};
+    const T* k[1] = {key(p)};
     tile_scores<D, MV, 1>(qt + m0, m_pad, k, s + p * m_pad + m0, t.scale);
   }
 }
@@ -225,16 +265,16 @@ void scores_run(const Tile& t, const float* qt, int64_t m0, int64_t m_pad, int64
 // o[r] = sum over the context's keys p of P[p][m0 + r] V(p), for R query vectors whose output rows (D floats each) lie
 // back to back at o. The R x NV accumulators stay in registers over the whole context, block after block (per-block
 // calls that loaded and stored them took a quarter of the P V time), while V rows come from L2 once per R vectors.
-template <int NV, int R>
-inline void context_values(const Tile& t, int64_t kh, const float* s, int64_t m_pad, float* o) {
+template <int NV, int R, typename T>
+inline void context_values(const Tile<T>& t, int64_t kh, const float* s, int64_t m_pad, float* o) {
   v16 acc[R][NV] = {};
   for (int64_t p0 = 0; p0 < t.ctx; p0 += t.bs) {
-    const float* vb = cache_row(t, t.v, p0) + kh * NV * 16;
+    const T* vb = cache_row(t, t.v, p0) + kh * NV * 16;
     const int64_t n = std::min(t.bs, t.ctx - p0);
     for (int64_t p = 0; p < n; ++p) {
-      const v16* vr = reinterpret_cast<const v16*>(vb + p * t.row_stride);
+      const T* vr = vb + p * t.row_stride;
       v16 vv[NV];
-      for (int i = 0; i < NV; ++i) vv[i] = vr[i];
+      for (int i = 0; i < NV; ++i) vv[i] = load16(vr + i * 16);
       const float* w = s + (p0 + p) * m_pad;
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < NV; ++i) acc[r][i] += w[r] * vv[i];
@@ -243,8 +283,6 @@ inline void context_values(const Tile& t, int64_t kh, const float* s, int64_t m_
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NV; ++i) reinterpret_cast<v16*>(o + r * NV * 16)[i] = acc[r][i];
 }
-
-typedef int32_t vint16 __attribute__((vector_size(64), aligned(4)));
 
 // e^x for x <= 0 (a score less its row's maximum), within a few ulp of expf; glibc's vector expf took a large share
 // of a prefill tile's time, this less than half of it: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial, n added to the exponent bits; 0 below -87
@@ -291,23 +329,23 @@ inline void transpose16(v16 (&r)[16]) {
 
 // qt[d][m] = the tile's query vector m (row m / G, query head kh G + m % G) at d, 0 for m >= m: 16 x 16 blocks
 // transposed in registers (scalar copies took a tenth of a short prefill's attention).
-template <int NV, int G>
-void transpose_queries(const Tile& t, int64_t kh, int64_t m, int64_t m_pad, float* qt) {
+template <int NV, int G, typename T>
+void transpose_queries(const Tile<T>& t, int64_t kh, int64_t m, int64_t m_pad, float* qt) {
   constexpr int64_t D = NV * 16;
   for (int64_t m0 = 0; m0 < m_pad; m0 += 16)
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       v16 r[16];
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t mi = m0 + i;
-        r[i] = mi < m ? *reinterpret_cast<const v16*>(t.q + mi / G * t.q_row + (kh * G + mi % G) * D + d0) : v16{};
+        r[i] = mi < m ? load16(t.q + mi / G * t.q_row + (kh * G + mi % G) * D + d0) : v16{};
       }
       transpose16(r);
       for (int64_t k = 0; k < 16; ++k) *reinterpret_cast<v16*>(qt + (d0 + k) * m_pad + m0) = r[k];
     }
 }
 
-template <int NV, int G>
-void attend_tiled(const Tile& t, std::vector<float>& scratch) {
+template <int NV, int G, typename T>
+void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
   constexpr int64_t D = NV * 16;
   constexpr int R = NV == 4 ? 6 : 2;  // query vectors per P V step: R x NV accumulators fit the registers
   const int64_t m = t.rows * G, m_pad = (m + 15) / 16 * 16;
@@ -350,18 +388,19 @@ void attend_tiled(const Tile& t, std::vector<float>& scratch) {
   }
 }
 
-void attend_generic(const Tile& t) {
+template <typename T>
+void attend_generic(const Tile<T>& t) {
   const int64_t g = t.h / t.kvh, d = t.d;
   for (int64_t pos = 0; pos < t.ctx; ++pos) {
-    const float* krow = cache_row(t, t.k, pos);
+    const T* krow = cache_row(t, t.k, pos);
     for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
-      const float* qrow = t.q + j * t.q_row;
+      const T* qrow = t.q + j * t.q_row;
       for (int64_t hq = 0; hq < t.h; ++hq) {
-        const float* a = qrow + hq * d;
-        const float* b = krow + (hq / g) * d;
+        const T* a = qrow + hq * d;
+        const T* b = krow + (hq / g) * d;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+        for (int64_t i = 0; i < d; ++i) s += to_f32(a[i]) * to_f32(b[i]);
         t.scores[(j * t.h + hq) * t.ctx + pos] = s * t.scale;
       }
     }
@@ -369,70 +408,57 @@ void attend_generic(const Tile& t) {
   softmax_rows(t);
   std::fill(t.out, t.out + t.rows * t.h * d, 0.f);
   for (int64_t pos = 0; pos < t.ctx; ++pos) {
-    const float* vrow = cache_row(t, t.v, pos);
+    const T* vrow = cache_row(t, t.v, pos);
     for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
       for (int64_t hq = 0; hq < t.h; ++hq) {
         const float w = t.scores[(j * t.h + hq) * t.ctx + pos];
         float* o = t.out + (j * t.h + hq) * d;
-        const float* x = vrow + (hq / g) * d;
+        const T* x = vrow + (hq / g) * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) o[i] += w * x[i];
+        for (int64_t i = 0; i < d; ++i) o[i] += w * to_f32(x[i]);
       }
     }
   }
 }
 
-using AttendFn = void (*)(const Tile&);
-using TiledFn = void (*)(const Tile&, std::vector<float>&);
-
+template <typename T>
 struct Kernels {
-  AttendFn rows;   // a few query rows (decodes): per-row loops
-  TiledFn tiled;   // many (prefill tiles): register-blocked GEMMs; null for shapes without one
+  void (*rows)(const Tile<T>&);                       // a few query rows (decodes): per-row loops
+  void (*tiled)(const Tile<T>&, std::vector<float>&);  // many (prefill tiles): register-blocked GEMMs; null for
+                                                       // shapes without one
 };
 
-template <int NV>
-Kernels pick_g(int64_t g) {
+template <int NV, typename T>
+Kernels<T> pick_g(int64_t g) {
   switch (g) {
-    case 1: return {attend_fast<NV, 1>, attend_tiled<NV, 1>};
-    case 2: return {attend_fast<NV, 2>, attend_tiled<NV, 2>};
-    case 3: return {attend_fast<NV, 3>, attend_tiled<NV, 3>};
-    case 4: return {attend_fast<NV, 4>, attend_tiled<NV, 4>};
-    case 5: return {attend_fast<NV, 5>, attend_tiled<NV, 5>};
-    case 6: return {attend_fast<NV, 6>, attend_tiled<NV, 6>};
-    case 7: return {attend_fast<NV, 7>, attend_tiled<NV, 7>};
-    case 8: return {attend_fast<NV, 8>, attend_tiled<NV, 8>};
-    default: return {attend_generic, nullptr};
+    case 1: return {attend_fast<NV, 1, T>, attend_tiled<NV, 1, T>};
+    case 2: return {attend_fast<NV, 2, T>, attend_tiled<NV, 2, T>};
+    case 3: return {attend_fast<NV, 3, T>, attend_tiled<NV, 3, T>};
+    case 4: return {attend_fast<NV, 4, T>, attend_tiled<NV, 4, T>};
+    case 5: return {attend_fast<NV, 5, T>, attend_tiled<NV, 5, T>};
+    case 6: return {attend_fast<NV, 6, T>, attend_tiled<NV, 6, T>};
+    case 7: return {attend_fast<NV, 7, T>, attend_tiled<NV, 7, T>};
+    case 8: return {attend_fast<NV, 8, T>, attend_tiled<NV, 8, T>};
+    default: return {attend_generic<T>, nullptr};
   }
 }
 
-Kernels pick(int64_t d, int64_t g) {
-  if (d == 64) return pick_g<4>(g);
-  if (d == 128) return pick_g<8>(g);
-  return {attend_generic, nullptr};
+template <typename T>
+Kernels<T> pick(int64_t d, int64_t g) {
+  if (d == 64) return pick_g<4, T>(g);
+  if (d == 128) return pick_g<8, T>(g);
+  return {attend_generic<T>, nullptr};
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "float32 only");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt,
-              "int32 metadata");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
-  // q may be a view of the fused qkv rows: read in place if each row's heads lie back to back.
-  const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
-  const at::Tensor tables = block_tables.contiguous();
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
   const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "head_dim or head counts do not match");
   const int64_t num_seqs = seq_lens.size(0), max_blocks = tables.size(1);
-  const Kernels kernels = pick(d, h / kvh);
+  const Kernels<T> kernels = pick<T>(d, h / kvh);
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  at::Tensor out = at::empty({q.size(0), h, d}, q.options());
 
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -447,32 +473,63 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> scores;
+    std::vector<float> scores, out32;  // out32: a bf16 item's float32 output, rounded into `out` at its end
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
       const Item& item = items[it];
       const int64_t seq_len = lens[item.seq], q_len = qsl[item.seq + 1] - qsl[item.seq];
-      Tile t;
-      t.q = qc.data_ptr<float>() + item.row0 * qc.stride(0);
-      t.out = out.data_ptr<float>() + item.row0 * h * d;
-      t.k = k_cache.data_ptr<float>();
-      t.v = v_cache.data_ptr<float>();
+      Tile<T> t;
+      T* dst = out.data_ptr<T>() + item.row0 * h * d;
+      t.q = q.data_ptr<T>() + item.row0 * q.stride(0);
+      t.k = k_cache.data_ptr<T>();
+      t.v = v_cache.data_ptr<T>();
       t.table = tables.data_ptr<int32_t>() + item.seq * max_blocks;
       t.rows = item.row1 - item.row0;
       t.first_pos = seq_len - q_len + (item.row0 - qsl[item.seq]);
       t.ctx = t.first_pos + t.rows;  // keys the item's last row sees
       t.h = h, t.kvh = kvh, t.d = d, t.bs = bs, t.row_stride = kvh * d, t.block_stride = bs * kvh * d;
-      t.q_row = qc.stride(0);
+      t.q_row = q.stride(0);
       t.scale = static_cast<float>(scale);
+      if constexpr (std::is_same_v<T, float>) {
+        t.out = dst;
+      } else {
+        out32.resize(t.rows * h * d);
+        t.out = out32.data();
+      }
       if (kernels.tiled && t.rows * (h / kvh) >= 16) {  // at least one whole vector of query rows
         kernels.tiled(t, scores);
-        continue;
+      } else {
+        scores.assign(t.rows * h * t.ctx, 0.f);
+        t.scores = scores.data();
+        kernels.rows(t);
       }
-      scores.assign(t.rows * h * t.ctx, 0.f);
-      t.scores = scores.data();
-      kernels.rows(t);
+      if constexpr (!std::is_same_v<T, float>) store_row(dst, t.out, t.rows * h * d);
     }
   }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype,
+              "q and the caches: all float32 or all bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "int32 metadata");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  // q may be a view of the fused qkv rows: read in place if each row's heads lie back to back.
+  const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+  const int64_t h = q.size(1), d = q.size(2), kvh = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "head_dim or head counts do not match");
+  at::Tensor out = at::empty({q.size(0), h, d}, q.options());
+  const at::Tensor tables = block_tables.contiguous();
+  if (dtype == at::kFloat)
+    attend_all<float>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out);
+  else
+    attend_all<bf16>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out);
   return out;
 }
 
