@@ -89,6 +89,7 @@ def test_greedy_under_preemption_and_chunked_prefill_matches_transformers(hf_ora
     budget = 32
     engine = Engine(
         "smollm2-135m-instruct",
+        dtype="float32",  # the exact mode: equal to transformers fp32
         num_kv_blocks=16,
         max_num_batched_tokens=budget,
         kv_watermark=1.0,
