@@ -304,6 +304,12 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     type=click.Choice(["auto", "dummy"]),
     help="dummy: random weights with the model's config (a built-in or shipped name, or a config.json)",
 )
+@click.option(
+    "--dtype",
+    default=None,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    help="the engine's (and vLLM's) dtype; default: the job file's, else auto",
+)
 @click.option("--enforce-eager", is_flag=True, help="decode without CUDA graphs (vLLM's flag)")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:

@@ -185,6 +185,7 @@ class BenchOptions:
     max_num_batched_tokens: str | None
     budgets: list[int]
     load_format: str | None
+    dtype: str | None
     enforce_eager: bool
     json_path: str | None
 
@@ -198,6 +199,7 @@ def bench(o: BenchOptions) -> str:
             ("max_num_seqs", o.max_num_seqs),
             ("max_num_batched_tokens", o.max_num_batched_tokens),
             ("load_format", o.load_format),
+            ("dtype", o.dtype),
             ("enforce_eager", o.enforce_eager or None),  # a flag: absent leaves the job file's setting
         )
         if v is not None

@@ -29,6 +29,7 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
     result = summarize(system, time.perf_counter() - t0, wl, tokens, steps)
     result.token_budget, result.cpu_s = engine.token_budget, time.process_time() - c0
+    result.note = dtype_name(engine.dtype)
     result.constraint_s = engine.structured.seconds - g0
     result.outputs = {o.request_id: o.token_ids for o in outs}
     result.sample_tokens = {o.request_id: max(len(s.token_ids) for s in o.samples) for o in outs}
@@ -157,8 +158,13 @@ VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CP
 VLLM_CPU_MEMORY_SHARE = 0.3
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def load_vllm(engine: Engine, model_path):
-    """vLLM's LLM on the engine's weights, exported as an HF folder, in fp32 with every core for the model. Built
+    """vLLM's LLM on the engine's weights, exported as an HF folder, in the engine's dtype (bf16 is also vLLM-CPU's
+    default for a model whose config says bf16, as SmolLM2's does), with every core for the model. Built
     once per bench: its init (compiling the model) takes minutes. Its workers spawn, so a script calling this needs
     an `if __name__ == "__main__":` guard."""
     from vllm import LLM  # type: ignore[import-not-found]
@@ -169,7 +175,7 @@ def load_vllm(engine: Engine, model_path):
     with env.scoped({**VLLM_ENV, **env.set_here()}):
         return LLM(
             model=str(hf_folder(str(model_path))),
-            dtype="float32",
+            dtype=dtype_name(engine.dtype),
             enable_prefix_caching=True,
             max_model_len=engine.max_model_len,
             seed=engine.config.seed,
@@ -203,7 +209,8 @@ def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
     tokens = {r.request_id: list(o.outputs[0].token_ids) for r, o in zip(wl.requests, outs)}
     result = Result("vllm", wall, wl.prompt_tokens, sum(map(len, tokens.values())), len(wl.requests))
     result.cpu_s, result.outputs = time.process_time() - c0, tokens
-    result.note = f"vllm {vllm.__version__}, fp32, both cores ({', '.join(f'{k}={v}' for k, v in VLLM_ENV.items())})"
+    settings = ", ".join(f"{k}={v}" for k, v in VLLM_ENV.items())
+    result.note = f"vllm {vllm.__version__}, {dtype_name(engine.dtype)}, both cores ({settings})"
     return result
 
 
