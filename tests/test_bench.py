@@ -52,7 +52,8 @@ def test_the_fixed_batch_is_split_to_what_the_kv_pool_holds():
     report = run_bench(engine, None, workload, ["engine", "static"], batch_size=4, repeats=1, threads=1)
     rows = {r["system"]: r for r in report["systems"]}
     assert rows["static"]["max_batch"] == 2 and rows["static"]["output_tokens"] == 12
-    assert "batch 4 split to <= 2 rows" in rows["static"]["note"] and rows["engine"]["note"] == ""
+    assert "batch 4 split to <= 2 rows" in rows["static"]["note"]
+    assert rows["engine"]["note"] == str(engine.dtype).removeprefix("torch.")  # the table says each system's dtype
     assert "split to <= 2 rows" in format_report(report)
     assert engine.block_manager.num_free_blocks == 6
 
