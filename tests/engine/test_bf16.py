@@ -20,8 +20,6 @@ from tests.conftest import forward_logits
 ROOT = Path(__file__).resolve().parents[2]
 CONTINUATION = SamplingParams(max_tokens=24, ignore_eos=True)
 
-needs_native_bf16 = pytest.mark.skipif(not has_native_bf16(), reason="this CPU has no native bf16")
-
 
 def test_native_bf16_is_read_from_the_cpu_flags():
     assert has_native_bf16("flags : fpu sse2 avx512f avx512_bf16 avx512_vnni")
@@ -39,7 +37,7 @@ def test_auto_dtype_on_a_cpu_follows_native_bf16(monkeypatch, native, expected):
 
 @pytest.fixture(scope="module")
 def engines():
-    bf16 = Engine("smollm2-135m-instruct", max_num_batched_tokens=512)
+    bf16 = Engine("smollm2-135m-instruct", max_num_batched_tokens=512, dtype="bfloat16")  # auto, on this kind
     exact = Engine("smollm2-135m-instruct", max_num_batched_tokens=512, dtype="float32")
     return bf16, exact
 
@@ -55,18 +53,20 @@ def prompts(engines) -> list[list[int]]:
     ]
 
 
-@needs_native_bf16
-def test_auto_runs_bf16_with_a_bf16_kv_cache(engines):
+def test_bf16_runs_with_a_bf16_kv_cache_and_auto_picks_it_where_the_cpu_has_it(engines):
     bf16, exact = engines
+    assert model_runner.pick_dtype(EngineConfig(), torch.device("cpu")) == (
+        torch.bfloat16 if has_native_bf16() else torch.float32
+    )
     assert bf16.numerics["dtype"] == bf16.numerics["kv_cache_dtype"] == "bfloat16"
     assert bf16.numerics["ops_backend"] == exact.numerics["ops_backend"]  # the C++ kernels serve both
     assert bf16.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert bf16.num_kv_blocks >= 1.9 * exact.num_kv_blocks  # the same 2 GiB hold twice the tokens
-    assert all(lin.backend == "onednn" for lin in bf16.runner.model.all_linears())
+    gemm = "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch"  # else F.linear, still bf16
+    assert all(lin.backend == gemm for lin in bf16.runner.model.all_linears())
     assert bf16.runner.model.lm_head.weight.dtype == torch.float32  # logits in fp32
 
 
-@needs_native_bf16
 def test_bf16_scores_the_exact_continuation_almost_as_well(engines, prompts):
     """Per-token NLL of the float32 engine's greedy continuation, teacher-forced through each model (a prefill over
     prompt + continuation): bf16's within 3 % of float32's. A KV row stored at the wrong slot or a misread head
@@ -87,7 +87,6 @@ def test_bf16_scores_the_exact_continuation_almost_as_well(engines, prompts):
     assert abs(ours - ref) <= 0.03 * ref, (ours, ref)
 
 
-@needs_native_bf16
 def test_bf16_greedy_decoding_stays_close_to_float32(engines, prompts):
     """Through the engine (batched prefill, decode steps over the bf16 KV cache): the first token equals float32's
     on most prompts, and the greedy continuations share long prefixes (bf16 rounds differently, so a near-tie may
@@ -101,15 +100,14 @@ def test_bf16_greedy_decoding_stays_close_to_float32(engines, prompts):
     assert sum(shared) >= 0.5 * sum(len(r) for r in ref), shared
 
 
-@needs_native_bf16
 def test_bf16_outputs_do_not_depend_on_the_batch_or_the_chunking():
     """As test_engine.py's float32 tests, in bf16: 32 prompts' greedy tokens alone, all in one batch, and in 64-token
     steps (chunked prefill beside decodes) are equal. bf16 rounds every activation, so a last-bit difference that
     float32 absorbs can flip a token here: this holds because a one-row matmul runs as the batch kernels do
     (linear.py) and prefill chunks end on the attention's tile grid (scheduler.py)."""
     docs = pq.read_table(ROOT / "sample_data" / "documents.parquet").column("text").to_pylist()
-    engine = Engine("smollm2-135m-instruct")
-    chunked = Engine("smollm2-135m-instruct", max_num_batched_tokens=64)
+    engine = Engine("smollm2-135m-instruct", dtype="bfloat16")
+    chunked = Engine("smollm2-135m-instruct", max_num_batched_tokens=64, dtype="bfloat16")
     assert engine.numerics["dtype"] == chunked.numerics["dtype"] == "bfloat16"
     words = [" ".join(docs[i].split()[: 8 + (i * 37) % 260]) for i in range(32)]
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": "Summarize: " + w}]) for w in words]

@@ -20,8 +20,6 @@ import pytest
 from batchjob.model import cpu_native
 from tests.helpers import REPO
 
-needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the ops with")
-
 # Gets the ops and says which ran: the C++ ones, checked against the torch op, or the torch fallback.
 USE_OPS = """
 import torch
@@ -128,7 +126,6 @@ def spawn(tmp_path, monkeypatch) -> Iterator[Spawner]:
 
 
 @pytest.mark.slow
-@needs_compiler
 def test_a_build_killed_midway_does_not_stop_the_next_runs(spawn):
     """kill -9 a process mid-build (the OOM killer, a CI timeout): two later runs at once get the C++ ops, one
     building them while the other waits for it, instead of waiting forever on a lock the dead process left."""
@@ -152,7 +149,6 @@ def test_a_build_killed_midway_does_not_stop_the_next_runs(spawn):
 
 
 @pytest.mark.slow
-@needs_compiler
 def test_the_build_finds_the_venvs_ninja_under_crons_path_and_later_runs_do_not_rebuild(spawn, tmp_path):
     """cron's PATH (no venv bin) with another ninja first on it, one that fails and records that it ran (where no
     ninja is on PATH at all, the build failed the same way). The build must use the venv's ninja; a later run loads
@@ -207,7 +203,6 @@ def test_a_signal_ends_the_wait_for_another_build(spawn):
     assert out == "interrupted", err
 
 
-@needs_compiler
 def test_a_signal_during_the_build_stops_it_and_leaves_no_build(spawn):
     """The signal is not taken for a failed build (which would fall back to the torch ops and load on), and the
     half-built folder is never taken for a build."""

@@ -4,15 +4,12 @@ the fallbacks."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
 
 from batchjob.bench.kernel_cases import make_attention_case
 from batchjob.model import cpu_native, cpu_ops, ops
-
-needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the op with")
 
 # (cached prefix, query rows) per sequence
 STEPS = {
@@ -30,7 +27,6 @@ def torch_reference(case):
     return ops.paged_attention(case.q, k, v, case.meta, case.scale)
 
 
-@needs_compiler
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 5), (4, 4, 32, 1)]
@@ -45,7 +41,6 @@ def test_native_op_matches_the_torch_path(step, heads, kv_heads, head_dim, page)
     torch.testing.assert_close(out, torch_reference(case), atol=2e-5, rtol=2e-5)
 
 
-@needs_compiler
 def test_native_op_reads_queries_in_place_from_the_fused_qkv_rows():
     """q as the model passes it: a view of the qkv matmul's rows, K and V after it in each row."""
     case = make_attention_case(STEPS["mixed"], heads=9, kv_heads=3, head_dim=64, page=16)
@@ -87,7 +82,6 @@ def _rows(n, width, seed):
     return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
 
 
-@needs_compiler
 @pytest.mark.parametrize("rows", [1, 37, 300])
 def test_fused_rms_norm_matches_the_torch_op_in_place(rows):
     """With a residual the C++ kernel writes the sum into `residual` and the normed rows into `x`."""
@@ -101,7 +95,6 @@ def test_fused_rms_norm_matches_the_torch_op_in_place(rows):
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
 
 
-@needs_compiler
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
 def test_fused_rotary_matches_the_torch_op_on_qkv_views(heads, kv_heads, head_dim):
     t = 45
@@ -118,20 +111,17 @@ def test_fused_rotary_matches_the_torch_op_on_qkv_views(heads, kv_heads, head_di
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # V untouched
 
 
-@needs_compiler
 def test_rotary_refuses_a_position_outside_the_cache():
     q, k = _rows(2, 64, 7).view(2, 1, 64), _rows(2, 64, 8).view(2, 1, 64)
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu_ops.rotary(q, k, torch.tensor([0, 10]), _rows(10, 64, 9))
 
 
-@needs_compiler
 def test_fused_silu_and_mul_matches_the_torch_op():
     x = _rows(70, 2 * 1536, 10) * 4
     torch.testing.assert_close(cpu_ops.silu_and_mul(x), ops.silu_and_mul(x), rtol=2e-6, atol=2e-6)
 
 
-@needs_compiler
 def test_store_kv_writes_the_rows_at_their_slots_and_skips_negative_ones():
     t, kvh, d, blocks, bs = 20, 3, 64, 6, 16
     qkv = _rows(t, 5 * kvh * d, 11)  # K and V as strided views of a fused row, as the model passes them
@@ -158,7 +148,6 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16)
 
 
-@needs_compiler
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 5)])
 def test_native_op_reads_a_bf16_cache(step, heads, kv_heads, head_dim, page):
@@ -175,7 +164,6 @@ def test_native_op_reads_a_bf16_cache(step, heads, kv_heads, head_dim, page):
     torch.testing.assert_close(out.float(), ref, **BF16_TOL)
 
 
-@needs_compiler
 @pytest.mark.parametrize("rows", [1, 37, 300])
 def test_fused_rms_norm_in_bf16_matches_the_torch_op(rows):
     x, res, w = _bf16(_rows(rows, 576, 1)), _bf16(_rows(rows, 576, 2)), _bf16(1 + 0.1 * _rows(1, 576, 3)[0])
@@ -188,7 +176,6 @@ def test_fused_rms_norm_in_bf16_matches_the_torch_op(rows):
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5), **BF16_TOL)
 
 
-@needs_compiler
 def test_fused_rotary_in_bf16_matches_the_torch_op():
     t, heads, kv_heads, head_dim = 45, 9, 3, 64
     qkv = _bf16(_rows(t, (heads + 2 * kv_heads) * head_dim, 4))
@@ -203,7 +190,6 @@ def test_fused_rotary_in_bf16_matches_the_torch_op():
     torch.testing.assert_close(out_k, ref_k, **BF16_TOL)
 
 
-@needs_compiler
 def test_fused_silu_and_mul_in_bf16_matches_the_torch_op():
     x = _bf16(_rows(70, 2 * 1536, 10) * 4)
     out = cpu_native.native_ops().silu_and_mul(x)  # called directly: the torch fallback would pass as well
@@ -211,7 +197,6 @@ def test_fused_silu_and_mul_in_bf16_matches_the_torch_op():
     torch.testing.assert_close(out, ops.silu_and_mul(x), **BF16_TOL)
 
 
-@needs_compiler
 def test_store_kv_writes_a_bf16_cache():
     t, kvh, d, blocks, bs = 20, 3, 64, 6, 16
     qkv = _bf16(_rows(t, 5 * kvh * d, 11))
