@@ -174,6 +174,20 @@ def test_the_cli_names_a_damaged_model_and_exits_2(real_gguf, tiny_hf, tmp_path)
         assert one_error_line(result).startswith(f"error: model {model} cannot be loaded: {says}")
 
 
+def run_tiny_job(folder, tmp_path, input_spec: dict, output_spec: dict) -> subprocess.CompletedProcess:
+    """`batchjob run` of a two-token job on the model in `folder`, writing to tmp_path/out."""
+    job = tmp_path / "job.yaml"
+    spec = {
+        "model": str(folder),
+        "input": input_spec,
+        "sampling": {"max_tokens": 2},
+        "engine": {"max_num_seqs": 2, "kv_cache_memory_gb": 0.01},
+        "output": {"path": str(tmp_path / "out"), **output_spec},
+    }
+    job.write_text(json.dumps(spec))
+    return cli("run", str(job), "--log-interval", "60")
+
+
 def test_a_chat_template_that_raises_fails_its_rows_not_the_job(tiny_hf, tmp_path):
     """The job's check rendered one user message, which this template refuses: exit 70 before any row."""
     folder = copy_of(tiny_hf, tmp_path)
@@ -185,19 +199,8 @@ def test_a_chat_template_that_raises_fails_its_rows_not_the_job(tiny_hf, tmp_pat
     user = {"role": "user", "content": "the quick fox"}
     system = {"role": "system", "content": "Be brief."}
     rows = [{"id": "user", "messages": [user]}, {"id": "system", "messages": [system, user]}]
-    job = tmp_path / "job.yaml"
-    job.write_text(
-        json.dumps(
-            {
-                "model": str(folder),
-                "input": {"path": str(write_jsonl(tmp_path / "in.jsonl", rows)), "messages_column": "messages"},
-                "sampling": {"max_tokens": 2},
-                "engine": {"max_num_seqs": 2, "kv_cache_memory_gb": 0.01},
-                "output": {"path": str(tmp_path / "out")},
-            }
-        )
-    )
-    result = cli("run", str(job), "--log-interval", "60")
+    input_spec = {"path": str(write_jsonl(tmp_path / "in.jsonl", rows)), "messages_column": "messages"}
+    result = run_tiny_job(folder, tmp_path, input_spec, {})
     assert result.returncode == EXIT_OK, result.stderr
     errors = {r["id"]: r["error"] for r in pq.read_table(tmp_path / "out" / "data").to_pylist()}
     assert errors == {
@@ -215,19 +218,8 @@ def test_completions_lines_run_on_a_model_without_a_chat_template(tiny_hf, tmp_p
         {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "the quick fox"}},
         {"custom_id": "m", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}},
     ]
-    job = tmp_path / "job.yaml"
-    job.write_text(
-        json.dumps(
-            {
-                "model": str(folder),
-                "input": {"path": str(write_jsonl(tmp_path / "batch.jsonl", lines)), "format": "openai-batch"},
-                "sampling": {"max_tokens": 2},
-                "engine": {"max_num_seqs": 2, "kv_cache_memory_gb": 0.01},
-                "output": {"path": str(tmp_path / "out"), "format": "openai-batch"},
-            }
-        )
-    )
-    result = cli("run", str(job), "--log-interval", "60")
+    input_spec = {"path": str(write_jsonl(tmp_path / "batch.jsonl", lines)), "format": "openai-batch"}
+    result = run_tiny_job(folder, tmp_path, input_spec, {"format": "openai-batch"})
     assert result.returncode == EXIT_OK, result.stderr
     out = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
     assert out["c"]["error"] is None and out["c"]["response"]["body"]["usage"]["completion_tokens"] == 2
