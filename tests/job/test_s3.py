@@ -7,6 +7,7 @@ run that loses its lease stops committing and exits 75, and of two runs racing f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchjob.job.output.lease import LeaseLost
 from batchjob.job.output.lock import LockHeld
 from batchjob.job.output.state import OutputDir, StateError
 from batchjob.job.reader import InputSource
@@ -109,6 +111,37 @@ def test_a_run_is_refused_while_another_holds_the_lease_and_takes_over_an_expire
     assert not OutputDir(url).status()["state"].startswith("running")
     assert run_job(job, progress, engine_factory=fake_factory()) == 0
     assert any("took over the lock" in m for m in progress.messages)
+
+
+def test_a_lease_taken_by_another_run_is_never_overwritten_by_a_renewal_nor_deleted_by_the_release(s3):
+    other = {"pid": 1, "host": "other", "started": "2026-01-01T00:00:00+00:00", "token": "other", "expires": 2e9}
+    held = OutputDir(f"s3://{BUCKET}/stolen", lease_seconds=0.4)
+    with pytest.raises(LeaseLost, match="another run took over this run's lease"), held.lock():
+        s3.pipe_file(f"{BUCKET}/stolen/_lock", json.dumps(other).encode())  # as a run that took it over would
+        time.sleep(0.3)  # three renewals' time: each is conditional on the version this run wrote, so fails
+        held.check_held()
+    assert json.loads(s3.cat_file(f"{BUCKET}/stolen/_lock")) == other
+
+
+def test_a_run_that_cannot_renew_its_lease_stops_committing_before_it_expires(s3, monkeypatch):
+    held = OutputDir(f"s3://{BUCKET}/cut-off", lease_seconds=0.4)
+    with held.lock() as lease:
+
+        def unreachable(*args, **kwargs):
+            raise OSError(errno.ECONNREFUSED, "the store is unreachable")
+
+        monkeypatch.setattr(lease.object, "replace", unreachable)  # the network, not the lease, fails here
+        held.check_held()  # the lease just taken still has more than half its time
+        time.sleep(0.25)
+        with pytest.raises(LeaseLost, match="could not renew its lease"):
+            held.check_held()
+        monkeypatch.undo()
+    assert not s3.exists(f"{BUCKET}/cut-off/_lock")  # released: the version it wrote was still there
+
+
+def test_an_output_folder_on_a_store_without_conditional_writes_is_refused_in_one_line():
+    with pytest.raises(StateError, match=r"memory:// is not supported; batchjob's lease needs S3's conditional"):
+        OutputDir("memory://bucket/out").lock()
 
 
 @pytest.mark.parametrize("restart", [True, False])
@@ -468,7 +501,7 @@ def read_then_wait(self):
         if name == "a":
             wait_for(lambda: (gate / "b").exists())
         else:
-            wait_for(lambda: (lease._holder(read(self)) or {}).get("token") not in (None, "dead"))
+            wait_for(lambda: (lease._holder((read(self) or (None,))[0]) or {}).get("token") not in (None, "dead"))
     return record
 
 lease.LeaseLock._read_raw = read_then_wait

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchjob.job.output.lease import LeaseLock, lease_expired
+from batchjob.job.output.lease import LeaseLock, LeaseUnsupported, lease_expired
 from batchjob.job.output.lock import OutputLock, lock_is_held, read_holder
 from batchjob.job.output.storage import (
     TMP_PREFIX,
@@ -84,7 +84,10 @@ class OutputDir:
 
     def lock(self) -> OutputLock | LeaseLock:
         if is_remote(self.path):
-            self.held = LeaseLock(self.path / LOCK, self.lease_seconds)
+            try:
+                self.held = LeaseLock(self.path / LOCK, self.lease_seconds)
+            except LeaseUnsupported as e:
+                raise StateError(str(e)) from None
             return self.held
         if self.path.exists() and not self.path.is_dir():
             raise StateError(f"output.path: {self.path} is a file; give it a folder (batchjob writes parts into it)")
