@@ -8,6 +8,9 @@
 // are a multiple of 16 (64, 128) and G <= 8, a templated path keeps a row's G queries and G output accumulators in
 // vector registers; other shapes take the generic loops. q and the caches are float32 or bf16 (cpu_types.h: bf16 is
 // widened on load, so scores, softmax and sums run in float32; a bf16 cache halves the bytes a decode step reads).
+// With AVX512_BF16, bf16 dot products run in vdpbf16ps (float32 sums of bf16 products): a decode's scores, and both
+// GEMMs of a prefill tile, whose probabilities are then rounded to bf16 (`python scripts/cpu_ops_ab.py attention`
+// with DTYPE=bfloat16: 1.6-1.8x the widening loops' prefill rate).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -344,23 +347,150 @@ void transpose_queries(const Tile<T>& t, int64_t kh, int64_t m, int64_t m_pad, f
     }
 }
 
+#ifdef __AVX512BF16__
+// bf16 prefill tiles on a CPU with AVX512_BF16: both GEMMs of the tile in vdpbf16ps, which multiplies 16 pairs of bf16
+// and adds each pair's two products into a float32 lane: half the instructions of float32 FMAs, and no widening. The
+// pairs run along each GEMM's inner axis: for the scores, query elements (d, d + 1), a key's pair broadcast; for P V,
+// keys (p, p + 1), the probabilities rounded to bf16 (as flash attention's bf16 path on a GPU does) and broadcast.
+
+// qt2[d / 2][m] = the pair (d, d + 1) of the tile's query vector m, as one 32-bit word: the query rows, read as
+// words, transposed in 16 x 16 blocks (transpose16 only moves bits).
+template <int NV, int G>
+void transpose_query_pairs(const Tile<bf16>& t, int64_t kh, int64_t m, int64_t m_pad, uint32_t* qt2) {
+  constexpr int64_t D = NV * 16;
+  for (int64_t m0 = 0; m0 < m_pad; m0 += 16)
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      v16 r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t mi = m0 + i;
+        r[i] = mi < m ? *reinterpret_cast<const v16*>(t.q + mi / G * t.q_row + (kh * G + mi % G) * D + d0) : v16{};
+      }
+      transpose16(r);
+      for (int64_t k = 0; k < 16; ++k) *reinterpret_cast<v16*>(qt2 + (d0 / 2 + k) * m_pad + m0) = r[k];
+    }
+}
+
+// s[kp][m] = scale * K(kp) . q(m) for KP keys and MV vectors of 16 query vectors, as tile_scores.
+template <int D, int MV, int KP>
+inline void tile_scores_pairs(const uint32_t* qt2, int64_t m_pad, const bf16* const* k, float* s, float scale) {
+  __m512 acc[KP][MV];
+  for (int kp = 0; kp < KP; ++kp)
+    for (int i = 0; i < MV; ++i) acc[kp][i] = _mm512_setzero_ps();
+  for (int d2 = 0; d2 < D / 2; ++d2) {
+    __m512bh qv[MV];
+    for (int i = 0; i < MV; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qt2 + d2 * m_pad + i * 16);
+    for (int kp = 0; kp < KP; ++kp) {
+      const __m512bh kd = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(k[kp] + 2 * d2));
+      for (int i = 0; i < MV; ++i) acc[kp][i] = _mm512_dpbf16_ps(acc[kp][i], qv[i], kd);
+    }
+  }
+  for (int kp = 0; kp < KP; ++kp)
+    for (int i = 0; i < MV; ++i) _mm512_storeu_ps(s + kp * m_pad + i * 16, _mm512_mul_ps(acc[kp][i], _mm512_set1_ps(scale)));
+}
+
+template <int D, int MV>
+void scores_run_pairs(const Tile<bf16>& t, const uint32_t* qt2, int64_t m0, int64_t m_pad, int64_t kh, float* s) {
+  auto key = [&](int64_t p) { return cache_row(t, t.k, p) + kh * D; };
+  int64_t p = 0;
+  for (; p + kKeysPerStep <= t.ctx; p += kKeysPerStep) {
+    const bf16* k[kKeysPerStep];
+    for (int i = 0; i < kKeysPerStep; ++i) k[i] = key(p + i);
+    tile_scores_pairs<D, MV, kKeysPerStep>(qt2 + m0, m_pad, k, s + p * m_pad + m0, t.scale);
+  }
+  for (; p < t.ctx; ++p) {
+    const bf16* k[1] = {key(p)};
+    tile_scores_pairs<D, MV, 1>(qt2 + m0, m_pad, k, s + p * m_pad + m0, t.scale);
+  }
+}
+
+// p2[p / 2][m] = the probabilities of keys p and p + 1 (0 past the context) for query vector m, rounded to bf16 and
+// packed into one word, key p in the low half: the word vdpbf16ps pairs with the two keys' V values.
+inline void pack_probability_pairs(const float* s, int64_t ctx, int64_t m_pad, uint32_t* p2) {
+  for (int64_t p = 0; p < ctx; p += 2)
+    for (int64_t i = 0; i < m_pad; i += 16) {
+      const vuint16 lo = reinterpret_cast<vuint16>(load16(s + p * m_pad + i));
+      const vuint16 hi = p + 1 < ctx ? reinterpret_cast<vuint16>(load16(s + (p + 1) * m_pad + i)) : vuint16{};
+      const vuint16 lo_r = (lo + 0x7fff + ((lo >> 16) & 1)) >> 16, hi_r = (hi + 0x7fff + ((hi >> 16) & 1)) & 0xffff0000u;
+      *reinterpret_cast<vuint16*>(p2 + p / 2 * m_pad + i) = lo_r | hi_r;
+    }
+}
+
+// o[r] = sum over the context's keys of P V, as context_values, two keys per vdpbf16ps. The V rows of keys p and
+// p + 1 are interleaved by 16-bit unpacks, which work within 128-bit lanes: accumulator lanes hold the output's
+// elements in the order (0-3, 8-11, 16-19, 24-27) and (4-7, 12-15, 20-23, 28-31) per 32, put back at the end.
+template <int NV, int R>
+inline void context_values_pairs(const Tile<bf16>& t, int64_t kh, const uint32_t* p2, int64_t m_pad, float* o) {
+  static_assert(NV % 2 == 0, "whole 32-element halves of a row");
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t p0 = 0; p0 < t.ctx; p0 += t.bs) {  // blocks hold an even number of keys: a pair never straddles two
+    const bf16* vb = cache_row(t, t.v, p0) + kh * NV * 16;
+    const int64_t n = std::min(t.bs, t.ctx - p0);
+    for (int64_t p = 0; p < n; p += 2) {
+      const bf16* v0 = vb + p * t.row_stride;
+      __m512bh vv[NV];
+      for (int j = 0; j < NV / 2; ++j) {
+        const __m512i a = _mm512_loadu_si512(v0 + j * 32);
+        const __m512i b = p + 1 < n ? _mm512_loadu_si512(v0 + t.row_stride + j * 32) : zero;
+        vv[2 * j] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        vv[2 * j + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      const uint32_t* w = p2 + (p0 + p) / 2 * m_pad;
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wr = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[r]));
+        for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], vv[i], wr);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV / 2; ++j) {
+      const v16 lo = (v16)acc[r][2 * j], hi = (v16)acc[r][2 * j + 1];
+      float* dst = o + r * NV * 16 + j * 32;
+      *reinterpret_cast<v16*>(dst) = SHUFFLE16(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      *reinterpret_cast<v16*>(dst + 16) =
+          SHUFFLE16(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+}
+#endif
+
 template <int NV, int G, typename T>
 void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
   constexpr int64_t D = NV * 16;
   constexpr int R = NV == 4 ? 6 : 2;  // query vectors per P V step: R x NV accumulators fit the registers
+#ifdef __AVX512BF16__
+  constexpr bool kPairs = std::is_same_v<T, bf16>;  // both GEMMs in vdpbf16ps (above), where blocks hold whole pairs
+#else
+  constexpr bool kPairs = false;
+#endif
+  const bool pairs = kPairs && t.bs % 2 == 0;
   const int64_t m = t.rows * G, m_pad = (m + 15) / 16 * 16;
-  scratch.resize(D * m_pad + t.ctx * m_pad + 2 * m_pad + m_pad * D);
-  float* qt = scratch.data();        // [D][m_pad]: the tile's queries, transposed
+  scratch.resize(D * m_pad + t.ctx * m_pad + 2 * m_pad + m_pad * D + (t.ctx + 1) / 2 * m_pad);
+  float* qt = scratch.data();        // [D][m_pad]: the tile's queries, transposed (as pairs: [D / 2][m_pad] words)
   float* s = qt + D * m_pad;         // [ctx][m_pad]: scores, then probabilities
   float* mx = s + t.ctx * m_pad;     // [m_pad]
   float* inv_sum = mx + m_pad;       // [m_pad]: sums of the probabilities
   float* o = inv_sum + m_pad;        // [m_pad][D]: unnormalised outputs
+  [[maybe_unused]] uint32_t* p2 = reinterpret_cast<uint32_t*>(o + m_pad * D);  // [ctx / 2][m_pad]: bf16 pairs of P
   for (int64_t kh = 0; kh < t.kvh; ++kh) {
-    transpose_queries<NV, G>(t, kh, m, m_pad, qt);
     int64_t m0 = 0;
-    for (; m0 + 48 <= m_pad; m0 += 48) scores_run<D, 3>(t, qt, m0, m_pad, kh, s);
-    if (m_pad - m0 == 32) scores_run<D, 2>(t, qt, m0, m_pad, kh, s);
-    if (m_pad - m0 == 16) scores_run<D, 1>(t, qt, m0, m_pad, kh, s);
+    if (pairs) {
+#ifdef __AVX512BF16__
+      if constexpr (kPairs) {
+        uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);
+        transpose_query_pairs<NV, G>(t, kh, m, m_pad, qt2);
+        for (; m0 + 48 <= m_pad; m0 += 48) scores_run_pairs<D, 3>(t, qt2, m0, m_pad, kh, s);
+        if (m_pad - m0 == 32) scores_run_pairs<D, 2>(t, qt2, m0, m_pad, kh, s);
+        if (m_pad - m0 == 16) scores_run_pairs<D, 1>(t, qt2, m0, m_pad, kh, s);
+      }
+#endif
+    } else {
+      transpose_queries<NV, G>(t, kh, m, m_pad, qt);
+      for (; m0 + 48 <= m_pad; m0 += 48) scores_run<D, 3>(t, qt, m0, m_pad, kh, s);
+      if (m_pad - m0 == 32) scores_run<D, 2>(t, qt, m0, m_pad, kh, s);
+      if (m_pad - m0 == 16) scores_run<D, 1>(t, qt, m0, m_pad, kh, s);
+    }
     // Causal mask: query row j sees keys up to first_pos + j; only the tile's own rows' keys are cut.
     for (int64_t p = t.first_pos + 1; p < t.ctx; ++p)
       for (int64_t i = 0; i < std::min(m, (p - t.first_pos) * G); ++i) s[p * m_pad + i] = -1e30f;
@@ -378,8 +508,18 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
         reinterpret_cast<v16*>(inv_sum)[i] += row[i];
       }
     }
-    for (m0 = 0; m0 + R <= m; m0 += R) context_values<NV, R>(t, kh, s + m0, m_pad, o + m0 * D);
-    for (; m0 < m; ++m0) context_values<NV, 1>(t, kh, s + m0, m_pad, o + m0 * D);
+    if (pairs) {
+#ifdef __AVX512BF16__
+      if constexpr (kPairs) {
+        pack_probability_pairs(s, t.ctx, m_pad, p2);
+        for (m0 = 0; m0 + R <= m; m0 += R) context_values_pairs<NV, R>(t, kh, p2 + m0, m_pad, o + m0 * D);
+        for (; m0 < m; ++m0) context_values_pairs<NV, 1>(t, kh, p2 + m0, m_pad, o + m0 * D);
+      }
+#endif
+    } else {
+      for (m0 = 0; m0 + R <= m; m0 += R) context_values<NV, R>(t, kh, s + m0, m_pad, o + m0 * D);
+      for (; m0 < m; ++m0) context_values<NV, 1>(t, kh, s + m0, m_pad, o + m0 * D);
+    }
     for (int64_t i = 0; i < m; ++i) {
       float* dst = t.out + (i / G * t.h + kh * G + i % G) * D;
       const float inv = 1.f / inv_sum[i];
