@@ -260,9 +260,11 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 )
 @click.option(
     "--num-prompts",
+    "--rows",
+    "num_prompts",
     default=None,
     type=click.IntRange(min=1),
-    help="synthetic prompts (default 64), or the job's first rows (default all)",
+    help="synthetic prompts (default 64), or the job's first rows (default all; with --quality 200)",
 )
 @click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
@@ -282,10 +284,9 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 )
 @click.option(
     "--batch-size",
-    default=64,
-    show_default=True,
+    default=None,
     type=click.IntRange(min=1),
-    help="fixed batch size of the static and hf baselines",
+    help="fixed batch size of the static and hf baselines (default 64), or of transformers with --quality (default 16)",
 )
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-seqs", default=None, type=int)
@@ -311,9 +312,17 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     help="the engine's (and vLLM's) dtype; default: the job file's, else auto",
 )
 @click.option("--enforce-eager", is_flag=True, help="decode without CUDA graphs (vLLM's flag)")
+@click.option(
+    "--quality",
+    is_flag=True,
+    help="instead of throughput: the bf16 engine's NLL of the fp32 engine's greedy continuations against fp32's, and "
+    "where greedy outputs first differ (engine and transformers, bf16 and fp32), on a job's rows "
+    "(default --job jobs/summarize.yaml)",
+)
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:
-    """Throughput of this engine against baselines on one workload, in one process."""
+    """Throughput of this engine against baselines on one workload, in one process; or with --quality what bf16
+    costs in quality."""
     from batchjob.bench.compare import BenchOptions
     from batchjob.bench.compare import bench as run_bench
 

@@ -1,17 +1,22 @@
-"""bench: a job file's rows as the workload, and the token-budget sweep (tiny, on the real model)."""
+"""bench: a job file's rows as the workload, the token-budget sweep and the bf16 quality report (tiny, on the real
+model)."""
 
 import pytest
+import torch
 
 from batchjob.bench.compare import run_bench, run_sweep
 from batchjob.bench.measure import agreement
-from batchjob.bench.tables import format_report
+from batchjob.bench.quality import continuation_nll, divergence, run_quality
+from batchjob.bench.systems import load_hf_model
+from batchjob.bench.tables import format_quality, format_report
 from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource
+from batchjob.job.spec import load_job
 from tests.fakes import FakeEngine
-from tests.helpers import documents, make_job, write_jsonl
+from tests.helpers import REPO, documents, make_job, write_jsonl
 
 
 def test_a_job_workload_is_its_rows_as_the_runner_sends_them(tmp_path):
@@ -103,3 +108,49 @@ def test_the_decode_roofline_counts_the_kv_that_decode_steps_read():
     assert decode["kv_gb_per_step"] * 1e9 == pytest.approx(row["decode_kv_usage"] * pool_bytes / row["decode_steps"])
     assert decode["read_gb_per_s"] > 0.1 and 0 < decode["bound_fraction"] < 5
     assert "roofline decode: " in format_report(report) and "with its KV reads (" in format_report(report)
+
+
+def test_divergence_gives_the_first_differences_quartiles_and_histogram():
+    ours = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7] * 20, "d": [8] * 20}
+    theirs = {"a": [1, 2, 3], "b": [4, 9, 6], "c": [7] * 9 + [0], "d": [8] * 17 + [0]}
+    d = divergence(ours, theirs)
+    assert (d["equal"], d["total"], d["first_difference_at"]) == (1, 4, [1, 9, 17])
+    assert d["quartiles"] == [5, 9, 13] and d["histogram"] == {"0-7": 1, "8-15": 1, "16-23": 1}
+
+
+def test_quality_scores_the_fp32_continuations_with_each_engines_own_forward(monkeypatch):
+    """The real quality path on 2 summarize rows, 8 tokens each: the engine's teacher-forced NLL equals transformers'
+    in fp32, the fp32 engine's greedy tokens equal transformers' (the exact mode), and the report holds each pair."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(REPO)  # the job file's input path is relative to the repository root
+    job = load_job("jobs/summarize.yaml", ["sampling.max_tokens=8"])
+    fp32, bf16 = (Engine(job.model, dtype=d, num_kv_blocks=256) for d in ("float32", "bfloat16"))
+    wl = job_workload(job, fp32, 2)
+    report = run_quality(fp32, bf16, wl, batch_size=2)
+    nll = report["nll"]
+    assert [nll["fp32"]["dtype"], nll["bf16"]["dtype"]] == ["float32", "bfloat16"]
+    assert all(0 < v["mean_nll"] < 10 and 2 <= v["tokens"] <= 16 for v in nll.values())
+    assert report["nll_relative_difference"] == pytest.approx(nll["bf16"]["mean_nll"] / nll["fp32"]["mean_nll"] - 1)
+    assert report["nll_passed"] == (abs(report["nll_relative_difference"]) <= 0.01)
+    pairs = report["divergence"]
+    assert list(pairs) == [
+        "engine bf16 vs engine fp32",
+        "engine bf16 vs hf bf16",
+        "hf bf16 vs hf fp32",
+        "engine fp32 vs hf fp32",
+    ]
+    assert pairs["engine fp32 vs hf fp32"]["equal"] == 2  # the exact mode, token for token
+    assert all(p["total"] == 2 and p["equal"] + len(p["first_difference_at"]) == 2 for p in pairs.values())
+    # The scorer against transformers' own teacher-forced log-probabilities of the same continuations, in fp32.
+    continuations = {o.request_id: o.token_ids for o in fp32.stream(wl.requests)}
+    hf = load_hf_model(fp32, fp32.model_path)
+    hf_total = 0.0
+    for r in wl.requests:
+        ids = r.prompt_token_ids + continuations[r.request_id]
+        with torch.inference_mode():
+            logp = hf(torch.tensor([ids])).logits[0, len(r.prompt_token_ids) - 1 : -1].float().log_softmax(-1)
+        hf_total -= logp.gather(1, torch.tensor(continuations[r.request_id])[:, None]).sum().item()
+    assert continuation_nll(fp32, wl, continuations)["nll"] == pytest.approx(hf_total, rel=1e-4)
+    text = format_quality(report)
+    assert "mean NLL per token, bf16 engine" in text and ("PASS" in text or "FAIL" in text)
+    assert "greedy engine fp32 vs hf fp32" in text and "2/2 equal throughout" in text

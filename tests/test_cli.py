@@ -160,6 +160,7 @@ def test_the_cli_starts_without_importing_torch():
         ["generate", "hi", "--model", "/no/such/model.gguf"],
         ["bench", "--model", "/no/such/model.gguf"],
         ["bench", "--job", "/no/such/job.yaml"],
+        ["bench", "--quality", "--dtype", "float32"],  # --quality runs both dtypes itself
         ["report", str(REPO / "jobs")],  # a folder, but no job's output
         ["plan", "/no/such/job.yaml"],
     ],

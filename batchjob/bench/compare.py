@@ -6,7 +6,8 @@ constraint, each held to the tokens its constrained run made: the same work toke
 what constrained decoding costs); `static` (the seed's fixed batch: prompts padded to the batch's longest,
 the whole batch decoded until its longest request is done, then the next batch; it reproduces padding's cost, not
 its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vllm` and `llama-cpp` when installed.
-The sweep instead runs this engine at several fixed token budgets and at `auto` (token_budget.py).
+The sweep instead runs this engine at several fixed token budgets and at `auto` (token_budget.py); `--quality`
+measures bf16 against fp32 instead of speed (quality.py).
 
 Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real rows, prompts and sampling."""
 
@@ -20,6 +21,7 @@ import pydantic
 import torch
 
 from batchjob.bench.measure import Result, agreement, roofline
+from batchjob.bench.quality import run_quality
 from batchjob.bench.systems import (
     load_hf_model,
     load_vllm,
@@ -30,7 +32,7 @@ from batchjob.bench.systems import (
     run_static,
     run_vllm,
 )
-from batchjob.bench.tables import format_report, format_sweep
+from batchjob.bench.tables import format_quality, format_report, format_sweep
 from batchjob.bench.workloads import Workload, job_workload, synthetic, unconstrained
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
@@ -179,7 +181,7 @@ class BenchOptions:
     range_ratio: float
     prefix_len: int
     systems: str
-    batch_size: int
+    batch_size: int | None
     repeats: int
     max_num_seqs: int | None
     max_num_batched_tokens: str | None
@@ -187,7 +189,21 @@ class BenchOptions:
     load_format: str | None
     dtype: str | None
     enforce_eager: bool
+    quality: bool
     json_path: str | None
+
+
+QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
+QUALITY_ROWS = 200  # the issue's count
+BATCH_SIZE = 64  # of the static and hf baselines
+QUALITY_HF_BATCH = 16  # transformers' batches with --quality: prompts of similar length (sorted), up to 2k tokens
+
+
+def _engine(model: str, overrides: dict) -> Engine:
+    try:
+        return Engine(model, **overrides)
+    except pydantic.ValidationError as e:
+        raise JobFileError(f"bench: {e}") from None
 
 
 def bench(o: BenchOptions) -> str:
@@ -206,26 +222,31 @@ def bench(o: BenchOptions) -> str:
     }
     if o.budgets:
         overrides["max_num_batched_tokens"] = "auto"  # sizes the engine's memory for every budget it may run at
+    if o.quality and o.dtype:
+        raise JobFileError("bench --quality runs the engine in float32 and in bfloat16: --dtype does not apply")
     model, job = o.model, None
-    if o.job_file:
-        job = load_job(o.job_file)
+    job_file = o.job_file or (QUALITY_JOB if o.quality else None)
+    if job_file:
+        job = load_job(job_file)
         model = job.model
         overrides = {**job.engine.model_dump(exclude_unset=True), **overrides}
-    try:
-        engine = Engine(model, **overrides)
-    except pydantic.ValidationError as e:
-        raise JobFileError(f"bench: {e}") from None
+    engine = _engine(model, {**overrides, "dtype": "float32"} if o.quality else overrides)
     if job:
-        wl = job_workload(job, engine, o.num_prompts)
+        wl = job_workload(job, engine, o.num_prompts or (QUALITY_ROWS if o.quality else None))
     else:
         vocab = engine.model_config.vocab_size
         wl = synthetic(vocab, o.num_prompts or 64, o.input_len, o.output_len, o.range_ratio, o.prefix_len)
-    if o.budgets:
+    if o.quality:
+        bf16 = _engine(model, {**overrides, "dtype": "bfloat16"})
+        report = run_quality(engine, bf16, wl, o.batch_size or QUALITY_HF_BATCH)
+        text = format_quality(report)
+    elif o.budgets:
         report = run_sweep(engine, wl, o.budgets, o.repeats)
         text = format_sweep(report)
     else:
         systems = [s.strip() for s in o.systems.split(",") if s.strip()]
-        report = run_bench(engine, engine.model_path, wl, systems, o.batch_size, o.repeats, torch.get_num_threads())
+        batch = o.batch_size or BATCH_SIZE
+        report = run_bench(engine, engine.model_path, wl, systems, batch, o.repeats, torch.get_num_threads())
         text = format_report(report)
     if o.json_path:
         with open(o.json_path, "w") as f:

@@ -120,6 +120,18 @@ def load_hf_model(engine: Engine, model_path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).to(device).eval()
 
 
+def _left_padded(batch: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's prompts as generate takes them: token ids left-padded to the longest, and the attention mask."""
+    longest = max(len(r.prompt_token_ids) for r in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, r in enumerate(batch):
+        n = len(r.prompt_token_ids)
+        ids[j, longest - n :] = torch.tensor(r.prompt_token_ids)
+        mask[j, longest - n :] = 1
+    return ids.to(device), mask.to(device)
+
+
 def run_hf(wl: Workload, batch_size: int, hf_model) -> Result:
     """transformers generate over fixed, left-padded batches (greedy, every row to its batch's longest)."""
     device = hf_model.device
@@ -127,22 +139,11 @@ def run_hf(wl: Workload, batch_size: int, hf_model) -> Result:
     t0 = time.perf_counter()
     for i in range(0, len(wl.requests), batch_size):
         batch = wl.requests[i : i + batch_size]
-        longest = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(batch):
-            n = len(r.prompt_token_ids)
-            ids[j, longest - n :] = torch.tensor(r.prompt_token_ids)
-            mask[j, longest - n :] = 1
+        ids, mask = _left_padded(batch, device)
         new = max(r.params.max_tokens for r in batch)
         with torch.inference_mode():
             hf_model.generate(
-                ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
             )
         output_tokens += sum(r.params.max_tokens for r in batch)
     if device.type == "cuda":
@@ -151,6 +152,32 @@ def run_hf(wl: Workload, batch_size: int, hf_model) -> Result:
         "hf", time.perf_counter() - t0, wl.prompt_tokens, output_tokens, len(wl.requests), float(batch_size), batch_size
     )
     return r
+
+
+def hf_greedy(wl: Workload, batch_size: int, hf_model, eos_token_ids: set[int]) -> dict[str, list[int]]:
+    """transformers' greedy output of each request, by request id: to its max_tokens or through its first EOS id, as
+    the engine stops. In batches of similar prompt lengths (sorted by length), to pad little."""
+    if any(r.params.ignore_eos for r in wl.requests):
+        raise ValueError("hf_greedy: requests with ignore_eos are not supported (generate stops a batch at EOS)")
+    by_length = sorted(wl.requests, key=lambda r: len(r.prompt_token_ids))
+    outputs = {}
+    for i in range(0, len(by_length), batch_size):
+        batch = by_length[i : i + batch_size]
+        ids, mask = _left_padded(batch, hf_model.device)
+        with torch.inference_mode():
+            out = hf_model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(r.params.max_tokens for r in batch),
+                do_sample=False,
+                eos_token_id=sorted(eos_token_ids),
+                pad_token_id=0,
+            )
+        for r, row in zip(batch, out[:, ids.shape[1] :].tolist()):
+            row = row[: r.params.max_tokens]
+            stop = next((k for k, t in enumerate(row) if t in eos_token_ids), len(row) - 1)
+            outputs[r.request_id] = row[: stop + 1]
+    return outputs
 
 
 # vLLM-CPU reserves one core for its scheduler by default: on a 2-core machine that halves its model's compute.

@@ -147,3 +147,30 @@ def format_check(report: dict) -> str:
     notes.append("ALL PASSED" if report.get("passed") else "NOT ALL PASSED")
     title = f"device: {dev.get('name', dev['device'])}  torch {dev['torch']}  triton {dev.get('triton')}"
     return render(["part", "check", "ok", "figures"], rows, title, notes)
+
+
+def format_quality(report: dict) -> str:
+    """`bench --quality`: the NLL comparison with its verdict, then each pair's greedy agreement and where the others
+    first part; the dtypes, transformers' batch and each phase's time as notes."""
+    nll = report["nll"]
+    rel = report["nll_relative_difference"]
+    verdict = "PASS" if report["nll_passed"] else "FAIL"
+    rows = [
+        [f"mean NLL per token, {d} engine", f"{v['mean_nll']:.5f} over {v['tokens']:,} tokens"] for d, v in nll.items()
+    ]
+    rows.append(["bf16 vs fp32 NLL", f"{100 * rel:+.3f}% (bound {100 * report['nll_bound']:g}%): {verdict}"])
+    for pair, a in report["divergence"].items():
+        where = ""
+        if a["equal"] < a["total"]:
+            q = ", ".join(f"{v:g}" for v in a["quartiles"])
+            hist = ", ".join(f"{k}: {n}" for k, n in a["histogram"].items())
+            where = f"; the others first differ at output token (quartiles) {q}; by token {hist}"
+        rows.append([f"greedy {pair}", f"{a['equal']}/{a['total']} equal throughout{where}"])
+    notes = [
+        "NLL: the fp32 engine's greedy continuations, teacher-forced after their prompts in one forward each",
+        *(f"{d} engine: " + ", ".join(f"{k} {v}" for k, v in n.items()) for d, n in report["dtypes"].items()),
+        f"transformers: left-padded batches of {report['hf_batch_size']} prompts of similar length",
+        "wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in report["seconds"].items()),
+        *(f"skipped {name}: {why}" for name, why in report["skipped"].items()),
+    ]
+    return render(["check", "figures"], rows, f"quality: {report['workload']}", notes)

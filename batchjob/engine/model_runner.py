@@ -207,25 +207,26 @@ class ModelRunner:
         return self.model.compute_logits(hidden[: self.config.max_num_seqs])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, argmax: bool = False) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, argmax: bool = False, rows: list[int] | None = None) -> torch.Tensor:
         """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order, or with
         `argmax` (every row greedy and plain, sampler.takes_argmax) their tokens, taken on the device, so that the
-        host reads one id a row instead of a vocabulary of logits."""
+        host reads one id a row instead of a vocabulary of logits. With `rows` (indices into the step's tokens), the
+        logits of those rows instead: what teacher-forced scoring reads (StepRunner.score)."""
         with forbid_host_sync(self.device) if self.forbid_host_sync else contextlib.nullcontext():
-            logits = self._forward_step(out)
+            logits = self._forward_step(out, rows)
             result = logits.argmax(-1) if argmax else logits
         # the step's one host synchronisation: the tokens, or the logits the sampler reads
         return result.cpu()
 
-    def _forward_step(self, out: SchedulerOutput) -> torch.Tensor:
+    def _forward_step(self, out: SchedulerOutput, rows: list[int] | None = None) -> torch.Tensor:
         """The step on the device, where with the Triton ops the host never waits for it (forbid_host_sync):
-        float32 logits of the rows that need a token, in scheduled order."""
-        if self.decode_graphs is not None and self.decode_graphs.fits(out):
+        float32 logits of the rows that need a token (or of `rows`), in scheduled order."""
+        if rows is None and self.decode_graphs is not None and self.decode_graphs.fits(out):
             hidden, rows = self.decode_graphs.run(out)
         else:
             step = build_step_inputs(out, self.block_size, self.device)
             hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
-            rows = step.sample_rows
+            rows = step.sample_rows if rows is None else torch.tensor(rows, device=self.device)
         if not rows.shape[0]:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[rows])
