@@ -15,7 +15,8 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   blocks (in cache: the kernel's compute alone).
   DTYPE=bfloat16: the same on a bf16 pool and queries (half the bytes a decode reads).
 - job: the summarize job's rows through the engine, per round: wall time, prefill and decode-only step times, and
-  torch-profiler lines for chosen steps (where a real step's time goes: its TOP ops, default 6). DTYPE sets the engine's dtype.
+  torch-profiler lines for chosen steps (where a real step's time goes: its TOP ops, default 6). DTYPE sets the
+  engine's dtype.
 - dtype: N (64) prompts of 256 random tokens, 64 greedy tokens each (`batchjob bench --num-prompts 64 --input-len
   256 --output-len 64`'s workload, through the bench's run_engine), ROUNDS rounds of: the engine in float32, in
   bfloat16, and in bfloat16 with the LM head in bf16 too (bf16 logits): tok/s, prefill and decode-only step times,
@@ -252,7 +253,8 @@ def job_phases() -> None:
         rows = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[: int(os.environ.get("TOP", "6"))]
         top = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms" for e in rows)
         total = sum(e.self_cpu_time_total for e in p.key_averages()) / 1e3
-        print(f"[step {calls[0]}: {out.num_prefill_tokens} prefill + {out.num_decode_tokens} decode tokens, {total:.0f} ms] {top}")
+        tokens = f"{out.num_prefill_tokens} prefill + {out.num_decode_tokens} decode tokens"
+        print(f"[step {calls[0]}: {tokens}, {total:.0f} ms] {top}")
         return result
 
     engine.runner.execute = profiled
