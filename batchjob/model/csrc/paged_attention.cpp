@@ -494,19 +494,23 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
     // Causal mask: query row j sees keys up to first_pos + j; only the tile's own rows' keys are cut.
     for (int64_t p = t.first_pos + 1; p < t.ctx; ++p)
       for (int64_t i = 0; i < std::min(m, (p - t.first_pos) * G); ++i) s[p * m_pad + i] = -1e30f;
-    std::fill(mx, mx + m_pad, -1e30f);
-    for (int64_t p = 0; p < t.ctx; ++p) {
-      const float* row = s + p * m_pad;
-#pragma omp simd
-      for (int64_t i = 0; i < m_pad; ++i) mx[i] = std::max(mx[i], row[i]);
-    }
-    std::fill(inv_sum, inv_sum + m_pad, 0.f);
-    for (int64_t p = 0; p < t.ctx; ++p) {  // probabilities, unnormalised
-      v16* row = reinterpret_cast<v16*>(s + p * m_pad);
-      for (int64_t i = 0; i < m_pad / 16; ++i) {
-        row[i] = exp16(row[i] - reinterpret_cast<const v16*>(mx)[i]);
-        reinterpret_cast<v16*>(inv_sum)[i] += row[i];
+    // Maxima, then probabilities (unnormalised) and their sums, 16 query vectors at a time down the keys, so that the
+    // running maximum and sum stay in a register (with the loop over keys outside, every key stored and reloaded
+    // them: 2-3 % of a prefill's attention time).
+    for (int64_t i = 0; i < m_pad; i += 16) {
+      v16 hi = v16{} - 1e30f;
+      for (int64_t p = 0; p < t.ctx; ++p) {
+        const v16 row = load16(s + p * m_pad + i);
+        hi = row > hi ? row : hi;
       }
+      v16 total = {};
+      for (int64_t p = 0; p < t.ctx; ++p) {
+        v16* row = reinterpret_cast<v16*>(s + p * m_pad + i);
+        *row = exp16(*row - hi);
+        total += *row;
+      }
+      store16(mx + i, hi);
+      store16(inv_sum + i, total);
     }
     if (pairs) {
 #ifdef __AVX512BF16__
