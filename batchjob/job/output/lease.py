@@ -167,9 +167,9 @@ class LeaseLock:
                 raise LockHeld(self.path, holder)
             if found is not None:
                 record, etag = found
-                if not self._claim(record):  # another run takes this expired lease over
-                    raise LockHeld(self.path, self._read() or holder)
-                if not etag or not self.object.delete(etag):  # its holder renewed it, or another run took it
+                # Unreadable (no version to delete), claimed by another run, or renewed or taken since it was read:
+                # another run has it, or may; exit 75 says try again later.
+                if not etag or not self._claim(record) or not self.object.delete(etag):
                     raise LockHeld(self.path, self._read() or holder)
             self.stale = holder
             if not self._create():  # another run took the lease first
