@@ -123,13 +123,17 @@ class BertModel:
         return x
 
     def _attention(self, qkv: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        # Bidirectional attention within each sequence: SDPA on each one's slice. Measured on this repo's 2-core
-        # host (384 wide, 12 heads, 200 texts of 60-256 tokens): the loop beat a block-diagonal mask over the
-        # packed rows (whose T x T scores grow with the batch, not the sequence) and SDPA on the batch padded to
-        # its longest sequence.
-        heads = self.config.num_attention_heads
-        q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).permute(1, 2, 0, 3)  # each [heads, T, head_dim]
-        out = torch.empty_like(q)
-        for start, end in pairwise(cu_seqlens):
-            out[:, start:end] = F.scaled_dot_product_attention(q[:, start:end], k[:, start:end], v[:, start:end])
-        return out.transpose(0, 1).reshape(qkv.shape[0], -1)
+        # Bidirectional attention within each sequence, as one SDPA call on the sequences padded to the longest
+        # (batches hold texts of near lengths: the embedder sorts them), the padding masked out of the keys. Measured
+        # on a 2-core host (200 documents of up to 256 tokens, 8,192-token batches, fp32 and bf16): 3-5x the
+        # throughput of SDPA on each sequence's slice in a loop (a call per sequence and layer), and a block-diagonal
+        # mask over the packed rows was slower still (its T x T scores grow with the batch, not the sequence).
+        rows, heads = qkv.shape[0], self.config.num_attention_heads
+        starts = torch.tensor(cu_seqlens[:-1])
+        lengths = torch.tensor(cu_seqlens[1:]) - starts
+        offsets = torch.arange(int(lengths.max()))
+        valid = offsets < lengths[:, None]  # [sequences, longest]
+        index = (starts[:, None] + offsets).clamp(max=rows - 1)  # a padding slot reads some real row, masked out
+        q, k, v = qkv[index].view(*index.shape, 3, heads, -1).permute(2, 0, 3, 1, 4)  # [sequences, heads, longest, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+        return out.transpose(1, 2).reshape(*index.shape, -1)[valid]
