@@ -7,11 +7,11 @@ variable: the first use of `Engine` applies the OpenMP settings (`configure_thre
 from batchjob.env import configure_threads
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "configure_threads"]
+__all__ = ["Embedder", "Engine", "SamplingParams", "RequestOutput", "configure_threads"]
 
 
 def __getattr__(name: str):
-    if name in ("Engine", "SamplingParams", "RequestOutput"):
+    if name in ("Embedder", "Engine", "SamplingParams", "RequestOutput"):
         from batchjob import engine
 
         return getattr(engine, name)

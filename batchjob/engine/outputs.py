@@ -111,3 +111,22 @@ class StepMetrics:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's sentence embedding, shaped as vLLM's LLM.embed() returns it (`.outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]  # what the model read: special tokens included, cut at its max_seq_length
+    truncated: bool  # the text had more tokens than the model's max_seq_length; its end was left out
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding

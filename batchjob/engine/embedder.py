@@ -1,0 +1,93 @@
+"""The embedding API: Embedder(folder, **config).embed(texts), as vLLM's LLM(model, task="embed").embed(prompts).
+
+Inputs are sorted by length and packed into forward passes of up to max_num_batched_tokens tokens, so that a batch
+holds texts of near lengths (its attention pads to the longest); results come back in input order. On the CPU."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from batchjob.engine.config import EmbedderConfig
+from batchjob.engine.host_memory import keep_freed_memory
+from batchjob.engine.model_runner import pick_dtype
+from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from batchjob.env import configure_threads
+from batchjob.model.encoder import Encoder, Tokenized, load_encoder
+from batchjob.model.errors import ModelNotFoundError
+
+__all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
+
+
+def token_budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices into `lengths`, shortest first, cut into runs of at most `budget` tokens (a longer one alone)."""
+    batches: list[list[int]] = []
+    tokens = budget  # no batch open yet: the first index opens one
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if tokens + lengths[i] > budget:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(i)
+        tokens += lengths[i]
+    return batches
+
+
+class Embedder:
+    """Sentence embeddings from a local sentence-transformers folder of a BERT-family encoder."""
+
+    def __init__(self, model: str, **config):
+        self.config = EmbedderConfig(**config)
+        configure_threads(self.config.num_threads or os.cpu_count() or 1)
+        keep_freed_memory()
+        self.dtype = pick_dtype(self.config, torch.device("cpu"))
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise ModelNotFoundError(f"model {model!r} not found: an Embedder takes a sentence-transformers folder")
+        self.encoder: Encoder = load_encoder(path, self.dtype)
+        self._request_counter = itertools.count()
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.encoder.max_seq_length
+
+    def embed(self, prompts: str | list[str] | list[list[int]], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One output per prompt, in input order. A text is tokenized with the model's special tokens and cut at
+        max_seq_length (`truncated` says so); an empty text is its special tokens alone ([CLS] [SEP] for BERT) and
+        gets an embedding as sentence-transformers gives it. A token-id list is taken as it is: it must be non-empty
+        and at most max_seq_length long. use_tqdm shows a tqdm.auto bar with prompts done and input tokens/s."""
+        from tqdm.auto import tqdm
+
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        inputs = self._tokenized(prompts)
+        outputs: list[EmbeddingRequestOutput | None] = [None] * len(inputs)
+        start, tokens = time.perf_counter(), 0
+        with tqdm(total=len(inputs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
+            for batch in token_budget_batches([len(t.token_ids) for t in inputs], self.config.max_num_batched_tokens):
+                vectors = self.encoder.embed([inputs[i].token_ids for i in batch]).tolist()
+                for i, vector in zip(batch, vectors):
+                    request_id = str(next(self._request_counter))
+                    ids = inputs[i].token_ids
+                    outputs[i] = EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids, inputs[i].truncated)
+                    tokens += len(ids)
+                bar.set_postfix_str(f"input {tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
+                bar.update(len(batch))
+        return outputs
+
+    def _tokenized(self, prompts: list[str] | list[list[int]]) -> list[Tokenized]:
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        out = dict(zip(texts, self.encoder.tokenize([prompts[i] for i in texts])))
+        vocab = self.encoder.model.config.vocab_size
+        for i, ids in enumerate(prompts):
+            if i in out:
+                continue
+            if not 0 < len(ids) <= self.max_seq_length:
+                raise ValueError(f"prompt {i}: {len(ids)} token ids; expected 1 to {self.max_seq_length}")
+            if not all(0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt {i}: a token id outside the vocabulary (0 to {vocab - 1})")
+            out[i] = Tokenized(list(ids), truncated=False)
+        return [out[i] for i in range(len(prompts))]

@@ -1,0 +1,63 @@
+"""A sentence embedding from an encoder's last hidden states, as sentence-transformers' Pooling and Normalize
+modules compute it: the mean of a sequence's rows, its first row (CLS) or its last, then L2-normalised or not."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.model.errors import ModelLoadError
+
+PoolingMode = Literal["mean", "cls", "lasttoken"]
+# 1_Pooling/config.json's flags (sentence-transformers < 5.2; later versions write "pooling_mode" itself)
+_FLAGS: dict[str, PoolingMode | None] = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_max_tokens": None,
+    "pooling_mode_mean_sqrt_len_tokens": None,
+    "pooling_mode_weightedmean_tokens": None,
+}
+
+
+@dataclass(frozen=True)
+class Pooling:
+    mode: PoolingMode
+    normalize: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict, normalize: bool) -> Pooling:
+        modes = [cfg["pooling_mode"]] if "pooling_mode" in cfg else [f for f in _FLAGS if cfg.get(f)]
+        if len(modes) != 1 or _FLAGS.get(modes[0], modes[0]) not in ("mean", "cls", "lasttoken"):
+            # sentence-transformers concatenates several modes' vectors; none of the models wanted here does
+            raise ModelLoadError(f"its pooling {modes} is not supported (one of mean, cls, lasttoken)")
+        return cls(_FLAGS.get(modes[0], modes[0]), normalize)
+
+    @classmethod
+    def from_folder(cls, path: Path, modules: list[dict]) -> Pooling:
+        """From a sentence-transformers folder's modules.json entries and its pooling module's config.json."""
+        kinds = {m["type"].rsplit(".", 1)[-1]: m for m in modules}
+        if "Pooling" not in kinds:
+            raise ModelLoadError("its modules.json has no Pooling module")
+        cfg = json.loads((path / kinds["Pooling"]["path"] / "config.json").read_text())
+        return cls.from_config(cfg, normalize="Normalize" in kinds)
+
+    def __call__(self, hidden: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """[number of sequences, hidden] in float32 from the packed hidden states [T, hidden]."""
+        hidden = hidden.float()  # sums and norms in fp32 whatever the model computed in
+        starts, ends = torch.tensor(cu_seqlens[:-1]), torch.tensor(cu_seqlens[1:])
+        if self.mode == "cls":
+            pooled = hidden[starts]
+        elif self.mode == "lasttoken":
+            pooled = hidden[ends - 1]
+        else:
+            lengths = ends - starts
+            seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+            sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, seq, hidden)
+            pooled = sums / lengths.unsqueeze(1)
+        return F.normalize(pooled, dim=-1) if self.normalize else pooled
