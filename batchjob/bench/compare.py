@@ -278,7 +278,7 @@ def _embed_report(o: BenchOptions) -> dict:
     """`--task embed`: the Embedder on the --model folder, the texts and the comparison."""
     unused = [f for f, v in (("--job", o.job_file), ("--quality", o.quality), ("--sweep-budgets", o.budgets)) if v]
     if unused:
-        raise JobFileError(f"bench --task embed: {', '.join(unused)} apply to --task generate only")
+        raise JobFileError(f"bench --task embed: {', '.join(unused)}: for --task generate only")
     systems = [s.strip() for s in (o.systems or "embedder,st").split(",") if s.strip()]
     if unknown := sorted(set(systems) - {"embedder", "st"}):
         raise JobFileError(f"bench --task embed: unknown systems {unknown} (expected embedder, st)")
@@ -286,7 +286,8 @@ def _embed_report(o: BenchOptions) -> dict:
     try:
         embedder = Embedder(o.model, **config)
     except pydantic.ValidationError as e:
-        raise JobFileError(f"bench --task embed: {e}") from None
+        why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise JobFileError(f"bench --task embed: {why}") from None
     batch_sizes = sorted({ST_DEFAULT_BATCH, o.batch_size or BATCH_SIZE})
     texts = embed_texts(o.num_prompts or EMBED_TEXTS)
     return run_embed_bench(embedder, o.model, texts, systems, batch_sizes, o.repeats)
