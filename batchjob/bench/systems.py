@@ -285,7 +285,7 @@ def run_sentence_transformer(model, texts: list[str], batch_size: int, tokens: i
     vectors = model.encode(texts, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
     result = Result(f"st batch {batch_size}", time.perf_counter() - t0, tokens, 0, len(texts), float(batch_size))
     result.cpu_s, result.embeddings = time.process_time() - c0, vectors.float().cpu()
-    result.note = f"sentence-transformers {sentence_transformers.__version__} encode, float32, padded batches"
+    result.note = f"sentence-transformers {sentence_transformers.__version__} encode, float32, sorted by length, padded"
     return result
 
 
