@@ -250,6 +250,14 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 
 
 @main.command()
+@click.option(
+    "--task",
+    default="generate",
+    show_default=True,
+    type=click.Choice(["generate", "embed"]),
+    help="embed: the Embedder against sentence-transformers encode on texts cut from sample_data/documents.parquet "
+    "(--model: a sentence-transformers folder)",
+)
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option(
     "--job",
@@ -264,7 +272,8 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     "num_prompts",
     default=None,
     type=click.IntRange(min=1),
-    help="synthetic prompts (default 64), or the job's first rows (default all; with --quality 200)",
+    help="synthetic prompts (default 64), or the job's first rows (default all; with --quality 200), or with --task "
+    "embed texts (default 1000)",
 )
 @click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
@@ -278,15 +287,16 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 @click.option("--prefix-len", default=0, show_default=True, type=click.IntRange(min=0), help="shared prefix tokens")
 @click.option(
     "--systems",
-    default="engine,static,hf",
-    show_default=True,
-    help="comma list of engine, unconstrained, static, hf, vllm, llama-cpp",
+    default=None,
+    help="comma list of engine, unconstrained, static, hf, vllm, llama-cpp (default engine,static,hf); with --task "
+    "embed of embedder, st (default both)",
 )
 @click.option(
     "--batch-size",
     default=None,
     type=click.IntRange(min=1),
-    help="fixed batch size of the static and hf baselines (default 64), or of transformers with --quality (default 16)",
+    help="fixed batch size of the static and hf baselines (default 64), or of transformers with --quality (default "
+    "16), or with --task embed sentence-transformers' tuned batch (default 64; its default 32 runs too)",
 )
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-seqs", default=None, type=int)

@@ -1,17 +1,22 @@
 """bench: a job file's rows as the workload, the token-budget sweep and the bf16 quality report (tiny, on the real
-model)."""
+model); `--task embed` on all-MiniLM-L6-v2 against sentence-transformers, and its texts."""
+
+import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from batchjob import cli
 from batchjob.bench.compare import run_bench, run_sweep
 from batchjob.bench.measure import agreement
 from batchjob.bench.quality import continuation_nll, divergence, run_quality
 from batchjob.bench.systems import load_hf_model
 from batchjob.bench.tables import format_quality, format_report
-from batchjob.bench.workloads import job_workload, synthetic
+from batchjob.bench.workloads import EMBED_CHARS, embed_texts, job_workload, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource
 from batchjob.job.spec import load_job
@@ -154,3 +159,42 @@ def test_quality_scores_the_fp32_continuations_with_each_engines_own_forward(mon
     text = format_quality(report)
     assert "mean NLL per token, bf16 engine" in text and ("PASS" in text or "FAIL" in text)
     assert "greedy engine fp32 vs hf fp32" in text and "2/2 equal throughout" in text
+
+
+def test_embed_texts_are_cut_on_word_boundaries_to_40_to_1200_characters_the_same_each_time():
+    texts = embed_texts(300, path=REPO / "sample_data" / "documents.parquet")
+    lengths = [len(t) for t in texts]
+    assert len(texts) == 300 and EMBED_CHARS == (40, 1200)
+    assert min(lengths) >= 40 and max(lengths) <= 1200
+    assert max(lengths) - min(lengths) > 800  # mixed lengths, not one size
+    assert len(set(texts)) > 250  # rows reused (244 documents) at other lengths
+    assert all(t == t.strip() and not t[-1].isspace() for t in texts)
+    assert texts == embed_texts(300, path=REPO / "sample_data" / "documents.parquet")
+    assert texts != embed_texts(300, seed=1, path=REPO / "sample_data" / "documents.parquet")
+
+
+def test_bench_task_embed_compares_the_embedder_with_sentence_transformers(minilm, tmp_path, monkeypatch):
+    pytest.importorskip("sentence_transformers", reason="the test extra's sentence-transformers")
+    monkeypatch.chdir(REPO)  # the texts' documents, as from a checkout
+    args = ["bench", "--task", "embed", "--model", str(minilm), "--num-prompts", "24", "--repeats", "1"]
+    result = CliRunner().invoke(cli.main, [*args, "--json", str(tmp_path / "embed.json")])
+    assert result.exit_code == EXIT_OK, result.output
+    report = json.loads((tmp_path / "embed.json").read_text())
+    rows = {r["system"]: r for r in report["systems"]}
+    assert list(rows) == ["embedder", "st batch 32", "st batch 64"]
+    assert all(r["total_tokens_per_s"] > 0 and r["num_requests"] == 24 for r in rows.values())
+    assert len({r["prompt_tokens"] for r in rows.values()}) == 1  # every system credited with the same tokens
+    assert rows["embedder"]["ratio_to_embedder"] == 1.0
+    for name in ("st batch 32", "st batch 64"):
+        ratio = rows[name]["total_tokens_per_s"] / rows["embedder"]["total_tokens_per_s"]
+        assert rows[name]["ratio_to_embedder"] == pytest.approx(ratio)
+        assert report["cosine"][name]["min"] >= 0.999
+    table = result.stdout
+    assert all(name in table for name in rows) and "1.00x" in table and "input tok/s" in table
+    assert "cosine of the embedder's embeddings to st batch 64's: min 0.99" in table
+
+
+def test_bench_task_embed_wants_a_sentence_transformers_folder(tmp_path):
+    result = CliRunner().invoke(cli.main, ["bench", "--task", "embed", "--model", str(tmp_path)])
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.strip() == f"error: {tmp_path} is not a sentence-transformers folder: it has no modules.json"

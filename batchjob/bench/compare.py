@@ -9,7 +9,10 @@ its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vll
 The sweep instead runs this engine at several fixed token budgets and at `auto` (token_budget.py); `--quality`
 measures bf16 against fp32 instead of speed (quality.py).
 
-Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real rows, prompts and sampling."""
+Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real rows, prompts and sampling.
+
+`--task embed` instead runs the Embedder (`embedder`) against sentence-transformers `encode` (`st`, at its default
+batch size and at a tuned one) on texts of mixed lengths cut from real documents, by input tokens/s."""
 
 from __future__ import annotations
 
@@ -19,21 +22,34 @@ from dataclasses import dataclass
 
 import pydantic
 import torch
+import torch.nn.functional as F
 
 from batchjob.bench.measure import Result, agreement, roofline
 from batchjob.bench.quality import run_quality
 from batchjob.bench.systems import (
     load_hf_model,
+    load_sentence_transformer,
     load_vllm,
     peer_status,
+    run_embedder,
     run_engine,
     run_hf,
     run_llama_cpp,
+    run_sentence_transformer,
     run_static,
     run_vllm,
 )
-from batchjob.bench.tables import format_quality, format_report, format_sweep
-from batchjob.bench.workloads import Workload, job_workload, synthetic, unconstrained
+from batchjob.bench.tables import format_embed, format_quality, format_report, format_sweep
+from batchjob.bench.workloads import (
+    EMBED_CHARS,
+    EMBED_DOCUMENTS,
+    Workload,
+    embed_texts,
+    job_workload,
+    synthetic,
+    unconstrained,
+)
+from batchjob.engine.embedder import Embedder
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
@@ -169,10 +185,60 @@ def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) ->
     }
 
 
+def run_embed_bench(
+    embedder: Embedder, folder, texts: list[str], systems: list[str], batch_sizes: list[int], repeats: int
+) -> dict:
+    """The Embedder and sentence-transformers `encode` at each batch size on the same texts, each once per round,
+    rounds interleaved in rotating order; the median wall time per system is reported. Every system is credited with
+    the same tokens: the texts' as the Embedder's tokenizer gives them, cut at max_seq_length."""
+    skipped = {k: v for k, v in peer_status().items() if k in systems and v}
+    tokens = sum(len(t.token_ids) for t in embedder.encoder.tokenize(texts))
+    st_model = load_sentence_transformer(folder) if "st" in systems and "st" not in skipped else None
+    runners = {}
+    if "embedder" in systems:
+        runners["embedder"] = lambda: run_embedder(embedder, texts, tokens)
+    for b in batch_sizes if st_model is not None else []:
+        runners[f"st batch {b}"] = lambda b=b: run_sentence_transformer(st_model, texts, b, tokens)
+    # A warm-up of each on a few texts: the first call of either pays for allocations and lazy initialisation.
+    embedder.embed(texts[:8], use_tqdm=False)
+    if st_model is not None:
+        st_model.encode(texts[:8], show_progress_bar=False)
+    names = list(runners)
+    runs: dict[str, list[Result]] = {s: [] for s in names}
+    for k in range(repeats):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            runs[name].append(runners[name]())
+    results = {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
+    rows = [results[s].row() for s in names]
+    base = results.get("embedder")
+    for row, s in zip(rows, names):
+        row["round_walls"] = [r.wall for r in runs[s]]
+        row["ratio_to_embedder"] = base.wall / results[s].wall if base else None  # same tokens: by tokens/s
+    cosine = {}
+    if base:
+        for s, r in results.items():
+            if s != "embedder":
+                c = F.cosine_similarity(base.embeddings, r.embeddings)
+                cosine[s] = {"min": float(c.min()), "row": int(c.argmin()), "mean": float(c.mean())}
+    lo, hi = EMBED_CHARS
+    return {
+        "workload": f"embed: {len(texts)} texts of {lo}-{hi} characters cut from {EMBED_DOCUMENTS}, {tokens:,} tokens "
+        f"(cut at max_seq_length {embedder.max_seq_length})",
+        "systems": rows,
+        "skipped": skipped,
+        "repeats": repeats,
+        "tokens": tokens,
+        "threads": torch.get_num_threads(),
+        "cosine": cosine,
+        "embedder_config": embedder.config.model_dump(),
+    }
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """`batchjob bench`'s options (cli.py documents each)."""
 
+    task: str
     model: str
     job_file: str | None
     num_prompts: int | None
@@ -180,7 +246,7 @@ class BenchOptions:
     output_len: int
     range_ratio: float
     prefix_len: int
-    systems: str
+    systems: str | None
     batch_size: int | None
     repeats: int
     max_num_seqs: int | None
@@ -195,7 +261,9 @@ class BenchOptions:
 
 QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
 QUALITY_ROWS = 200  # the issue's count
-BATCH_SIZE = 64  # of the static and hf baselines
+BATCH_SIZE = 64  # of the static and hf baselines, and --task embed's tuned sentence-transformers batch
+EMBED_TEXTS = 1000  # --task embed's default count of texts
+ST_DEFAULT_BATCH = 32  # sentence-transformers encode's default batch size
 QUALITY_HF_BATCH = 16  # transformers' batches with --quality: prompts of similar length (sorted), up to 2k tokens
 
 
@@ -206,9 +274,32 @@ def _engine(model: str, overrides: dict) -> Engine:
         raise JobFileError(f"bench: {e}") from None
 
 
+def _embed_report(o: BenchOptions) -> dict:
+    """`--task embed`: the Embedder on the --model folder, the texts and the comparison."""
+    unused = [f for f, v in (("--job", o.job_file), ("--quality", o.quality), ("--sweep-budgets", o.budgets)) if v]
+    if unused:
+        raise JobFileError(f"bench --task embed: {', '.join(unused)}: for --task generate only")
+    systems = [s.strip() for s in (o.systems or "embedder,st").split(",") if s.strip()]
+    if unknown := sorted(set(systems) - {"embedder", "st"}):
+        raise JobFileError(f"bench --task embed: unknown systems {unknown} (expected embedder, st)")
+    config = {k: v for k, v in (("dtype", o.dtype), ("max_num_batched_tokens", o.max_num_batched_tokens)) if v}
+    try:
+        embedder = Embedder(o.model, **config)
+    except pydantic.ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise JobFileError(f"bench --task embed: {why}") from None
+    batch_sizes = sorted({ST_DEFAULT_BATCH, o.batch_size or BATCH_SIZE})
+    texts = embed_texts(o.num_prompts or EMBED_TEXTS)
+    return run_embed_bench(embedder, o.model, texts, systems, batch_sizes, o.repeats)
+
+
 def bench(o: BenchOptions) -> str:
     """Build the engine and the workload the options name, run the comparison (or the budget sweep), write the JSON
     report where asked, and return the table."""
+    if o.task == "embed":
+        report = _embed_report(o)
+        _write_json(o.json_path, report)
+        return format_embed(report)
     overrides = {
         k: v
         for k, v in (
@@ -244,11 +335,15 @@ def bench(o: BenchOptions) -> str:
         report = run_sweep(engine, wl, o.budgets, o.repeats)
         text = format_sweep(report)
     else:
-        systems = [s.strip() for s in o.systems.split(",") if s.strip()]
+        systems = [s.strip() for s in (o.systems or "engine,static,hf").split(",") if s.strip()]
         batch = o.batch_size or BATCH_SIZE
         report = run_bench(engine, engine.model_path, wl, systems, batch, o.repeats, torch.get_num_threads())
         text = format_report(report)
-    if o.json_path:
-        with open(o.json_path, "w") as f:
-            json.dump(report, f, indent=2)
+    _write_json(o.json_path, report)
     return text
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)

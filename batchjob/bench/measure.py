@@ -38,11 +38,13 @@ class Result:
     note: str = ""  # how the system was run, where it differs from its defaults or from the others
     outputs: dict[str, list[int]] | None = None  # output token ids by request id, to compare systems' greedy outputs
     sample_tokens: dict[str, int] | None = None  # by request id, its longest sample's output tokens
+    embeddings: torch.Tensor | None = None  # --task embed: the texts' embeddings [texts, hidden], in input order
 
     def row(self) -> dict:
         d = dict(self.__dict__)
         d.pop("outputs")
         d.pop("sample_tokens")
+        d.pop("embeddings")
         d.update(
             requests_per_s=self.num_requests / self.wall,
             total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.wall,

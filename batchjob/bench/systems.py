@@ -1,5 +1,6 @@
 """The systems a workload runs through: this engine, fixed-batch baselines on its model runner (`static`),
-transformers `generate` (`hf`), vLLM and llama-cpp-python where installed."""
+transformers `generate` (`hf`), vLLM and llama-cpp-python where installed; for `--task embed`, the Embedder and
+sentence-transformers `encode`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from batchjob import env
 from batchjob.bench.measure import Result, summarize
 from batchjob.bench.workloads import Workload
 from batchjob.engine.block_manager import KVPoolExhausted
+from batchjob.engine.embedder import Embedder
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.engine.sequence import Sequence
@@ -257,6 +259,36 @@ def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
     return result
 
 
+def run_embedder(embedder: Embedder, texts: list[str], tokens: int) -> Result:
+    """The Embedder on the texts; `tokens` is the texts' count (every system is credited with the same)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = embedder.embed(texts, use_tqdm=False)
+    result = Result("embedder", time.perf_counter() - t0, tokens, 0, len(texts))
+    result.cpu_s, result.note = time.process_time() - c0, f"{dtype_name(embedder.dtype)}, packed, sorted by length"
+    result.note += f", up to {embedder.config.max_num_batched_tokens} tokens a pass"
+    result.embeddings = torch.tensor([o.embedding for o in outs])
+    return result
+
+
+def load_sentence_transformer(folder):
+    """sentence-transformers' model of the folder, on the CPU in fp32 (its default)."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder), device="cpu")
+
+
+def run_sentence_transformer(model, texts: list[str], batch_size: int, tokens: int) -> Result:
+    """sentence-transformers `encode` at `batch_size` (it sorts the texts by length and pads each batch)."""
+    import sentence_transformers
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    vectors = model.encode(texts, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
+    result = Result(f"st batch {batch_size}", time.perf_counter() - t0, tokens, 0, len(texts), float(batch_size))
+    result.cpu_s, result.embeddings = time.process_time() - c0, vectors.float().cpu()
+    result.note = f"sentence-transformers {sentence_transformers.__version__} encode, float32, sorted by length, padded"
+    return result
+
+
 def peer_status() -> dict[str, str | None]:
     """None for a peer that can run here, else why it is skipped."""
     return {
@@ -265,4 +297,7 @@ def peer_status() -> dict[str, str | None]:
         else "transformers not installed (pip install -e '.[test]')",
         "vllm": None if importlib.util.find_spec("vllm") else "vllm not installed",
         "llama-cpp": None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python not installed",
+        "st": None
+        if importlib.util.find_spec("sentence_transformers")
+        else "sentence-transformers not installed (pip install -e '.[test]')",
     }

@@ -108,6 +108,39 @@ def format_report(report: dict) -> str:
     return render(columns, rows, report["workload"], notes)
 
 
+def format_embed(report: dict) -> str:
+    """`bench --task embed`: each system's input tokens/s and ratio to the Embedder; the Embedder's speed-up over
+    each peer, each round's wall time and the embeddings' cosine agreement as notes."""
+    columns = ["system", "texts/s", "input tok/s", "ratio", "wall s", "how it ran"]
+    rows = [
+        [
+            r["system"],
+            f"{r['requests_per_s']:.1f}",
+            f"{r['total_tokens_per_s']:,.0f}",
+            "" if r["ratio_to_embedder"] is None else f"{r['ratio_to_embedder']:.2f}x",
+            f"{r['wall']:.2f}",
+            r["note"],
+        ]
+        for r in report["systems"]
+    ]
+    peers = [r for r in report["systems"] if r["system"] != "embedder" and r["ratio_to_embedder"]]
+    notes = []
+    if peers:
+        notes.append(
+            "embedder's tokens/s: " + ", ".join(f"{1 / r['ratio_to_embedder']:.2f}x {r['system']}'s" for r in peers)
+        )
+    walls = "; ".join(f"{r['system']} {', '.join(f'{w:.2f}' for w in r['round_walls'])}" for r in report["systems"])
+    notes.append(f"wall time of each round (s), {report['repeats']} round(s), {report['threads']} threads: {walls}")
+    for name, c in report["cosine"].items():
+        notes.append(
+            f"cosine of the embedder's embeddings to {name}'s: min {c['min']:.5f} (text {c['row']}), "
+            f"mean {c['mean']:.5f}"
+        )
+    for name, why in report["skipped"].items():
+        notes.append(f"skipped {name}: {why}")
+    return render(columns, rows, report["workload"], notes)
+
+
 def format_selftest(rows: list[dict]) -> str:
     """The kernels' self-test rows, then each error and a pass count."""
     cols = [("kernel", "kernel"), ("case", "case"), ("dtype", "dtype"), ("shape", "shape")]

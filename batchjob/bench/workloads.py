@@ -1,10 +1,14 @@
-"""The bench's workloads: random token ids as vLLM's benchmark draws them, or a job file's real rows."""
+"""The bench's workloads: random token ids as vLLM's benchmark draws them, or a job file's real rows; for
+`--task embed`, texts of mixed lengths cut from real documents."""
 
 from __future__ import annotations
 
 import itertools
 import random
 from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
@@ -75,3 +79,28 @@ def unconstrained(wl: Workload, sample_tokens: dict[str, int]) -> Workload:
         for r in wl.requests
     ]
     return Workload(reqs, f"{wl.name}, unconstrained")
+
+
+EMBED_DOCUMENTS = "sample_data/documents.parquet"  # --task embed's texts are cut from these documents
+EMBED_CHARS = (40, 1200)  # the issue's range of text lengths, in characters
+
+
+def embed_texts(num_texts: int, seed: int = 0, path: str | Path = EMBED_DOCUMENTS) -> list[str]:
+    """`num_texts` texts of EMBED_CHARS characters: each document's text (rows reused in turn) cut at a length drawn
+    uniformly from the range, back to the last whitespace at or before it (a word boundary); a text shorter than the
+    drawn length is taken whole. Documents shorter than the range's low end are passed over. The same seed gives the
+    same texts."""
+    lo, hi = EMBED_CHARS
+    docs = [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and len(t.strip()) >= lo]
+    if not docs:
+        raise ValueError(f"{path}: no document of {lo} characters or more")
+    rng = random.Random(seed)
+    texts = []
+    for doc in itertools.islice(itertools.cycle(docs), num_texts):
+        doc = doc.strip()
+        length = rng.randint(lo, hi)
+        if len(doc) > length:
+            cut = next((i for i in range(length, lo - 1, -1) if doc[i].isspace()), length)
+            doc = doc[:cut].rstrip() if len(doc[:cut].rstrip()) >= lo else doc[:cut]
+        texts.append(doc)
+    return texts
