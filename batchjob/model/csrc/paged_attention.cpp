@@ -249,22 +249,6 @@ inline void tile_scores(const float* qt, int64_t m_pad, const T* const* k, float
     for (int i = 0; i < MV; ++i) *reinterpret_cast<v16*>(s + kp * m_pad + i * 16) = acc[kp][i] * scale;
 }
 
-// Scores of every key of the tile's context against query vectors [m0, m0 + 16 MV).
-template <int D, int MV, typename T>
-void scores_run(const Tile<T>& t, const float* qt, int64_t m0, int64_t m_pad, int64_t kh, float* s) {
-  auto key = [&](int64_t p) { return cache_row(t, t.k, p) + kh * D; };
-  int64_t p = 0;
-  for (; p + kKeysPerStep <= t.ctx; p += kKeysPerStep) {
-    const T* k[kKeysPerStep];
-    for (int i = 0; i < kKeysPerStep; ++i) k[i] = key(p + i);
-    tile_scores<D, MV, kKeysPerStep>(qt + m0, m_pad, k, s + p * m_pad + m0, t.scale);
-  }
-  for (; p < t.ctx; ++p) {
-    const T* k[1] = {key(p)};
-    tile_scores<D, MV, 1>(qt + m0, m_pad, k, s + p * m_pad + m0, t.scale);
-  }
-}
-
 // o[r] = sum over the context's keys p of P[p][m0 + r] V(p), for R query vectors whose output rows (D floats each) lie
 // back to back at o. The R x NV accumulators stay in registers over the whole context, block after block (per-block
 // calls that loaded and stored them took a quarter of the P V time), while V rows come from L2 once per R vectors.
@@ -370,9 +354,9 @@ void transpose_query_pairs(const Tile<bf16>& t, int64_t kh, int64_t m, int64_t m
     }
 }
 
-// s[kp][m] = scale * K(kp) . q(m) for KP keys and MV vectors of 16 query vectors, as tile_scores.
+// s[kp][m] = scale * K(kp) . q(m) for KP keys and MV vectors of 16 query vectors: tile_scores on query pairs.
 template <int D, int MV, int KP>
-inline void tile_scores_pairs(const uint32_t* qt2, int64_t m_pad, const bf16* const* k, float* s, float scale) {
+inline void tile_scores(const uint32_t* qt2, int64_t m_pad, const bf16* const* k, float* s, float scale) {
   __m512 acc[KP][MV];
   for (int kp = 0; kp < KP; ++kp)
     for (int i = 0; i < MV; ++i) acc[kp][i] = _mm512_setzero_ps();
@@ -386,21 +370,6 @@ inline void tile_scores_pairs(const uint32_t* qt2, int64_t m_pad, const bf16* co
   }
   for (int kp = 0; kp < KP; ++kp)
     for (int i = 0; i < MV; ++i) _mm512_storeu_ps(s + kp * m_pad + i * 16, _mm512_mul_ps(acc[kp][i], _mm512_set1_ps(scale)));
-}
-
-template <int D, int MV>
-void scores_run_pairs(const Tile<bf16>& t, const uint32_t* qt2, int64_t m0, int64_t m_pad, int64_t kh, float* s) {
-  auto key = [&](int64_t p) { return cache_row(t, t.k, p) + kh * D; };
-  int64_t p = 0;
-  for (; p + kKeysPerStep <= t.ctx; p += kKeysPerStep) {
-    const bf16* k[kKeysPerStep];
-    for (int i = 0; i < kKeysPerStep; ++i) k[i] = key(p + i);
-    tile_scores_pairs<D, MV, kKeysPerStep>(qt2 + m0, m_pad, k, s + p * m_pad + m0, t.scale);
-  }
-  for (; p < t.ctx; ++p) {
-    const bf16* k[1] = {key(p)};
-    tile_scores_pairs<D, MV, 1>(qt2 + m0, m_pad, k, s + p * m_pad + m0, t.scale);
-  }
 }
 
 // p2[p / 2][m] = the probabilities of keys p and p + 1 (0 past the context) for query vector m, rounded to bf16 and
@@ -455,6 +424,23 @@ inline void context_values_pairs(const Tile<bf16>& t, int64_t kh, const uint32_t
 }
 #endif
 
+// Scores of every key of the tile's context against query vectors [m0, m0 + 16 MV): qt holds them transposed as
+// float32 (Q = float) or, for vdpbf16ps, as bf16 pairs (Q = uint32_t), and the matching tile_scores runs.
+template <int D, int MV, typename T, typename Q>
+void scores_run(const Tile<T>& t, const Q* qt, int64_t m0, int64_t m_pad, int64_t kh, float* s) {
+  auto key = [&](int64_t p) { return cache_row(t, t.k, p) + kh * D; };
+  int64_t p = 0;
+  for (; p + kKeysPerStep <= t.ctx; p += kKeysPerStep) {
+    const T* k[kKeysPerStep];
+    for (int i = 0; i < kKeysPerStep; ++i) k[i] = key(p + i);
+    tile_scores<D, MV, kKeysPerStep>(qt + m0, m_pad, k, s + p * m_pad + m0, t.scale);
+  }
+  for (; p < t.ctx; ++p) {
+    const T* k[1] = {key(p)};
+    tile_scores<D, MV, 1>(qt + m0, m_pad, k, s + p * m_pad + m0, t.scale);
+  }
+}
+
 template <int NV, int G, typename T>
 void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
   constexpr int64_t D = NV * 16;
@@ -480,9 +466,9 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
       if constexpr (kPairs) {
         uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);
         transpose_query_pairs<NV, G>(t, kh, m, m_pad, qt2);
-        for (; m0 + 48 <= m_pad; m0 += 48) scores_run_pairs<D, 3>(t, qt2, m0, m_pad, kh, s);
-        if (m_pad - m0 == 32) scores_run_pairs<D, 2>(t, qt2, m0, m_pad, kh, s);
-        if (m_pad - m0 == 16) scores_run_pairs<D, 1>(t, qt2, m0, m_pad, kh, s);
+        for (; m0 + 48 <= m_pad; m0 += 48) scores_run<D, 3>(t, qt2, m0, m_pad, kh, s);
+        if (m_pad - m0 == 32) scores_run<D, 2>(t, qt2, m0, m_pad, kh, s);
+        if (m_pad - m0 == 16) scores_run<D, 1>(t, qt2, m0, m_pad, kh, s);
       }
 #endif
     } else {
