@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pydantic
@@ -55,6 +56,16 @@ from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 
 
+def interleaved_rounds(names: list, repeats: int, run: Callable) -> tuple[dict, dict]:
+    """`run(name)` for every name once a round, the order rotating so that none always runs first: each name's
+    results in the order run, and its median round by wall time."""
+    runs: dict = {s: [] for s in names}
+    for k in range(repeats):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            runs[name].append(run(name))
+    return runs, {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
+
+
 def run_bench(
     engine: Engine, model_path, wl: Workload, systems: list[str], batch_size: int, repeats: int, threads: int
 ) -> dict:
@@ -73,7 +84,6 @@ def run_bench(
         systems.remove("vllm")
     hf_model = None
     vllm = load_vllm(engine, model_path) if "vllm" in systems else None
-    runs: dict[str, list[Result]] = {s: [] for s in systems}
     # With the unconstrained peer, an untimed constrained run first: it compiles the grammars, warms the engine up at
     # the workload's shapes and gives the lengths the unconstrained requests are held to.
     free = unconstrained(wl, run_engine(engine, wl).sample_tokens) if "unconstrained" in systems else None
@@ -103,11 +113,7 @@ def run_bench(
         # (one engine round 28 s, the other 34 s in one run). An untimed round of every system first.
         for system in systems:
             run(system)
-    for k in range(repeats):
-        # The order rotates so that no system always runs first.
-        for system in systems[k % len(systems) :] + systems[: k % len(systems)]:
-            runs[system].append(run(system))
-    results = {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
+    runs, results = interleaved_rounds(systems, repeats, run)
     rows = [results[s].row() for s in systems]
     for row, s in zip(rows, systems):
         row["round_walls"] = [r.wall for r in runs[s]]  # in the order run: the spread a noisy host gives
@@ -154,15 +160,16 @@ def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) ->
     shared host disturb far less (the engine's threads are this process's)."""
     settings: list[int | str] = [*budgets, "auto"]
     engine.generate([wl.requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    runs: dict[int | str, list[Result]] = {s: [] for s in settings}
     tuners: list[dict] = []
-    for k in range(repeats):
-        for setting in settings[k % len(settings) :] + settings[: k % len(settings)]:
-            engine.set_token_budget(setting)
-            runs[setting].append(run_engine(engine, wl, f"budget {setting}"))
-            if setting == "auto":
-                tuners.append(engine.auto_budget.summary())
-    results = {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
+
+    def run(setting: int | str) -> Result:
+        engine.set_token_budget(setting)
+        result = run_engine(engine, wl, f"budget {setting}")
+        if setting == "auto":
+            tuners.append(engine.auto_budget.summary())
+        return result
+
+    runs, results = interleaved_rounds(settings, repeats, run)
     cpu = {s: statistics.median(x.cpu_s for x in r) for s, r in runs.items()}
     rows = [{**results[s].row(), "median_cpu_s": cpu[s]} for s in settings]
     best = max((r for r, s in zip(rows, settings) if s != "auto"), key=lambda r: r["requests_per_s"])
@@ -204,11 +211,7 @@ def run_embed_bench(
     if st_model is not None:
         st_model.encode(texts[:8], show_progress_bar=False)
     names = list(runners)
-    runs: dict[str, list[Result]] = {s: [] for s in names}
-    for k in range(repeats):
-        for name in names[k % len(names) :] + names[: k % len(names)]:
-            runs[name].append(runners[name]())
-    results = {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
+    runs, results = interleaved_rounds(names, repeats, lambda name: runners[name]())
     rows = [results[s].row() for s in names]
     base = results.get("embedder")
     for row, s in zip(rows, names):
