@@ -6,11 +6,15 @@ holds texts of near lengths (its attention pads to the longest); results come ba
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer as HFTokenizer
 
 from batchjob.engine.config import EmbedderConfig
 from batchjob.engine.host_memory import keep_freed_memory
@@ -19,6 +23,7 @@ from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
 from batchjob.model.errors import ModelNotFoundError
+from batchjob.model.loader import file_digest
 
 __all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
 
@@ -49,10 +54,50 @@ class Embedder:
             raise ModelNotFoundError(f"model {model!r} not found: an Embedder takes a sentence-transformers folder")
         self.encoder: Encoder = load_encoder(path, self.dtype)
         self._request_counter = itertools.count()
+        self._left_tokenizer: HFTokenizer | None = None
+        # What decides the numbers, for a job's fingerprint: every file of the folder, and how it is computed.
+        self.model_digest = file_digest([p for p in path.rglob("*") if p.is_file()])
+        self.model_revision: str | None = None
+        self.numerics = {"device": "cpu", "dtype": str(self.dtype).removeprefix("torch."), "task": "embed"}
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        self._matryoshka = config.get("is_matryoshka") or config.get("matryoshka_dimensions")
 
     @property
     def max_seq_length(self) -> int:
         return self.encoder.max_seq_length
+
+    @property
+    def dimension(self) -> int:
+        """The length of an embedding."""
+        return self.encoder.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoder.model.config.vocab_size
+
+    def can_shorten_to(self, dimensions: int) -> bool:
+        """Whether the model was trained to give its embeddings' first `dimensions` values meaning of their own (a
+        Matryoshka model: config.json's is_matryoshka or matryoshka_dimensions, as vLLM reads them)."""
+        if dimensions == self.dimension:
+            return True
+        allowed = self._matryoshka
+        return dimensions < self.dimension and (allowed is True or dimensions in (allowed or ()))
+
+    def shorten(self, embedding: list[float], dimensions: int) -> list[float]:
+        """The embedding's first `dimensions` values, normalised again if the model normalises (as OpenAI's API and
+        vLLM give a shortened embedding)."""
+        vector = torch.tensor(embedding[:dimensions])
+        return (F.normalize(vector, dim=0) if self.encoder.pooling.normalize else vector).tolist()
+
+    def tokenize(self, texts: list[str], truncation_side: Literal["right", "left"] = "right") -> list[Tokenized]:
+        """Token ids as embed() reads them, special tokens included, cut to max_seq_length keeping the text's start
+        (right, as sentence-transformers does) or its end (left); `truncated` says whether anything was cut."""
+        if truncation_side == "right":
+            return self.encoder.tokenize(texts)
+        if self._left_tokenizer is None:
+            self._left_tokenizer = HFTokenizer.from_str(self.encoder.tokenizer.to_str())
+            self._left_tokenizer.enable_truncation(self.max_seq_length, direction="left")
+        return [Tokenized(e.ids, bool(e.overflowing)) for e in self._left_tokenizer.encode_batch(texts)]
 
     def embed(self, prompts: str | list[str] | list[list[int]], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One output per prompt, in input order. A text is tokenized with the model's special tokens and cut at

@@ -32,7 +32,18 @@ __all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput
 
 
 class Engine:
-    def __init__(self, model: str = DEFAULT_MODEL, **config):
+    def __new__(cls, model: str = DEFAULT_MODEL, task: str = "generate", **config):
+        """`task="embed"` gives an Embedder (engine/embedder.py) for the model, as vLLM's LLM(model, task="embed")
+        gives an engine whose embed() works."""
+        if task == "embed":
+            from batchjob.engine.embedder import Embedder
+
+            return Embedder(model, **config)
+        if task != "generate":
+            raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
+        return super().__new__(cls)
+
+    def __init__(self, model: str = DEFAULT_MODEL, task: str = "generate", **config):
         self.config = EngineConfig(**config)
         if self.config.load_format == "dummy":
             device = pick_device(self.config)

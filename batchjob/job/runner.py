@@ -33,6 +33,7 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
     between runs; the engine settings that change what is computed may not."""
     fp = {
         "model": job.model,
+        "task": job.task,
         "model_digest": model_digest,
         "model_revision": None,  # the Hub commit, known with the digest
         "numerics": None,  # the resolved device, dtypes and ops backend, known with the digest

@@ -15,9 +15,9 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from batchjob.engine.config import EngineConfig
+from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.output.schema import RESULT_COLUMNS
+from batchjob.job.output.schema import EMBEDDING_COLUMNS, RESULT_COLUMNS
 from batchjob.model.builtin import DEFAULT_MODEL
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
@@ -62,11 +62,11 @@ class InputSpec(_Section):
         twice = sorted({c for c in self.passthrough if self.passthrough.count(c) > 1})
         if twice:
             raise ValueError(f"passthrough: {', '.join(twice)} named more than once")
-        clashes = sorted(RESULT_COLUMNS & set(self.passthrough))
+        clashes = sorted((RESULT_COLUMNS | EMBEDDING_COLUMNS) & set(self.passthrough))
         if clashes:
             raise ValueError(
                 f"passthrough: {', '.join(clashes)} would clash with result columns of that name "
-                f"({', '.join(sorted(RESULT_COLUMNS))})"
+                f"({', '.join(sorted(RESULT_COLUMNS | EMBEDDING_COLUMNS))})"
             )
         if self.format == "openai-batch":
             named = {"id_column", "text_column", "messages_column"} & self.model_fields_set
@@ -147,6 +147,9 @@ class RaySpec(_Section):
 
 class JobSpec(_Section):
     model: str = Field(DEFAULT_MODEL, min_length=1)
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="'embed': one embedding a row (a sentence-transformers model) instead of a completion"
+    )
     executor: Literal["local", "ray"] = Field("local", description="'ray': scale out over Ray Data actors")
     input: InputSpec
     prompt: PromptSpec = Field(default_factory=PromptSpec)
@@ -160,6 +163,8 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
         inp, prompt = self.input, self.prompt
+        if self.task == "embed":
+            self._check_embed()
         if inp.messages_column is not None:
             if prompt.template is not None:
                 raise ValueError("prompt.template: not used with input.messages_column (the messages are the prompt)")
@@ -178,6 +183,30 @@ class JobSpec(_Section):
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self
+
+    def _check_embed(self) -> None:
+        """What an embedding job cannot use fails here rather than being ignored: there is nothing to sample, no chat
+        to template, and the engine is an Embedder with settings of its own."""
+        unused = [name for name in ("sampling", "ray") if name in self.model_fields_set]
+        unused += [f"prompt.{name}" for name in ("system", "chat_template") if name in self.prompt.model_fields_set]
+        unused += ["input.messages_column"] if self.input.messages_column is not None else []
+        unused += ["executor: ray"] if self.executor == "ray" else []
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: not used with task 'embed'")
+        settings = self.engine.model_dump(exclude_unset=True)
+        other = sorted(set(settings) - set(EmbedderConfig.model_fields))
+        if other:
+            raise ValueError(
+                f"engine.{', engine.'.join(other)}: not used with task 'embed' "
+                f"(its engine keys: {', '.join(EmbedderConfig.model_fields)})"
+            )
+        if "on_too_long" not in self.prompt.model_fields_set:
+            # An embedding model reads a text's start, as sentence-transformers cuts it; `truncated` says so.
+            object.__setattr__(self.prompt, "on_too_long", "truncate_right")
+        try:
+            EmbedderConfig(**settings)
+        except pydantic.ValidationError as e:
+            raise ValueError("; ".join(f"engine.{_describe(err, [])}" for err in e.errors())) from None
 
 
 # A job file is a few hundred values; past these it is not one (/dev/zero, a log named by mistake, or aliases that

@@ -27,6 +27,9 @@ RESULT_SCHEMA = pa.schema(
     ]
 )
 RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
+# An embedding job's rows (task: embed): one `embedding` a row, or for OpenAI Batch input, a line's `embeddings` (one
+# per input, each cut to the line's `dimensions`) with the line's encoding_format for its response.
+EMBEDDING_COLUMNS = frozenset({"embedding", "embeddings", "encoding_format"})
 
 
 def result_rows(work, output, tokenizer) -> list[dict]:
@@ -78,3 +81,23 @@ def failed_row(row, error: str) -> dict:
 
 def result_schema(passthrough: pa.Schema) -> pa.Schema:
     return pa.schema([*RESULT_SCHEMA, *passthrough])
+
+
+def embedding_schema(passthrough: pa.Schema, dimension: int, per_line: bool) -> pa.Schema:
+    """The columns of an embedding job's rows: `per_line` for OpenAI Batch input, whose lines hold lists of inputs."""
+    if per_line:
+        vectors = [("embeddings", pa.list_(pa.list_(pa.float32()))), ("encoding_format", pa.string())]
+    else:
+        vectors = [("embedding", pa.list_(pa.float32(), dimension))]
+    common = [("prompt_tokens", pa.int32()), ("truncated", pa.bool_()), ("error", pa.string())]
+    return pa.schema([("id", pa.string()), *vectors, *common, ("row_index", pa.int64()), *passthrough])
+
+
+def embedding_row(row, vectors: list[list[float]], prompt_tokens: int, truncated: bool, per_line: bool) -> dict:
+    """The output row of an input row whose inputs were embedded (a row of OpenAI Batch input may have several)."""
+    record = {**row.passthrough, "id": row.id, "prompt_tokens": prompt_tokens, "truncated": truncated}
+    if per_line:
+        record |= {"embeddings": vectors, "encoding_format": row.values["encoding_format"]}
+    else:
+        record["embedding"] = vectors[0]
+    return record | {"error": None, "row_index": row.index}

@@ -38,7 +38,6 @@ from batchjob.job.output.storage import (
     location,
     mtime,
     parquet_file,
-    read_parquet,
     refresh,
     write_atomic,
     write_json,
@@ -47,6 +46,9 @@ from batchjob.job.output.storage import (
 JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_lock"
 DATA, STAGING, STAGED, OPENAI_OUTPUT = "data", "_sorted", "_COMPLETE", "output.jsonl"
 TIMELINE, METRICS, QUARANTINE = "_timeline.parquet", "metrics.prom", "_quarantine"
+COUNTED_COLUMNS = ("id", "error", "prompt_tokens", "output_tokens", "cached_tokens")  # of the committed parts
+# What a fingerprint part that an earlier batchjob did not record stood for: every job then generated.
+FINGERPRINT_DEFAULTS = {"task": "generate"}
 # The files batchjob writes beside data/ (recorded in _job.json's "files" before it first writes them).
 WRITTEN = (SUCCESS, SUMMARY, OPENAI_OUTPUT, TIMELINE, METRICS)
 # The files that say the job is complete: removed together, first, whenever the results are repaired.
@@ -214,7 +216,8 @@ class OutputDir:
         done, id_chunks = Committed(), []
         for part in parts:
             try:
-                table = read_parquet(part, columns=["id", "error", "prompt_tokens", "output_tokens", "cached_tokens"])
+                with parquet_file(part) as pf:  # an embedding job's parts have no output or cached tokens
+                    table = pf.read(columns=[c for c in COUNTED_COLUMNS if c in pf.schema_arrow.names])
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
                 raise StateError(f"cannot read the committed part {part}: {e}") from None
             if with_ids:
@@ -222,7 +225,8 @@ class OutputDir:
             done.rows += table.num_rows
             done.failed += table.num_rows - table.column("error").null_count
             for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
-                setattr(done, name, getattr(done, name) + (pc.sum(table.column(name)).as_py() or 0))
+                if name in table.column_names:
+                    setattr(done, name, getattr(done, name) + (pc.sum(table.column(name)).as_py() or 0))
         if id_chunks:
             done.ids = pa.chunked_array([c for column in id_chunks for c in column.chunks], pa.string())
         return done
@@ -263,7 +267,8 @@ class OutputDir:
                     "batchjob will not delete them: move them away or choose another output.path"
                 )
             return
-        stored = meta.get("fingerprint", {})
+        # A fingerprint part that an earlier batchjob did not record had the one value it then could have.
+        stored = FINGERPRINT_DEFAULTS | meta.get("fingerprint", {})
         changed = [k for k in keys if stored.get(k) != fingerprint[k]]
         if changed:
             raise StateError(
