@@ -147,6 +147,8 @@ def plan(job_file: str, overrides: tuple[str, ...], no_calibrate: bool, as_json:
 
 def _plan_text(r: dict) -> str:
     lines = [("rows", f"{r['rows']:,} ({r['rows_failing_before_the_model']:,} fail before the model)")]
+    if r.get("task") == "embed":
+        return _plan_embedding_text(r, lines)
     if r["requests"]:
         lines += [
             ("requests", f"{r['requests']:,} ({r['duplicate_rows_computed_once']:,} duplicate rows computed once)"),
@@ -176,6 +178,29 @@ def _plan_text(r: dict) -> str:
             ),
             ("estimated time", f"{r['estimated_time_s']:,.0f} s"),
         ]
+    return _table(lines)
+
+
+def _plan_embedding_text(r: dict, lines: list[tuple[str, str]]) -> str:
+    if r["requests"]:
+        lines += [
+            ("inputs", f"{r['requests']:,} ({r['rows_truncated']:,} rows cut at {r['max_seq_length']:,} tokens)"),
+            (
+                "input tokens",
+                f"total {r['prompt_tokens_total']:,} | p50 {r['prompt_tokens_p50']:,} | p99 {r['prompt_tokens_p99']:,}",
+            ),
+            ("embeddings", f"{r['dimension']:,} values each"),
+        ]
+    if "calibration" in r:
+        c = r["calibration"]
+        lines += [
+            ("calibration", f"{c['inputs']:,} inputs: {c['tokens_per_s']:,.0f} tok/s"),
+            ("estimated time", f"{r['estimated_time_s']:,.0f} s"),
+        ]
+    return _table(lines)
+
+
+def _table(lines: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k:<20}{v}" for k, v in lines)
 
 
@@ -348,10 +373,11 @@ def report(folder, output_dir) -> None:
     self-contained HTML page."""
     from batchjob.job.telemetry.report import render
 
-    try:
-        paths = render(folder, output_dir)
-    except FileNotFoundError as e:  # not a job's output folder
-        _fail(str(e), EXIT_USAGE)
+    with _failures():
+        try:
+            paths = render(folder, output_dir)
+        except FileNotFoundError as e:  # not a job's output folder
+            _fail(str(e), EXIT_USAGE)
     for path in paths:
         click.echo(str(path))
 
