@@ -24,7 +24,7 @@ from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.telemetry.progress import LogProgress, RichProgress
-from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchjob.model.errors import CacheDirError, ModelError
 
 _set_option = click.option(
@@ -281,9 +281,9 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     show_default=True,
     type=click.Choice(["generate", "embed"]),
     help="embed: the Embedder against sentence-transformers encode on texts cut from sample_data/documents.parquet "
-    "(--model: a sentence-transformers folder)",
+    "(--model: a sentence-transformers folder or built-in name)",
 )
-@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--model", default=None, help=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} with --task embed")
 @click.option(
     "--job",
     "job_file",
@@ -361,6 +361,8 @@ def bench(**options) -> None:
     from batchjob.bench.compare import BenchOptions
     from batchjob.bench.compare import bench as run_bench
 
+    embedding = options["task"] == "embed"
+    options["model"] = options["model"] or (DEFAULT_EMBEDDING_MODEL if embedding else DEFAULT_MODEL)
     with _failures():
         click.echo(run_bench(BenchOptions(**options)))
 

@@ -9,7 +9,6 @@ import itertools
 import json
 import os
 import time
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -23,7 +22,7 @@ from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
 from batchjob.model.errors import ModelNotFoundError
-from batchjob.model.loader import file_digest
+from batchjob.model.loader import file_digest, locate_model
 
 __all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
 
@@ -49,15 +48,18 @@ class Embedder:
         configure_threads(self.config.num_threads or os.cpu_count() or 1)
         keep_freed_memory()
         self.dtype = pick_dtype(self.config, torch.device("cpu"))
-        path = Path(model).expanduser()
+        location = locate_model(model)  # a folder, a built-in name or a Hub id
+        path = self.model_path = location.path
         if not path.is_dir():
-            raise ModelNotFoundError(f"model {model!r} not found: an Embedder takes a sentence-transformers folder")
+            raise ModelNotFoundError(
+                f"model {model!r} is not a sentence-transformers folder ({path}): an Embedder takes one"
+            )
         self.encoder: Encoder = load_encoder(path, self.dtype)
         self._request_counter = itertools.count()
         self._left_tokenizer: HFTokenizer | None = None
         # What decides the numbers, for a job's fingerprint: every file of the folder, and how it is computed.
         self.model_digest = file_digest([p for p in path.rglob("*") if p.is_file()])
-        self.model_revision: str | None = None
+        self.model_revision = location.revision
         self.numerics = {"device": "cpu", "dtype": str(self.dtype).removeprefix("torch."), "task": "embed"}
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         self._matryoshka = config.get("is_matryoshka") or config.get("matryoshka_dimensions")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.output.schema import EMBEDDING_COLUMNS, RESULT_COLUMNS
-from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
@@ -146,7 +146,11 @@ class RaySpec(_Section):
 
 
 class JobSpec(_Section):
-    model: str = Field(DEFAULT_MODEL, min_length=1)
+    model: str = Field(
+        DEFAULT_MODEL,
+        min_length=1,
+        description=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} for task 'embed'",
+    )
     task: Literal["generate", "embed"] = Field(
         "generate", description="'embed': one embedding a row (a sentence-transformers model) instead of a completion"
     )
@@ -200,6 +204,8 @@ class JobSpec(_Section):
                 f"engine.{', engine.'.join(other)}: not used with task 'embed' "
                 f"(its engine keys: {', '.join(EmbedderConfig.model_fields)})"
             )
+        if "model" not in self.model_fields_set:
+            object.__setattr__(self, "model", DEFAULT_EMBEDDING_MODEL)
         if "on_too_long" not in self.prompt.model_fields_set:
             # An embedding model reads a text's start, as sentence-transformers cuts it; `truncated` says so.
             object.__setattr__(self.prompt, "on_too_long", "truncate_right")

