@@ -5,7 +5,7 @@ spreads shards over Ray workers. Both commit through the same PartWriter, so the
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -117,18 +117,11 @@ class LocalExecutor:
         if pending.stopper.stopping:
             return
         pending.start()
-        budget = EMBED_CALL_BATCHES * embedder.config.max_num_batched_tokens
-        works = planner.works(pending.rows)
-        while not pending.stopper.stopping:
-            call = list(_up_to_tokens(works, budget))
-            if not call:
+        for call in embedding_calls(planner.works(pending.rows), embedder):
+            if pending.stopper.stopping:
                 return
-            outputs = iter(embedder.embed([ids for w in call for ids in w.inputs], use_tqdm=False))
-            for work in call:
-                vectors = [next(outputs).embedding for _ in work.inputs]
-                if work.dimensions is not None:
-                    vectors = [embedder.shorten(v, work.dimensions) for v in vectors]
-                pending.writer.add(embedding_row(work.row, vectors, work.prompt_tokens, work.truncated, per_line))
+            for record in embedding_records(embedder, call, per_line):
+                pending.writer.add(record)
             pending.progress.rows(len(call), prompt_tokens=sum(w.prompt_tokens for w in call))
 
     def on_step(self, metrics: StepMetrics) -> None:
@@ -169,6 +162,25 @@ class LocalExecutor:
         if self.engine.auto_budget is not None:
             summary["token_budget_auto"] = self.engine.auto_budget.summary()
         return summary
+
+
+def embedding_records(embedder: Embedder, works: list[EmbeddingWork], per_line: bool) -> list[dict]:
+    """The output rows of `works`, their inputs embedded in one Embedder call."""
+    outputs = iter(embedder.embed([ids for w in works for ids in w.inputs], use_tqdm=False))
+    records = []
+    for work in works:
+        vectors = [next(outputs).embedding for _ in work.inputs]
+        if work.dimensions is not None:
+            vectors = [embedder.shorten(v, work.dimensions) for v in vectors]
+        records.append(embedding_row(work.row, vectors, work.prompt_tokens, work.truncated, per_line))
+    return records
+
+
+def embedding_calls(works: Iterable[EmbeddingWork], embedder: Embedder) -> Iterator[list[EmbeddingWork]]:
+    """`works` in groups of a few forward passes' worth of input tokens: one Embedder call each."""
+    works = iter(works)
+    while call := list(_up_to_tokens(works, EMBED_CALL_BATCHES * embedder.config.max_num_batched_tokens)):
+        yield call
 
 
 def _up_to_tokens(works: Iterable[EmbeddingWork], budget: int) -> Iterable[EmbeddingWork]:

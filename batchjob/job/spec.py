@@ -191,10 +191,9 @@ class JobSpec(_Section):
     def _check_embed(self) -> None:
         """What an embedding job cannot use fails here rather than being ignored: there is nothing to sample, no chat
         to template, and the engine is an Embedder with settings of its own."""
-        unused = [name for name in ("sampling", "ray") if name in self.model_fields_set]
+        unused = ["sampling"] if "sampling" in self.model_fields_set else []
         unused += [f"prompt.{name}" for name in ("system", "chat_template") if name in self.prompt.model_fields_set]
         unused += ["input.messages_column"] if self.input.messages_column is not None else []
-        unused += ["executor: ray"] if self.executor == "ray" else []
         if unused:
             raise ValueError(f"{', '.join(unused)}: not used with task 'embed'")
         settings = self.engine.model_dump(exclude_unset=True)

@@ -242,7 +242,6 @@ def test_plan_counts_an_embedding_jobs_inputs_and_times_them(tmp_path, minilm, t
         ({"prompt": {"chat_template": True}}, "prompt.chat_template: not used with task 'embed'"),
         ({"engine": {"max_num_seqs": 8}}, "engine.max_num_seqs: not used with task 'embed'"),
         ({"engine": {"max_num_batched_tokens": 4}}, "engine.max_num_batched_tokens"),
-        ({"executor": "ray"}, "executor: ray: not used with task 'embed'"),
         ({"input": {"passthrough": ["embedding"]}}, "would clash with result columns"),
         ({"task": "rerank"}, "task: Input should be 'generate' or 'embed'"),
     ],
