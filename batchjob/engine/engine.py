@@ -174,11 +174,14 @@ class Engine:
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """generate() over conversations ([{role, content}, ...], or a list of them) through the model's chat
-        template, with the assistant's turn opened."""
+        template, with the assistant's turn opened; `chat_template_kwargs` are the template's own switches (Qwen3's
+        enable_thinking), as in vLLM's LLM.chat."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
+        tokenizer = self.tokenizer.with_template_kwargs(chat_template_kwargs or {})
+        return self.generate([tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
         """Pulls requests lazily while there is room for them and yields each output as soon as it finishes.

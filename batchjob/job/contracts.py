@@ -26,6 +26,8 @@ class Tokenizer(Protocol):
 
     def encode_chats(self, chats: list[Chat]) -> list[list[int] | Exception]: ...
 
+    def with_template_kwargs(self, kwargs: dict) -> Tokenizer: ...
+
 
 class JobEngine(Protocol):
     config: EngineConfig  # block_size for planning, max_num_seqs for `plan`

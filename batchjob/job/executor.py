@@ -145,7 +145,7 @@ class LocalExecutor:
         work = self.in_flight.pop(output.request_id)
         if output.finish_reason == "abort":
             return  # not committed, so it runs again on resume
-        for record in result_rows(work, output, self.engine.tokenizer):
+        for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
             self.pending.writer.add(record)
         self.pending.progress.rows(
             len(work.rows),

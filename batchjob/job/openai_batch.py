@@ -162,6 +162,8 @@ def format_response(row: dict, model: str) -> dict:
             choice["logprobs"] = (_chat_logprobs if chat else _completion_logprobs)(row["logprobs"][i])
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if row.get("reasonings") is not None:  # output.split_reasoning, as vLLM's reasoning parsers answer
+                choice["message"]["reasoning_content"] = row["reasonings"][i]
         else:
             choice["text"] = text
         choices.append(choice)

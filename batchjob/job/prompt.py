@@ -21,7 +21,9 @@ class PromptBuilder:
     def __init__(self, job: JobSpec, tokenizer: Tokenizer, context_len: int):
         self.prompt, self.format = job.prompt, job.input.format
         self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
-        self.tokenizer, self.context_len = tokenizer, context_len
+        kwargs = job.prompt.chat_template_kwargs
+        self.tokenizer = tokenizer.with_template_kwargs(kwargs) if tokenizer is not None else None
+        self.context_len = context_len
         self.fields = [name for name in job.prompt.fields if name != self.text_column]  # parsed once, not per row
         self.chat = job.prompt.chat_template and job.task == "generate"  # an embedding model reads plain text
 

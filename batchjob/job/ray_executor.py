@@ -79,7 +79,7 @@ class EngineWorker:
             schema = embedding_schema(passthrough, self.engine.dimension, self.per_line)
         else:
             self.planner = job_planner(job, self.engine, on_error)
-            schema = result_schema(passthrough)
+            schema = result_schema(passthrough, reasoning=job.output.split_reasoning)
         self.schema = schema.with_metadata({MODEL: json.dumps(model_identity(self.engine))})
 
     def run_shard(self, shard: pa.Table | RowRange) -> pa.Table:
@@ -95,7 +95,8 @@ class EngineWorker:
                 self.records += embedding_records(self.engine, call, self.per_line)
         else:
             for output in self.engine.stream(requests(self.planner.works(rows), works)):
-                self.records += result_rows(works.pop(output.request_id), output, self.engine.tokenizer)
+                work = works.pop(output.request_id)
+                self.records += result_rows(work, output, self.engine.tokenizer, self.job.output.split_reasoning)
         return pa.Table.from_pylist(self.records, schema=self.schema)
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.output.schema import EMBEDDING_COLUMNS, RESULT_COLUMNS
+from batchjob.job.output.schema import EMBEDDING_COLUMNS, REASONING_COLUMNS, RESULT_COLUMNS
 from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
@@ -62,11 +62,12 @@ class InputSpec(_Section):
         twice = sorted({c for c in self.passthrough if self.passthrough.count(c) > 1})
         if twice:
             raise ValueError(f"passthrough: {', '.join(twice)} named more than once")
-        clashes = sorted((RESULT_COLUMNS | EMBEDDING_COLUMNS) & set(self.passthrough))
+        ours = RESULT_COLUMNS | EMBEDDING_COLUMNS | REASONING_COLUMNS
+        clashes = sorted(ours & set(self.passthrough))
         if clashes:
             raise ValueError(
                 f"passthrough: {', '.join(clashes)} would clash with result columns of that name "
-                f"({', '.join(sorted(RESULT_COLUMNS | EMBEDDING_COLUMNS))})"
+                f"({', '.join(sorted(ours))})"
             )
         if self.format == "openai-batch":
             named = {"id_column", "text_column", "messages_column"} & self.model_fields_set
@@ -82,6 +83,9 @@ class PromptSpec(_Section):
     system: str | None = None
     template: str | None = Field(None, description="str.format template over input columns; default: the text")
     chat_template: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="the chat template's own switches, e.g. {enable_thinking: false} (Qwen3)"
+    )
     on_too_long: Literal["error", "truncate_left", "truncate_right"] = "error"
 
     @property
@@ -124,6 +128,9 @@ class OutputSpec(_Section):
     checkpoint_rows: int = Field(1000, ge=1)
     checkpoint_seconds: float = Field(60.0, gt=0)
     rows_per_file: int = Field(100_000, ge=1, description="rows per final file when order is 'input'")
+    split_reasoning: bool = Field(
+        False, description="a <think>...</think> block at an output's start goes to `reasoning`, the rest to `output`"
+    )
 
 
 class RaySpec(_Section):
@@ -192,7 +199,12 @@ class JobSpec(_Section):
         """What an embedding job cannot use fails here rather than being ignored: there is nothing to sample, no chat
         to template, and the engine is an Embedder with settings of its own."""
         unused = ["sampling"] if "sampling" in self.model_fields_set else []
-        unused += [f"prompt.{name}" for name in ("system", "chat_template") if name in self.prompt.model_fields_set]
+        unused += [
+            f"prompt.{name}"
+            for name in ("system", "chat_template", "chat_template_kwargs")
+            if name in self.prompt.model_fields_set
+        ]
+        unused += ["output.split_reasoning"] if self.output.split_reasoning else []
         unused += ["input.messages_column"] if self.input.messages_column is not None else []
         if unused:
             raise ValueError(f"{', '.join(unused)}: not used with task 'embed'")

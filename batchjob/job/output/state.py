@@ -47,8 +47,12 @@ JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_l
 DATA, STAGING, STAGED, OPENAI_OUTPUT = "data", "_sorted", "_COMPLETE", "output.jsonl"
 TIMELINE, METRICS, QUARANTINE = "_timeline.parquet", "metrics.prom", "_quarantine"
 COUNTED_COLUMNS = ("id", "error", "prompt_tokens", "output_tokens", "cached_tokens")  # of the committed parts
-# What a fingerprint part that an earlier batchjob did not record stood for: every job then generated.
-FINGERPRINT_DEFAULTS = {"task": "generate"}
+# What the fingerprint parts that an earlier batchjob did not record stood for then.
+FINGERPRINT_DEFAULTS = {
+    "task": "generate",
+    "prompt": {"chat_template_kwargs": {}},
+    "output": {"split_reasoning": False},
+}
 # The files batchjob writes beside data/ (recorded in _job.json's "files" before it first writes them).
 WRITTEN = (SUCCESS, SUMMARY, OPENAI_OUTPUT, TIMELINE, METRICS)
 # The files that say the job is complete: removed together, first, whenever the results are repaired.
@@ -268,7 +272,8 @@ class OutputDir:
                 )
             return
         # A fingerprint part that an earlier batchjob did not record had the one value it then could have.
-        stored = FINGERPRINT_DEFAULTS | meta.get("fingerprint", {})
+        stored = _with_defaults(meta.get("fingerprint", {}), FINGERPRINT_DEFAULTS)
+        fingerprint = _with_defaults(fingerprint, FINGERPRINT_DEFAULTS)
         changed = [k for k in keys if stored.get(k) != fingerprint[k]]
         if changed:
             raise StateError(
@@ -417,3 +422,14 @@ def _footer_rows(part: Location) -> int | None:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _with_defaults(stored: dict, defaults: dict) -> dict:
+    """`stored` with each part it lacks taken from `defaults`, section by section."""
+    out = dict(stored)
+    for key, value in defaults.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and value:
+            out[key] = _with_defaults(out[key], value)
+        else:
+            out.setdefault(key, value)
+    return out
