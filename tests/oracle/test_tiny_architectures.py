@@ -1,5 +1,6 @@
-"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral), saved as an HF folder by
-transformers inside the test, loaded by our loader: logits and greedy tokens equal transformers' own."""
+"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Mixtral), saved
+as an HF folder by transformers inside the test, loaded by our loader: logits and greedy tokens equal
+transformers' own."""
 
 from __future__ import annotations
 
@@ -82,6 +83,47 @@ CASES = {
         ),
         {"max_shard_size": "100KB"},
     ),
+    # q/k norms per head; head_dim 32 where hidden / heads is 16
+    "qwen3-gqa2-headdim32-tied": (
+        "Qwen3Config",
+        dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+        {},
+    ),
+    # 8 experts, top 2 renormalised; layer 2 dense (mlp_only_layers)
+    "qwen3moe-top2of8-normtopk-mlponly": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[2],
+            tie_word_embeddings=False,
+        ),
+        {},
+    ),
+    # top 3 of 6 as softmax gives them (no renormalising); decoder_sparse_step 2: layers 1 and 3 sparse
+    "qwen3moe-top3of6-sparsestep2": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
+    "mixtral-top2of4": (
+        "MixtralConfig",
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+        {},
+    ),
 }
 LENGTHS = (5, 37, 100)
 
@@ -124,7 +166,7 @@ def _randomize(model: torch.nn.Module) -> None:
 
 def build(case: str, folder, tokenizer_json: str):
     cls_name, extra, save_kwargs = CASES[case]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    config = getattr(transformers, cls_name)(**(COMMON | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     _randomize(model)
@@ -157,12 +199,17 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
     assert ("lm_head.weight" in loaded.weights) != c.tie_word_embeddings
     rope = extra.get("rope_parameters", {})
-    assert c.rope_theta == rope.get("rope_theta", 10000.0)
+    assert c.rope_theta == rope.get("rope_theta", hf.config.rope_parameters["rope_theta"])
     assert (c.rope_scaling or {}).get("rope_type") == (
         rope.get("rope_type") if rope.get("rope_type") != "default" else None
     )
     if c.attention_bias:
         assert loaded.weights["model.layers.0.self_attn.q_proj.bias"].abs().min() > 0
+    assert c.qk_norm == ("q_norm" in str(hf))
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)] == sparse
+    if sparse:
+        assert (c.num_experts, c.num_experts_per_tok) == (hf.config.num_local_experts, hf.config.num_experts_per_tok)
     # Our inverse frequencies are transformers' (llama3 / linear scaling included).
     hf_inv = hf.model.rotary_emb.inv_freq.double()
     assert torch.allclose(c.inv_freq(), hf_inv, rtol=1e-6, atol=0), (c.inv_freq(), hf_inv)
@@ -182,17 +229,44 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
 
 
 @pytest.mark.parametrize(
-    "case", ["llama-mha-tied-llama3rope-sharded", "qwen2-gqa4-bias-tied", "mistral-gqa2-headdim32-linearrope-sharded"]
+    "case",
+    [
+        "llama-mha-tied-llama3rope-sharded",
+        "qwen2-gqa4-bias-tied",
+        "mistral-gqa2-headdim32-linearrope-sharded",
+        "qwen3-gqa2-headdim32-tied",
+        "qwen3moe-top2of8-normtopk-mlponly",
+        "qwen3moe-top3of6-sparsestep2",
+        "mixtral-top2of4",
+    ],
 )
 def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokenizer_json):
-    """Our engine (prompts batched, paged KV, chunked decode) vs `generate` one prompt at a time, eos off."""
+    """Our engine (prompts batched, paged KV) vs `generate` one prompt at a time, eos off; a pool too small for the
+    batch (preemption and recompute) and a token budget below the longest prompt (prefill in chunks, in steps
+    shared with decodes)."""
     from batchjob.engine.engine import Engine
 
     hf = build(case, tmp_path, tokenizer_json)
-    engine = Engine(str(tmp_path), num_kv_blocks=64, device="cpu", dtype="float32", num_threads=1)
+    budget = 16
+    engine = Engine(
+        str(tmp_path),
+        num_kv_blocks=8,  # the longest prompt and its tokens take 7 blocks of 8
+        block_size=8,
+        max_num_batched_tokens=budget,
+        kv_watermark=1.0,
+        enable_prefix_caching=False,
+        device="cpu",
+        dtype="float32",
+        num_threads=1,
+    )
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 45)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 45, 11, 30)]
+    steps = []
+    engine.add_step_callback(steps.append)
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert sum(s.num_preemptions for s in steps) > 0
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in steps)
     for ids, out in zip(prompts, outs):
         with torch.inference_mode():
             # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
