@@ -50,4 +50,4 @@ class SparseMoeBlock:
         # back to pair order, then each row's k terms summed in a fixed order (no atomics: the same sums on a GPU)
         pairs = torch.empty_like(out)
         pairs[order] = out
-        return pairs.view(t, k, -1).sum(dim=1)
+        return pairs.view(t, k, x.shape[-1]).sum(dim=1)

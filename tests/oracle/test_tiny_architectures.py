@@ -241,21 +241,28 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     ],
 )
 def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokenizer_json):
+    greedy_under_pressure_matches_generate(case, tmp_path, tokenizer_json)
+
+
+def greedy_under_pressure_matches_generate(
+    case: str, folder, tokenizer_json: str, ops_backend: str = "torch", device: str = "cpu"
+):
     """Our engine (prompts batched, paged KV) vs `generate` one prompt at a time, eos off; a pool too small for the
     batch (preemption and recompute) and a token budget below the longest prompt (prefill in chunks, in steps
-    shared with decodes)."""
+    shared with decodes). Returns the transformers model."""
     from batchjob.engine.engine import Engine
 
-    hf = build(case, tmp_path, tokenizer_json)
+    hf = build(case, folder, tokenizer_json)
     budget = 16
     engine = Engine(
-        str(tmp_path),
+        str(folder),
         num_kv_blocks=8,  # the longest prompt and its tokens take 7 blocks of 8
         block_size=8,
         max_num_batched_tokens=budget,
         kv_watermark=1.0,
         enable_prefix_caching=False,
-        device="cpu",
+        device=device,
+        ops_backend=ops_backend,
         dtype="float32",
         num_threads=1,
     )
@@ -280,6 +287,7 @@ def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokeniz
             )
         assert out.finish_reason == "length"
         assert out.token_ids == ref[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+    return hf
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
