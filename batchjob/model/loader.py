@@ -245,7 +245,12 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",  # Qwen3-MoE's router
 }
+# llama.cpp stacks a layer's experts into one 3-D tensor [experts, out, in]; HF names each expert's matrix.
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -283,6 +288,15 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
     scaling = g("rope.scaling.type")
     rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")} if scaling == "linear" else None
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    # llama.cpp's qwen3moe: every layer sparse, the top-k weights renormalised unless the file says otherwise
+    moe = {}
+    if g("expert_count"):
+        moe = dict(
+            num_experts=g("expert_count"),
+            num_experts_per_tok=g("expert_used_count"),
+            moe_intermediate_size=g("expert_feed_forward_length"),
+            norm_topk_prob=bool(g("expert_weights_norm", True)),
+        )
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=g("vocab_size") or 0,
@@ -300,6 +314,7 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
         rope_scaling=rope_scaling,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
+        **moe,
     )
 
 
@@ -350,11 +365,17 @@ def convert_gguf(path: Path, out: Path) -> None:
             vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
             config = ModelConfig(**{**config.__dict__, "vocab_size": vocab_size})
         weights = {}
-        permute = meta["general.architecture"] == "llama"
+        permute = meta["general.architecture"] == "llama"  # convert_hf_to_gguf permutes q/k for llama alone
         for t in reader.tensors:
             name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape([int(d) for d in reversed(t.shape)])
+            blk, layer, kind, _ = (t.name.split(".") + ["", "", ""])[:4]
+            if blk == "blk" and kind in _GGUF_EXPERTS:
+                for e, expert in enumerate(arr):
+                    hf = f"model.layers.{layer}.mlp.experts.{e}.{_GGUF_EXPERTS[kind]}.weight"
+                    weights[hf] = torch.from_numpy(np.array(expert, dtype=np.float32))
+                continue
             if permute and name.endswith("q_proj.weight"):
                 arr = unpermute_qk(arr, config.num_attention_heads)
             elif permute and name.endswith("k_proj.weight"):

@@ -4,7 +4,9 @@ transformers' own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
+from batchjob.model import loader  # noqa: E402
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
 from tests.conftest import forward_logits  # noqa: E402
@@ -116,6 +119,14 @@ CASES = {
             norm_topk_prob=False,
             decoder_sparse_step=2,
             tie_word_embeddings=True,
+        ),
+        {},
+    ),
+    # llama.cpp's qwen3moe: every layer sparse, top-k renormalised
+    "qwen3moe-top2of4-allsparse": (
+        "Qwen3MoeConfig",
+        dict(
+            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
         ),
         {},
     ),
@@ -300,3 +311,97 @@ def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
     assert (tok.bos_token_id, tok.eos_token_id) == (0, 2)
     ids = tok.encode_chat([{"role": "user", "content": "hi"}])
     assert ids[0] == 1 and ids.count(2) == 1 and tok.decode(ids, skip_special_tokens=False).endswith("assistant\n")
+
+
+def write_gguf(folder, path, arch: str, tokenizer_json: str, expert_qtype=None) -> None:
+    """The HF folder as llama.cpp's convert_hf_to_gguf.py writes it: metadata keys and tensor names of `arch` (names
+    from the gguf package's own HF -> GGUF table), each layer's experts stacked into one 3-D tensor [experts, out,
+    in], F32 (the experts in `expert_qtype` if given); the tokenizer as a gpt2 BPE vocabulary."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    layers = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if "num_local_experts" in cfg:
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    tok = json.loads(tokenizer_json)
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_chat_template(CHAT_TEMPLATE)
+    experts: dict[str, list] = {}
+    for name, t in weights.items():
+        base = name.removesuffix(".weight")
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)", base)
+        if m:  # gathered per (layer, projection), in expert order
+            experts.setdefault(f"{m[1]}.{m[3]}", []).append((int(m[2]), t))
+            continue
+        w.add_tensor(names.get_name(base) + ".weight", t.numpy())
+    for base, per_expert in experts.items():
+        stacked = torch.stack([t for _, t in sorted(per_expert, key=lambda e: e[0])]).numpy()
+        gguf_name = names.get_name(base) + ".weight"
+        if expert_qtype is None:
+            w.add_tensor(gguf_name, stacked)
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(stacked, expert_qtype), raw_dtype=expert_qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "case,arch,expert_qtype",
+    [
+        ("qwen3-gqa2-headdim32-tied", "qwen3", None),
+        ("qwen3moe-top2of4-allsparse", "qwen3moe", None),
+        ("qwen3moe-top2of4-allsparse", "qwen3moe", "Q8_0"),
+    ],
+)
+def test_tiny_gguf_loads_as_its_hf_folder(case, arch, expert_qtype, tmp_path, tokenizer_json, monkeypatch):
+    """llama.cpp's names for Qwen3 and Qwen3-MoE (q/k norms; the router; stacked 3-D experts, quantized too): the
+    GGUF loads to the HF folder's config and weights (the experts as the gguf package dequantizes them), and its
+    logits equal transformers' on the HF folder."""
+    import gguf
+
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")  # the conversion cache, not the C++ build
+    folder = tmp_path / "hf"
+    hf = build(case, folder, tokenizer_json)
+    qtype = getattr(gguf.GGMLQuantizationType, expert_qtype) if expert_qtype else None
+    write_gguf(folder, tmp_path / "tiny.gguf", arch, tokenizer_json, qtype)
+    ours, ref = load_model(str(tmp_path / "tiny.gguf")), load_model(str(folder))
+    assert ours.config.rms_norm_eps == pytest.approx(ref.config.rms_norm_eps, rel=1e-6)  # GGUF keeps a float32
+    assert dataclasses.replace(ours.config, rms_norm_eps=ref.config.rms_norm_eps) == ref.config
+    assert set(ours.weights) == set(ref.weights)
+    for name, want in ref.weights.items():
+        if qtype is not None and ".experts." in name:
+            want = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(want.numpy(), qtype), qtype))
+        assert torch.equal(ours.weights[name], want), name
+    if expert_qtype:
+        return
+    model = LlamaModel(ours.config, ours.weights, ops)
+    ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert (forward_logits(model, ids, last_only=False) - want).abs().max().item() <= 1e-4
