@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers", reason="the oracle needs the 
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from batchjob.bench.hf_export import export_hf  # noqa: E402
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
 from batchjob.model import loader  # noqa: E402
@@ -400,8 +401,11 @@ def test_tiny_gguf_loads_as_its_hf_folder(case, arch, expert_qtype, tmp_path, to
         assert torch.equal(ours.weights[name], want), name
     if expert_qtype:
         return
-    model = LlamaModel(ours.config, ours.weights, ops)
     ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():
         want = hf(torch.tensor([ids])).logits[0]
+        # and written back out as an HF folder (what the bench's peers read), transformers computes the same
+        exported = transformers.AutoModelForCausalLM.from_pretrained(export_hf(ours, tmp_path / "export")).float()
+        assert (exported(torch.tensor([ids])).logits[0] - want).abs().max().item() <= 1e-5
+    model = LlamaModel(ours.config, ours.weights, ops)
     assert (forward_logits(model, ids, last_only=False) - want).abs().max().item() <= 1e-4
