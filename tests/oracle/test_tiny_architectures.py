@@ -316,10 +316,13 @@ def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
 
 def write_gguf(folder, path, arch: str, tokenizer_json: str, expert_qtype=None) -> None:
     """The HF folder as llama.cpp's convert_hf_to_gguf.py writes it: metadata keys and tensor names of `arch` (names
-    from the gguf package's own HF -> GGUF table), each layer's experts stacked into one 3-D tensor [experts, out,
-    in], F32 (the experts in `expert_qtype` if given); the tokenizer as a gpt2 BPE vocabulary."""
+    from the gguf package's own HF -> GGUF table), q/k rows permuted for "llama", each layer's experts stacked into
+    one 3-D tensor [experts, out, in], F32 (the experts in `expert_qtype` if given); the tokenizer as a gpt2 BPE
+    vocabulary."""
     import gguf
     from safetensors.torch import load_file
+
+    from tests.model.test_loader import llamacpp_permute
 
     cfg = json.loads((folder / "config.json").read_text())
     weights = load_file(str(folder / "model.safetensors"))
@@ -332,6 +335,7 @@ def write_gguf(folder, path, arch: str, tokenizer_json: str, expert_qtype=None) 
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
@@ -340,7 +344,8 @@ def write_gguf(folder, path, arch: str, tokenizer_json: str, expert_qtype=None) 
     if "num_local_experts" in cfg:
         w.add_expert_count(cfg["num_local_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if "moe_intermediate_size" in cfg:  # Mixtral's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     tok = json.loads(tokenizer_json)
     vocab = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -354,10 +359,13 @@ def write_gguf(folder, path, arch: str, tokenizer_json: str, expert_qtype=None) 
     experts: dict[str, list] = {}
     for name, t in weights.items():
         base = name.removesuffix(".weight")
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)", base)
+        m = re.fullmatch(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)", base)
         if m:  # gathered per (layer, projection), in expert order
             experts.setdefault(f"{m[1]}.{m[3]}", []).append((int(m[2]), t))
             continue
+        proj = base.rpartition(".")[2]
+        if arch == "llama" and proj in heads:
+            t = torch.from_numpy(llamacpp_permute(t.numpy(), heads[proj]))
         w.add_tensor(names.get_name(base) + ".weight", t.numpy())
     for base, per_expert in experts.items():
         stacked = torch.stack([t for _, t in sorted(per_expert, key=lambda e: e[0])]).numpy()
@@ -378,6 +386,7 @@ def write_gguf(folder, path, arch: str, tokenizer_json: str, expert_qtype=None) 
         ("qwen3-gqa2-headdim32-tied", "qwen3", None),
         ("qwen3moe-top2of4-allsparse", "qwen3moe", None),
         ("qwen3moe-top2of4-allsparse", "qwen3moe", "Q8_0"),
+        ("mixtral-top2of4", "llama", None),  # llama.cpp writes Mixtral as "llama" with experts, q/k permuted
     ],
 )
 def test_tiny_gguf_loads_as_its_hf_folder(case, arch, expert_qtype, tmp_path, tokenizer_json, monkeypatch):
