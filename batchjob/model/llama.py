@@ -48,8 +48,8 @@ class LlamaModel:
                 "qkv": Linear(torch.cat(qkv), torch.cat(bias) if bias else None),
                 # Llama's attention_bias also biases o_proj, and its mlp_bias all three MLP projections.
                 "o": Linear(w.pop(p + "self_attn.o_proj.weight"), w.get(p + "self_attn.o_proj.bias")),
-                "q_norm": w.get(p + "self_attn.q_norm.weight") if c.qk_norm else None,
-                "k_norm": w.get(p + "self_attn.k_norm.weight") if c.qk_norm else None,
+                "q_norm": w[p + "self_attn.q_norm.weight"] if c.qk_norm else None,
+                "k_norm": w[p + "self_attn.k_norm.weight"] if c.qk_norm else None,
                 "moe": None,
             }
             if c.is_moe_layer(i):
@@ -60,8 +60,8 @@ class LlamaModel:
                 layer["moe"] = SparseMoeBlock(Linear(w.pop(router)), experts, c.num_experts_per_tok, c.norm_topk_prob)
             else:
                 gate_up = [w.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-                names = [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")]
-                mlp_bias = [w[n] for n in names] if names[0] in w else None
+                bias_names = [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")]
+                mlp_bias = [w[n] for n in bias_names] if bias_names[0] in w else None
                 layer["gate_up"] = Linear(torch.cat(gate_up), torch.cat(mlp_bias) if mlp_bias else None)
                 layer["down"] = Linear(w.pop(p + "mlp.down_proj.weight"), w.get(p + "mlp.down_proj.bias"))
             self.layers.append(layer)

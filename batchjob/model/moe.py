@@ -21,6 +21,7 @@ class SparseMoeBlock:
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def linears(self) -> list[Linear]:
+        """The router's matmul and every expert's."""
         return [self.router] + [lin for pair in self.experts for lin in pair]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
