@@ -13,11 +13,24 @@ from batchjob.model.config import ModelConfig
 from batchjob.model.loader import LoadedModel, cache_dir, load_model
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+_MODEL_TYPES |= {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 
 
 def hf_config(c: ModelConfig) -> dict:
     """config.json as transformers writes it for the architecture."""
-    return {
+    moe = {}
+    if c.architecture == "Qwen3MoeForCausalLM":
+        moe = {
+            "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "norm_topk_prob": c.norm_topk_prob,
+            "decoder_sparse_step": c.decoder_sparse_step,
+            "mlp_only_layers": list(c.mlp_only_layers),
+        }
+    elif c.architecture == "MixtralForCausalLM":
+        moe = {"num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok}
+    return moe | {
         "architectures": [c.architecture],
         "model_type": _MODEL_TYPES[c.architecture],
         "vocab_size": c.vocab_size,

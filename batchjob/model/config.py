@@ -8,8 +8,12 @@ from dataclasses import dataclass, field
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-# GGUF's general.architecture -> HF's name. Mistral GGUFs say "llama".
+SUPPORTED_ARCHITECTURES += ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# GGUF's general.architecture -> HF's name. Mistral GGUFs say "llama" (Mixtral's too: "llama" with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+GGUF_ARCHITECTURES |= {"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# q/k RMSNorm per head before rotary (HF's q_norm/k_norm)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,18 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral v0.1; the engine caps the context to it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Sparse MoE MLPs (Qwen3-MoE, Mixtral): num_experts 0 is a dense model. Which layers are sparse: HF's
+    # decoder_sparse_step and mlp_only_layers (Qwen3-MoE's; Mixtral's layers are all sparse).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        # a config read back from JSON (the GGUF conversion cache) holds lists
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
@@ -70,6 +84,17 @@ class ModelConfig:
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            **_moe_fields(arch, cfg),
+        )
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture in QK_NORM_ARCHITECTURES
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF's test (Qwen3MoeDecoderLayer): sparse unless listed in mlp_only_layers or off the sparse step."""
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -100,6 +125,35 @@ class ModelConfig:
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
 
 
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    if arch == "MixtralForCausalLM":  # every layer sparse, its intermediate_size the experts', top-k renormalised
+        return dict(
+            num_experts=cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    if arch == "Qwen3MoeForCausalLM":  # transformers 5 writes num_experts as num_local_experts
+        return dict(
+            num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+    return {}
+
+
+def moe_weight_names(c: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """A sparse layer's HF parameter names: the router's, and each expert's (gate, up, down)."""
+    if c.architecture == "MixtralForCausalLM":
+        p, projs = f"model.layers.{layer}.block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, projs = f"model.layers.{layer}.mlp.", ("gate_proj", "up_proj", "down_proj")
+    return p + "gate.weight", [tuple(p + f"experts.{e}.{w}.weight" for w in projs) for e in range(c.num_experts)]
+
+
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF parameter names and shapes of a Llama-family model."""
     h, q, kv, inter = (
@@ -120,10 +174,21 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         }
+        if c.is_moe_layer(i):
+            router, experts = moe_weight_names(c, i)
+            shapes[router] = (c.num_experts, h)
+            for gate, up, down in experts:
+                e = c.moe_intermediate_size
+                shapes |= {gate: (e, h), up: (e, h), down: (h, e)}
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
         if c.attention_bias:
             shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
     return shapes

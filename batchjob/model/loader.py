@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchjob.model.builtin import BUILTIN_MODELS, BUILTIN_PINS, cache_dir
-from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, weight_shapes
+from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, moe_weight_names, weight_shapes
 from batchjob.model.errors import ModelError, ModelLoadError, ModelNotFoundError
 from batchjob.model.tokenizer import Tokenizer
 
@@ -269,7 +269,12 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
 }
+# A sparse layer's router, and its experts stacked by llama.cpp into one 3-D tensor [experts, out, in] for each of
+# gate, up and down (HF names each expert's matrix; the names are the architecture's: moe_weight_names).
+_GGUF_MOE = {"ffn_gate_inp": None, "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -307,8 +312,18 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
     scaling = g("rope.scaling.type")
     rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")} if scaling == "linear" else None
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    # llama.cpp's qwen3moe and Mixtral ("llama" with experts): every layer sparse, the top-k weights renormalised
+    # unless the file says otherwise
+    moe = {}
+    if g("expert_count"):
+        moe = dict(
+            num_experts=g("expert_count"),
+            num_experts_per_tok=g("expert_used_count"),
+            moe_intermediate_size=g("expert_feed_forward_length") or g("feed_forward_length"),
+            norm_topk_prob=bool(g("expert_weights_norm", True)),
+        )
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
         vocab_size=g("vocab_size") or 0,
         hidden_size=hidden,
         intermediate_size=g("feed_forward_length"),
@@ -324,6 +339,7 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
         rope_scaling=rope_scaling,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
+        **moe,
     )
 
 
@@ -374,11 +390,18 @@ def convert_gguf(path: Path, out: Path) -> None:
             vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
             config = ModelConfig(**{**config.__dict__, "vocab_size": vocab_size})
         weights = {}
-        permute = meta["general.architecture"] == "llama"
+        permute = meta["general.architecture"] == "llama"  # convert_hf_to_gguf permutes q/k for llama alone
         for t in reader.tensors:
             name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape([int(d) for d in reversed(t.shape)])
+            blk, layer, kind, _ = (t.name.split(".") + ["", "", ""])[:4]
+            if blk == "blk" and kind in _GGUF_MOE:
+                router, experts = moe_weight_names(config, int(layer))
+                proj = _GGUF_MOE[kind]
+                parts = {router: arr} if proj is None else {experts[e][proj]: a for e, a in enumerate(arr)}
+                weights |= {n: torch.from_numpy(np.array(a, dtype=np.float32)) for n, a in parts.items()}
+                continue
             if permute and name.endswith("q_proj.weight"):
                 arr = unpermute_qk(arr, config.num_attention_heads)
             elif permute and name.endswith("k_proj.weight"):

@@ -1,9 +1,12 @@
-"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral), saved as an HF folder by
-transformers inside the test, loaded by our loader: logits and greedy tokens equal transformers' own."""
+"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Mixtral), saved
+as an HF folder by transformers inside the test, loaded by our loader: logits and greedy tokens equal
+transformers' own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -13,8 +16,10 @@ transformers = pytest.importorskip("transformers", reason="the oracle needs the 
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from batchjob.bench.hf_export import export_hf  # noqa: E402
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
+from batchjob.model import loader  # noqa: E402
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
 from tests.conftest import forward_logits  # noqa: E402
@@ -82,6 +87,55 @@ CASES = {
         ),
         {"max_shard_size": "100KB"},
     ),
+    # q/k norms per head; head_dim 32 where hidden / heads is 16
+    "qwen3-gqa2-headdim32-tied": (
+        "Qwen3Config",
+        dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+        {},
+    ),
+    # 8 experts, top 2 renormalised; layer 2 dense (mlp_only_layers)
+    "qwen3moe-top2of8-normtopk-mlponly": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[2],
+            tie_word_embeddings=False,
+        ),
+        {},
+    ),
+    # top 3 of 6 as softmax gives them (no renormalising); decoder_sparse_step 2: layers 1 and 3 sparse
+    "qwen3moe-top3of6-sparsestep2": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
+    # llama.cpp's qwen3moe: every layer sparse, top-k renormalised
+    "qwen3moe-top2of4-allsparse": (
+        "Qwen3MoeConfig",
+        dict(
+            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+        {},
+    ),
+    "mixtral-top2of4": (
+        "MixtralConfig",
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+        {},
+    ),
 }
 LENGTHS = (5, 37, 100)
 
@@ -124,7 +178,7 @@ def _randomize(model: torch.nn.Module) -> None:
 
 def build(case: str, folder, tokenizer_json: str):
     cls_name, extra, save_kwargs = CASES[case]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    config = getattr(transformers, cls_name)(**(COMMON | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     _randomize(model)
@@ -157,12 +211,17 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
     assert ("lm_head.weight" in loaded.weights) != c.tie_word_embeddings
     rope = extra.get("rope_parameters", {})
-    assert c.rope_theta == rope.get("rope_theta", 10000.0)
+    assert c.rope_theta == rope.get("rope_theta", hf.config.rope_parameters["rope_theta"])
     assert (c.rope_scaling or {}).get("rope_type") == (
         rope.get("rope_type") if rope.get("rope_type") != "default" else None
     )
     if c.attention_bias:
         assert loaded.weights["model.layers.0.self_attn.q_proj.bias"].abs().min() > 0
+    assert c.qk_norm == ("q_norm" in str(hf))
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)] == sparse
+    if sparse:
+        assert (c.num_experts, c.num_experts_per_tok) == (hf.config.num_local_experts, hf.config.num_experts_per_tok)
     # Our inverse frequencies are transformers' (llama3 / linear scaling included).
     hf_inv = hf.model.rotary_emb.inv_freq.double()
     assert torch.allclose(c.inv_freq(), hf_inv, rtol=1e-6, atol=0), (c.inv_freq(), hf_inv)
@@ -182,17 +241,51 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
 
 
 @pytest.mark.parametrize(
-    "case", ["llama-mha-tied-llama3rope-sharded", "qwen2-gqa4-bias-tied", "mistral-gqa2-headdim32-linearrope-sharded"]
+    "case",
+    [
+        "llama-mha-tied-llama3rope-sharded",
+        "qwen2-gqa4-bias-tied",
+        "mistral-gqa2-headdim32-linearrope-sharded",
+        "qwen3-gqa2-headdim32-tied",
+        "qwen3moe-top2of8-normtopk-mlponly",
+        "qwen3moe-top3of6-sparsestep2",
+        "mixtral-top2of4",
+    ],
 )
 def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokenizer_json):
-    """Our engine (prompts batched, paged KV, chunked decode) vs `generate` one prompt at a time, eos off."""
+    greedy_under_pressure_matches_generate(case, tmp_path, tokenizer_json)
+
+
+def greedy_under_pressure_matches_generate(
+    case: str, folder, tokenizer_json: str, ops_backend: str = "torch", device: str = "cpu"
+):
+    """Our engine (prompts batched, paged KV) vs `generate` one prompt at a time, eos off; a pool too small for the
+    batch (preemption and recompute) and a token budget below the longest prompt (prefill in chunks, in steps
+    shared with decodes). Returns the transformers model."""
     from batchjob.engine.engine import Engine
 
-    hf = build(case, tmp_path, tokenizer_json)
-    engine = Engine(str(tmp_path), num_kv_blocks=64, device="cpu", dtype="float32", num_threads=1)
+    hf = build(case, folder, tokenizer_json)
+    budget = 16
+    engine = Engine(
+        str(folder),
+        num_kv_blocks=8,  # the longest prompt and its tokens take 7 blocks of 8
+        block_size=8,
+        max_num_batched_tokens=budget,
+        kv_watermark=1.0,
+        enable_prefix_caching=False,
+        device=device,
+        ops_backend=ops_backend,
+        dtype="float32",
+        num_threads=1,
+    )
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 45)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 45, 11, 30)]
+    steps = []
+    engine.add_step_callback(steps.append)
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert sum(s.num_preemptions for s in steps) > 0
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in steps)
     for ids, out in zip(prompts, outs):
         with torch.inference_mode():
             # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
@@ -206,6 +299,7 @@ def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokeniz
             )
         assert out.finish_reason == "length"
         assert out.token_ids == ref[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+    return hf
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
@@ -218,3 +312,109 @@ def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
     assert (tok.bos_token_id, tok.eos_token_id) == (0, 2)
     ids = tok.encode_chat([{"role": "user", "content": "hi"}])
     assert ids[0] == 1 and ids.count(2) == 1 and tok.decode(ids, skip_special_tokens=False).endswith("assistant\n")
+
+
+def write_gguf(folder, path, arch: str, tokenizer_json: str, expert_qtype=None) -> None:
+    """The HF folder as llama.cpp's convert_hf_to_gguf.py writes it: metadata keys and tensor names of `arch` (names
+    from the gguf package's own HF -> GGUF table), q/k rows permuted for "llama", each layer's experts stacked into
+    one 3-D tensor [experts, out, in], F32 (the experts in `expert_qtype` if given); the tokenizer as a gpt2 BPE
+    vocabulary."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.model.test_loader import llamacpp_permute
+
+    cfg = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    layers = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if "num_local_experts" in cfg:
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:  # Mixtral's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    tok = json.loads(tokenizer_json)
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_chat_template(CHAT_TEMPLATE)
+    experts: dict[str, list] = {}
+    for name, t in weights.items():
+        base = name.removesuffix(".weight")
+        m = re.fullmatch(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)", base)
+        if m:  # gathered per (layer, projection), in expert order
+            experts.setdefault(f"{m[1]}.{m[3]}", []).append((int(m[2]), t))
+            continue
+        proj = base.rpartition(".")[2]
+        if arch == "llama" and proj in heads:
+            t = torch.from_numpy(llamacpp_permute(t.numpy(), heads[proj]))
+        w.add_tensor(names.get_name(base) + ".weight", t.numpy())
+    for base, per_expert in experts.items():
+        stacked = torch.stack([t for _, t in sorted(per_expert, key=lambda e: e[0])]).numpy()
+        gguf_name = names.get_name(base) + ".weight"
+        if expert_qtype is None:
+            w.add_tensor(gguf_name, stacked)
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(stacked, expert_qtype), raw_dtype=expert_qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "case,arch,expert_qtype",
+    [
+        ("qwen3-gqa2-headdim32-tied", "qwen3", None),
+        ("qwen3moe-top2of4-allsparse", "qwen3moe", None),
+        ("qwen3moe-top2of4-allsparse", "qwen3moe", "Q8_0"),
+        ("mixtral-top2of4", "llama", None),  # llama.cpp writes Mixtral as "llama" with experts, q/k permuted
+    ],
+)
+def test_tiny_gguf_loads_as_its_hf_folder(case, arch, expert_qtype, tmp_path, tokenizer_json, monkeypatch):
+    """llama.cpp's names for Qwen3 and Qwen3-MoE (q/k norms; the router; stacked 3-D experts, quantized too): the
+    GGUF loads to the HF folder's config and weights (the experts as the gguf package dequantizes them), and its
+    logits equal transformers' on the HF folder."""
+    import gguf
+
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")  # the conversion cache, not the C++ build
+    folder = tmp_path / "hf"
+    hf = build(case, folder, tokenizer_json)
+    qtype = getattr(gguf.GGMLQuantizationType, expert_qtype) if expert_qtype else None
+    write_gguf(folder, tmp_path / "tiny.gguf", arch, tokenizer_json, qtype)
+    ours, ref = load_model(str(tmp_path / "tiny.gguf")), load_model(str(folder))
+    assert ours.config.rms_norm_eps == pytest.approx(ref.config.rms_norm_eps, rel=1e-6)  # GGUF keeps a float32
+    assert dataclasses.replace(ours.config, rms_norm_eps=ref.config.rms_norm_eps) == ref.config
+    assert set(ours.weights) == set(ref.weights)
+    for name, want in ref.weights.items():
+        if qtype is not None and ".experts." in name:
+            want = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(want.numpy(), qtype), qtype))
+        assert torch.equal(ours.weights[name], want), name
+    if expert_qtype:
+        return
+    ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+        # and written back out as an HF folder (what the bench's peers read), transformers computes the same
+        exported = transformers.AutoModelForCausalLM.from_pretrained(export_hf(ours, tmp_path / "export")).float()
+        assert (exported(torch.tensor([ids])).logits[0] - want).abs().max().item() <= 1e-5
+    model = LlamaModel(ours.config, ours.weights, ops)
+    assert (forward_logits(model, ids, last_only=False) - want).abs().max().item() <= 1e-4
