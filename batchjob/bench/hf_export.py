@@ -12,11 +12,17 @@ from safetensors.torch import save_file
 from batchjob.model.config import ModelConfig
 from batchjob.model.loader import LoadedModel, cache_dir, load_model
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
+}
 
 
 def hf_config(c: ModelConfig) -> dict:
     """config.json as transformers writes it for the architecture."""
+    rope = c.rope_scaling if (c.rope_scaling or {}).get("rope_type") == "longrope" else None
     return {
         "architectures": [c.architecture],
         "model_type": _MODEL_TYPES[c.architecture],
@@ -38,6 +44,9 @@ def hf_config(c: ModelConfig) -> dict:
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
         "torch_dtype": "float32",
+        "partial_rotary_factor": c.partial_rotary_factor,
+        # Phi-3's transformers config reads the pretraining length here (not from rope_scaling), 4096 when absent
+        **({"original_max_position_embeddings": rope["original_max_position_embeddings"]} if rope else {}),
     }
 
 

@@ -245,16 +245,20 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",  # phi3: q, k and v in one tensor
 }
+# Where an architecture's tensor holds something else: phi3's ffn_up is gate and up stacked (HF's gate_up_proj).
+_GGUF_NAMES_BY_ARCH = {"phi3": {"blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"}}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
     key, layer = (f"blk.{{i}}.{parts[2]}", parts[1]) if parts[0] == "blk" else (base, None)
-    if key not in _GGUF_NAMES:
+    names = _GGUF_NAMES | _GGUF_NAMES_BY_ARCH.get(arch, {})
+    if key not in names:
         return None
-    return _GGUF_NAMES[key].format(i=layer) + "." + suffix
+    return names[key].format(i=layer) + "." + suffix
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -272,16 +276,26 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
-def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
+def _gguf_config(meta: dict, has_output: bool, rope_factors: dict[str, list[float]]) -> ModelConfig:
+    """`rope_factors`: phi3's LongRoPE factors, from its rope_factors_long and rope_factors_short tensors."""
     arch = meta["general.architecture"]
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     hidden = g("embedding_length")
+    head_dim = g("attention.key_length") or hidden // heads
     # llama3 scaling comes as a rope_freqs tensor; linear scaling only as these two keys.
     scaling = g("rope.scaling.type")
     rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")} if scaling == "linear" else None
+    if rope_factors:
+        rope_scaling = {
+            "rope_type": "longrope",
+            "long_factor": rope_factors["long"],
+            "short_factor": rope_factors["short"],
+            "original_max_position_embeddings": g("rope.scaling.original_context_length"),
+            "attention_factor": g("rope.scaling.attn_factor"),  # absent: computed as transformers does
+        }
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
@@ -291,15 +305,18 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
         num_hidden_layers=g("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=g("attention.head_count_kv", heads),
-        head_dim=g("attention.key_length") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=g("attention.layer_norm_rms_epsilon"),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         max_position_embeddings=g("context_length", 4096),
         tie_word_embeddings=not has_output,
         attention_bias=arch == "qwen2",
         rope_scaling=rope_scaling,
+        # llama.cpp writes phi3's sliding_window, 0 for none (Phi-4-mini); the engine caps the context to it
+        sliding_window=(g("attention.sliding_window") or None) if arch == "phi3" else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
+        partial_rotary_factor=g("rope.dimension_count", head_dim) / head_dim,
     )
 
 
@@ -345,14 +362,22 @@ def convert_gguf(path: Path, out: Path) -> None:
             raise ModelLoadError(f"not a readable GGUF file (damaged or cut short?): {_one_line(e)}") from e
         meta = gguf_metadata(reader)
         names = {t.name for t in reader.tensors}
-        config = _gguf_config(meta, has_output="output.weight" in names)
+        rope_factors = {
+            t.name.removeprefix("rope_factors_").removesuffix(".weight"): dequantize(t.data, t.tensor_type).tolist()
+            for t in reader.tensors
+            if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        }
+        config = _gguf_config(meta, has_output="output.weight" in names, rope_factors=rope_factors)
         if not config.vocab_size:
             vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
             config = ModelConfig(**{**config.__dict__, "vocab_size": vocab_size})
         weights = {}
-        permute = meta["general.architecture"] == "llama"
+        arch = meta["general.architecture"]
+        permute = arch == "llama"
         for t in reader.tensors:
-            name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+            if t.name.startswith("rope_factors_"):
+                continue  # in the config's rope_scaling
+            name = hf_name(t.name, arch) or t.name  # e.g. rope_freqs.weight stays as it is
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape([int(d) for d in reversed(t.shape)])
             if permute and name.endswith("q_proj.weight"):

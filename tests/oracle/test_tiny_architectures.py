@@ -1,4 +1,4 @@
-"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral), saved as an HF folder by
+"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Phi-3), saved as an HF folder by
 transformers inside the test, loaded by our loader: logits and greedy tokens equal transformers' own."""
 
 from __future__ import annotations
@@ -49,6 +49,20 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
     "rope_theta": 10000.0,
 }
+# Phi-3-mini-128k / Phi-3.5 / Phi-4-mini's LongRoPE, pretrained on 48 positions here so that test prompts pass it.
+PHI3_ORIGINAL_MAX = 48
+PHI3 = dict(pad_token_id=0)  # Phi3Config's default pad id, 32000, lies outside the tiny vocabulary
+
+
+def longrope(rotary_dim: int) -> dict:
+    half = rotary_dim // 2
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 2.5 * i for i in range(half)],
+    }
+
 
 # name -> (config class, extra config, save_pretrained kwargs)
 CASES = {
@@ -82,8 +96,39 @@ CASES = {
         ),
         {"max_shard_size": "100KB"},
     ),
+    # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint. Phi-3-mini-4k's sliding_window (2047 of 4096) caps
+    # the context as Mistral's does: 200 here, beyond every test sequence.
+    "phi3-mha-untied-window": ("Phi3Config", dict(**PHI3, num_key_value_heads=4, sliding_window=200), {}),
+    "phi3-gqa2-tied-partial-rotary": (
+        "Phi3Config",
+        dict(**PHI3, num_key_value_heads=2, tie_word_embeddings=True, partial_rotary_factor=0.5),
+        {},
+    ),
+    "phi3-gqa2-longrope": (
+        "Phi3Config",
+        dict(
+            **PHI3,
+            num_key_value_heads=2,
+            rope_parameters=longrope(16),
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+        ),
+        {},
+    ),
+    # Phi-4-mini's shape: LongRoPE on 3/4 of each head, tied embeddings
+    "phi4mini-gqa2-tied-longrope-partial-rotary": (
+        "Phi3Config",
+        dict(
+            **PHI3,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            partial_rotary_factor=0.75,
+            rope_parameters=longrope(12),
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+        ),
+        {},
+    ),
 }
-LENGTHS = (5, 37, 100)
+LENGTHS = (5, 37, 100)  # LongRoPE: the first two within its original 48 positions (short factors), the last past them
 
 
 def tiny_tokenizer() -> HFTokenizer:
@@ -163,13 +208,18 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     )
     if c.attention_bias:
         assert loaded.weights["model.layers.0.self_attn.q_proj.bias"].abs().min() > 0
-    # Our inverse frequencies are transformers' (llama3 / linear scaling included).
+    assert c.rotary_dim == int(extra.get("head_dim", 16) * extra.get("partial_rotary_factor", 1.0))
+    # Our inverse frequencies are transformers' (llama3 / linear scaling, LongRoPE's short factors included).
     hf_inv = hf.model.rotary_emb.inv_freq.double()
     assert torch.allclose(c.inv_freq(), hf_inv, rtol=1e-6, atol=0), (c.inv_freq(), hf_inv)
+    assert c.attention_factor() == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-12)
+    if c.rope_scaling and c.rope_scaling["rope_type"] == "longrope":
+        assert c.attention_factor() > 1.1 and not torch.equal(c.inv_freq(PHI3_ORIGINAL_MAX + 1), c.inv_freq())
 
-    ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs)
     g = torch.Generator().manual_seed(len(case))
     for n in LENGTHS:
+        # transformers picks LongRoPE's factors by the length of the forward pass, we by the engine's context
+        ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs, max_model_len=n)
         ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0].float()
@@ -179,6 +229,21 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
         if n == LENGTHS[-1]:
             diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
             assert diff <= 1e-4, f"{case}, {n} tokens: some position's logits differ by {diff}"
+
+
+def hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' `generate` on one prompt, greedy, eos off."""
+    with torch.inference_mode():
+        # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
+        ref = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=VOCAB + 5,
+            pad_token_id=0,
+        )
+    return ref[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize(
@@ -194,18 +259,50 @@ def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokeniz
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 45)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     for ids, out in zip(prompts, outs):
-        with torch.inference_mode():
-            # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=8,
-                do_sample=False,
-                eos_token_id=VOCAB + 5,
-                pad_token_id=0,
-            )
         assert out.finish_reason == "length"
-        assert out.token_ids == ref[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+        assert out.token_ids == hf_greedy(hf, ids, 8), f"{case}, prompt of {len(ids)} tokens"
+
+
+# LongRoPE's two regimes: an engine whose context stays within the original positions uses the short factors, as
+# transformers does on sequences that short; one allowed more uses the long factors, as transformers does once a
+# sequence is longer (prompts past 48 here, so that every forward pass of `generate` picks them too).
+PHI3_RUNS = [
+    ("phi3-mha-untied-window", {}, (3, 20, 45)),
+    ("phi3-gqa2-tied-partial-rotary", {}, (3, 20, 45)),
+    ("phi3-gqa2-longrope", {"max_model_len": PHI3_ORIGINAL_MAX}, (3, 20, 30)),
+    ("phi3-gqa2-longrope", {}, (50, 61, 90)),
+    ("phi4mini-gqa2-tied-longrope-partial-rotary", {"max_model_len": PHI3_ORIGINAL_MAX}, (3, 20, 30)),
+    ("phi4mini-gqa2-tied-longrope-partial-rotary", {}, (50, 61, 90)),
+]
+
+
+@pytest.mark.parametrize(("case", "engine_args", "lengths"), PHI3_RUNS)
+def test_tiny_phi3_greedy_under_chunked_prefill_and_preemption_matches_transformers(
+    case, engine_args, lengths, tmp_path, tokenizer_json
+):
+    """Prefills cut into chunks of 16 tokens beside decodes, and a pool of 4-token blocks that holds about half of
+    what the prompts need, so that sequences are preempted and recomputed: still transformers' tokens."""
+    from batchjob.engine.engine import Engine
+
+    hf = build(case, tmp_path, tokenizer_json)
+    new_tokens = 8
+    need = [-(-(n + new_tokens) // 4) for n in lengths]
+    engine = Engine(
+        str(tmp_path), device="cpu", dtype="float32", num_threads=1, block_size=4, max_num_batched_tokens=16,
+        num_kv_blocks=max(max(need) + 1, sum(need) // 2), kv_watermark=1.0, enable_prefix_caching=False,
+        **engine_args,
+    )  # fmt: skip
+    assert engine.max_model_len == engine_args.get("max_model_len", 200 if "window" in case else 256)
+    steps = []
+    engine.add_step_callback(steps.append)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    assert sum(s.num_preemptions for s in steps) > 0
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # chunks of prefill beside decodes
+    for ids, out in zip(prompts, outs):
+        assert out.finish_reason == "length"
+        assert out.token_ids == hf_greedy(hf, ids, new_tokens), f"{case}, prompt of {len(ids)} tokens"
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
