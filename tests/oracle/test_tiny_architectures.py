@@ -4,7 +4,9 @@ transformers inside the test, loaded by our loader: logits and greedy tokens equ
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -266,19 +268,24 @@ def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokeniz
 # LongRoPE's two regimes: an engine whose context stays within the original positions uses the short factors, as
 # transformers does on sequences that short; one allowed more uses the long factors, as transformers does once a
 # sequence is longer (prompts past 48 here, so that every forward pass of `generate` picks them too).
+PHI3_SHORT, PHI3_LONG = ({"max_model_len": PHI3_ORIGINAL_MAX}, (3, 20, 30)), ({}, (50, 61, 90))
+PHI4 = "phi4mini-gqa2-tied-longrope-partial-rotary"
 PHI3_RUNS = [
-    ("phi3-mha-untied-window", {}, (3, 20, 45)),
-    ("phi3-gqa2-tied-partial-rotary", {}, (3, 20, 45)),
-    ("phi3-gqa2-longrope", {"max_model_len": PHI3_ORIGINAL_MAX}, (3, 20, 30)),
-    ("phi3-gqa2-longrope", {}, (50, 61, 90)),
-    ("phi4mini-gqa2-tied-longrope-partial-rotary", {"max_model_len": PHI3_ORIGINAL_MAX}, (3, 20, 30)),
-    ("phi4mini-gqa2-tied-longrope-partial-rotary", {}, (50, 61, 90)),
+    pytest.param("phi3-mha-untied-window", {}, (3, 20, 45), "torch", id="phi3-window"),
+    pytest.param("phi3-gqa2-tied-partial-rotary", {}, (3, 20, 45), "torch", id="phi3-partial-rotary"),
+    pytest.param("phi3-gqa2-longrope", *PHI3_SHORT, "torch", id="phi3-longrope-short"),
+    pytest.param("phi3-gqa2-longrope", *PHI3_LONG, "torch", id="phi3-longrope-long"),
+    pytest.param(PHI4, *PHI3_SHORT, "torch", id="phi4mini-short"),
+    pytest.param(PHI4, *PHI3_LONG, "torch", id="phi4mini-long"),
+    # the Triton kernels (in the interpreter on a CPU) on everything Phi-4-mini needs
+    pytest.param(PHI4, *PHI3_SHORT, "triton", marks=pytest.mark.triton, id="phi4mini-short-triton"),
+    pytest.param(PHI4, *PHI3_LONG, "triton", marks=pytest.mark.triton, id="phi4mini-long-triton"),
 ]
 
 
-@pytest.mark.parametrize(("case", "engine_args", "lengths"), PHI3_RUNS)
+@pytest.mark.parametrize(("case", "engine_args", "lengths", "ops_backend"), PHI3_RUNS)
 def test_tiny_phi3_greedy_under_chunked_prefill_and_preemption_matches_transformers(
-    case, engine_args, lengths, tmp_path, tokenizer_json
+    case, engine_args, lengths, ops_backend, tmp_path, tokenizer_json, device
 ):
     """Prefills cut into chunks of 16 tokens beside decodes, and a pool of 4-token blocks that holds about half of
     what the prompts need, so that sequences are preempted and recomputed: still transformers' tokens."""
@@ -288,9 +295,9 @@ def test_tiny_phi3_greedy_under_chunked_prefill_and_preemption_matches_transform
     new_tokens = 8
     need = [-(-(n + new_tokens) // 4) for n in lengths]
     engine = Engine(
-        str(tmp_path), device="cpu", dtype="float32", num_threads=1, block_size=4, max_num_batched_tokens=16,
-        num_kv_blocks=max(max(need) + 1, sum(need) // 2), kv_watermark=1.0, enable_prefix_caching=False,
-        **engine_args,
+        str(tmp_path), device=device if ops_backend == "triton" else "cpu", ops_backend=ops_backend, dtype="float32",
+        num_threads=1, block_size=4, max_num_batched_tokens=16, num_kv_blocks=max(max(need) + 1, sum(need) // 2),
+        kv_watermark=1.0, enable_prefix_caching=False, **engine_args,
     )  # fmt: skip
     assert engine.max_model_len == engine_args.get("max_model_len", 200 if "window" in case else 256)
     steps = []
@@ -303,6 +310,93 @@ def test_tiny_phi3_greedy_under_chunked_prefill_and_preemption_matches_transform
     for ids, out in zip(prompts, outs):
         assert out.finish_reason == "length"
         assert out.token_ids == hf_greedy(hf, ids, new_tokens), f"{case}, prompt of {len(ids)} tokens"
+
+
+def write_phi3_gguf(hf, path) -> None:
+    """`hf` (a Phi-3) as llama.cpp's convert_hf_to_gguf.py writes it: architecture phi3, fused attn_qkv, ffn_up
+    holding gate and up, no output tensor when tied, the rotary dims and LongRoPE's factors, original length and
+    attention factor in the metadata; float32 tensors, so that the logits can be compared exactly."""
+    import gguf
+
+    from tests.model.test_loader import add_gpt2_tokenizer
+
+    c, sd = hf.config, hf.state_dict()
+    rope = c.rope_parameters
+    rotary_dim = int(c.hidden_size // c.num_attention_heads * rope["partial_rotary_factor"])
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(rotary_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(c.sliding_window or 0)
+    add_gpt2_tokenizer(w, tiny_tokenizer())
+    tensors = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+    if not c.tie_word_embeddings:
+        tensors["output"] = "lm_head"
+    for i in range(c.num_hidden_layers):
+        hf_layer = f"model.layers.{i}."
+        tensors |= {
+            f"blk.{i}.{ours}": hf_layer + theirs
+            for ours, theirs in [
+                ("attn_norm", "input_layernorm"),
+                ("attn_qkv", "self_attn.qkv_proj"),
+                ("attn_output", "self_attn.o_proj"),
+                ("ffn_norm", "post_attention_layernorm"),
+                ("ffn_up", "mlp.gate_up_proj"),
+                ("ffn_down", "mlp.down_proj"),
+            ]
+        }
+    if rope["rope_type"] == "longrope":
+        scale = c.max_position_embeddings / c.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    for name, hf_name in tensors.items():
+        w.add_tensor(name + ".weight", sd[hf_name + ".weight"].numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case", ["phi3-mha-untied-window", "phi4mini-gqa2-tied-longrope-partial-rotary"])
+def test_tiny_phi3_gguf_matches_transformers(case, tmp_path, tokenizer_json, monkeypatch):
+    """A phi3 GGUF of the same weights loads to the HF folder's config and weights, and to transformers' logits in
+    both LongRoPE regimes."""
+    from batchjob.model import loader
+
+    # the GGUF's conversion cached in tmp_path; not all of $BATCHJOB_CACHE, which holds the built C++ kernels
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")
+    hf = build(case, tmp_path / "hf", tokenizer_json)
+    write_phi3_gguf(hf, tmp_path / "phi3.gguf")
+    loaded, from_hf = load_model(str(tmp_path / "phi3.gguf")), load_model(str(tmp_path / "hf"))
+    c = loaded.config
+    assert c.architecture == "Phi3ForCausalLM" and c.sliding_window == from_hf.config.sliding_window
+    assert (c.partial_rotary_factor, c.rotary_dim, c.tie_word_embeddings, c.max_position_embeddings) == (
+        from_hf.config.partial_rotary_factor,
+        from_hf.config.rotary_dim,
+        from_hf.config.tie_word_embeddings,
+        from_hf.config.max_position_embeddings,
+    )
+    assert c.attention_factor() == pytest.approx(from_hf.config.attention_factor(), rel=1e-6)
+    for seq_len in (None, PHI3_ORIGINAL_MAX + 1):
+        assert torch.allclose(c.inv_freq(seq_len), from_hf.config.inv_freq(seq_len), rtol=1e-6, atol=0)
+    assert set(loaded.weights) == set(from_hf.weights) and loaded.rope_freqs is None
+    assert all(torch.equal(loaded.weights[k], from_hf.weights[k]) for k in loaded.weights)
+    g = torch.Generator().manual_seed(3)
+    for n in (37, 100):  # short factors, then long
+        ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs, max_model_len=n)
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
+        assert diff <= 1e-4, f"{case}, {n} tokens: logits differ by {diff}"
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
