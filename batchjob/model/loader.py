@@ -192,6 +192,13 @@ def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
         raise ModelNotFoundError(f"{path} has no config.json")
     with reading_model(path):
         config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        generation = path / "generation_config.json"
+        if generation.is_file():
+            # Its eos ids too, as transformers' generate and vLLM stop on them: an instruct model's end of turn is
+            # often only there (Phi-3's <|end|>, beside <|endoftext|> in config.json).
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *eos])))
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError("the folder has no tokenizer.json")
         tokenizer = Tokenizer.from_folder(path)  # before the weights: the cheap reads fail first

@@ -312,6 +312,23 @@ def test_tiny_phi3_greedy_under_chunked_prefill_and_preemption_matches_transform
         assert out.token_ids == hf_greedy(hf, ids, new_tokens), f"{case}, prompt of {len(ids)} tokens"
 
 
+def test_generation_config_eos_ids_stop_generation(tmp_path, tokenizer_json):
+    """An instruct model's end of turn may be an eos id of generation_config.json alone (Phi-3's <|end|>): the
+    engine stops there, as transformers' generate does."""
+    from batchjob.engine.engine import Engine
+
+    hf = build("phi3-mha-untied-window", tmp_path, tokenizer_json)
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = hf_greedy(hf, ids, 8)
+    end = next(i for i, t in enumerate(ref) if i >= 2 and t not in ref[:i] and t != 2)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, ref[end]]}))
+    assert load_model(str(tmp_path)).config.eos_token_ids == (2, ref[end])
+    out = Engine(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=16).generate(
+        [ids], SamplingParams(max_tokens=8)
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[: end + 1]
+
+
 def write_phi3_gguf(hf, path) -> None:
     """`hf` (a Phi-3) as llama.cpp's convert_hf_to_gguf.py writes it: architecture phi3, fused attn_qkv, ffn_up
     holding gate and up, no output tensor when tied, the rotary dims and LongRoPE's factors, original length and
