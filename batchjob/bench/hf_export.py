@@ -44,6 +44,8 @@ def hf_config(c: ModelConfig) -> dict:
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
         "torch_dtype": "float32",
+        # none: Phi3Config's default (32000) need not lie in the vocabulary, and inference pads nothing
+        "pad_token_id": None,
         "partial_rotary_factor": c.partial_rotary_factor,
         # Phi-3's transformers config reads the pretraining length here (not from rope_scaling), 4096 when absent
         **({"original_max_position_embeddings": rope["original_max_position_embeddings"]} if rope else {}),

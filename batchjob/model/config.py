@@ -168,16 +168,12 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         fused = c.architecture in FUSED_CHECKPOINTS
+        qkv = {"qkv_proj": q + 2 * kv} if fused else {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        gate_up = {"gate_up_proj": 2 * inter} if fused else {"gate_proj": inter, "up_proj": inter}
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        if fused:
-            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
-        else:
-            shapes |= {p + f"self_attn.{n}_proj.weight": (size, h) for n, size in (("q", q), ("k", kv), ("v", kv))}
+        shapes |= {p + f"self_attn.{n}.weight": (rows, h) for n, rows in qkv.items()}
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if fused:
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
-        else:
-            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+        shapes |= {p + f"mlp.{n}.weight": (rows, h) for n, rows in gate_up.items()}
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if c.attention_bias:
             shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}

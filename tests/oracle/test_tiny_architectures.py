@@ -385,7 +385,9 @@ def write_phi3_gguf(hf, path) -> None:
 @pytest.mark.parametrize("case", ["phi3-mha-untied-window", "phi4mini-gqa2-tied-longrope-partial-rotary"])
 def test_tiny_phi3_gguf_matches_transformers(case, tmp_path, tokenizer_json, monkeypatch):
     """A phi3 GGUF of the same weights loads to the HF folder's config and weights, and to transformers' logits in
-    both LongRoPE regimes."""
+    both LongRoPE regimes; exported back to an HF folder (the bench's peers read that), transformers computes the
+    same logits from it."""
+    from batchjob.bench.hf_export import export_hf
     from batchjob.model import loader
 
     # the GGUF's conversion cached in tmp_path; not all of $BATCHJOB_CACHE, which holds the built C++ kernels
@@ -406,14 +408,19 @@ def test_tiny_phi3_gguf_matches_transformers(case, tmp_path, tokenizer_json, mon
         assert torch.allclose(c.inv_freq(seq_len), from_hf.config.inv_freq(seq_len), rtol=1e-6, atol=0)
     assert set(loaded.weights) == set(from_hf.weights) and loaded.rope_freqs is None
     assert all(torch.equal(loaded.weights[k], from_hf.weights[k]) for k in loaded.weights)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        export_hf(loaded, tmp_path / "export"), dtype=torch.float32
+    ).eval()
     g = torch.Generator().manual_seed(3)
     for n in (37, 100):  # short factors, then long
         ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs, max_model_len=n)
         ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0].float()
+            diff_export = (exported(torch.tensor([ids])).logits[0] - ref).abs().max().item()
         diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
         assert diff <= 1e-4, f"{case}, {n} tokens: logits differ by {diff}"
+        assert diff_export <= 1e-4, f"{case}, {n} tokens: the export's logits differ by {diff_export}"
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
