@@ -17,6 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
+from batchjob.model.config import ModelConfig  # noqa: E402
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
 from tests.conftest import forward_logits  # noqa: E402
@@ -231,6 +232,31 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
         if n == LENGTHS[-1]:
             diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
             assert diff <= 1e-4, f"{case}, {n} tokens: some position's logits differ by {diff}"
+
+
+@pytest.mark.parametrize("kind", ["su", "longrope"])
+def test_phi3_hub_config_form_gives_transformers_rotary(kind):
+    """Phi-3's own config.json files (Phi-3-mini-128k: "su", Phi-3.5 and Phi-4-mini: "longrope") say rope_scaling
+    with a `type`, and keep original_max_position_embeddings and partial_rotary_factor beside it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = longrope(12)
+    hub = {
+        **COMMON,
+        **PHI3,
+        "architectures": ["Phi3ForCausalLM"],
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": PHI3_ORIGINAL_MAX,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": kind, "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]},
+    }
+    ours, theirs = ModelConfig.from_hf(hub), transformers.Phi3Config(**hub)
+    for seq_len in (None, PHI3_ORIGINAL_MAX + 1):
+        inv, factor = ROPE_INIT_FUNCTIONS["longrope"](theirs, "cpu", seq_len=seq_len)
+        assert torch.allclose(ours.inv_freq(seq_len), inv.double(), rtol=1e-6, atol=0)
+        assert ours.attention_factor() == pytest.approx(factor, rel=1e-12) and factor > 1.1
+    assert ours.rotary_dim == 12 and not torch.equal(ours.inv_freq(), ours.inv_freq(PHI3_ORIGINAL_MAX + 1))
 
 
 def hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
