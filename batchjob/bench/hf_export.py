@@ -12,12 +12,8 @@ from safetensors.torch import save_file
 from batchjob.model.config import ModelConfig
 from batchjob.model.loader import LoadedModel, cache_dir, load_model
 
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-    "Phi3ForCausalLM": "phi3",
-}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+_MODEL_TYPES |= {"Phi3ForCausalLM": "phi3"}
 
 
 def hf_config(c: ModelConfig) -> dict:

@@ -7,14 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES += ("Phi3ForCausalLM",)
 # GGUF's general.architecture -> HF's name. Mistral GGUFs say "llama".
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+GGUF_ARCHITECTURES |= {"phi3": "Phi3ForCausalLM"}
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3): the fused matmuls as they are.
 FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
 
