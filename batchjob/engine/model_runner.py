@@ -90,6 +90,7 @@ class ModelRunner:
             load_ops(self.ops_backend),
             loaded.rope_freqs,
             self.device,
+            max_model_len,  # LongRoPE's long or short factors follow the context the engine allows
         )
         self.block_size = config.block_size
         c = loaded.config

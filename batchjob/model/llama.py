@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 with its q/k norms; Qwen3-MoE and Mixtral with sparse MoE MLPs,
-moe.py) over a paged KV cache. Numeric ops come from an ops backend
+"""Llama-family decoder (Llama, Mistral, Qwen2, Phi-3, Qwen3 with its q/k norms; Qwen3-MoE and Mixtral with sparse
+MoE MLPs, moe.py) over a paged KV cache. Numeric ops come from an ops backend
 (backend.OpsBackend: `batchjob.model.cpu_ops` on a CPU, `batchjob.kernels.ops` in Triton on a GPU)."""
 
 from __future__ import annotations
@@ -14,6 +14,14 @@ from batchjob.model.linear import Linear
 from batchjob.model.moe import SparseMoeBlock
 
 
+def _fused(w: dict[str, torch.Tensor], prefix: str, fused: str, parts: list[str]) -> torch.Tensor:
+    """The weight of projections `parts` (popped from `w`) stacked into one matmul; a checkpoint that stores them
+    fused already (Phi-3's qkv_proj and gate_up_proj, in this order) gives its tensor as it is, without a copy."""
+    if prefix + fused + ".weight" in w:
+        return w.pop(prefix + fused + ".weight")
+    return torch.cat([w.pop(prefix + part + ".weight") for part in parts])
+
+
 class LlamaModel:
     """Weights fused for fewer, larger matmuls: q/k/v in one, gate/up in one; each matmul a Linear (packed for the
     CPU's GEMM where it can be)."""
@@ -25,6 +33,7 @@ class LlamaModel:
         ops: OpsBackend,
         rope_freqs: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
     ):
         self.config, self.ops = config, ops
         c = config
@@ -40,12 +49,12 @@ class LlamaModel:
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = [w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            qkv = _fused(w, p + "self_attn.", "qkv_proj", ["q_proj", "k_proj", "v_proj"])
             bias = [w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"] if c.attention_bias else None
             layer = {
                 "input_norm": w[p + "input_layernorm.weight"],
                 "post_norm": w[p + "post_attention_layernorm.weight"],
-                "qkv": Linear(torch.cat(qkv), torch.cat(bias) if bias else None),
+                "qkv": Linear(qkv, torch.cat(bias) if bias else None),
                 # Llama's attention_bias also biases o_proj, and its mlp_bias all three MLP projections.
                 "o": Linear(w.pop(p + "self_attn.o_proj.weight"), w.get(p + "self_attn.o_proj.bias")),
                 "q_norm": w[p + "self_attn.q_norm.weight"] if c.qk_norm else None,
@@ -59,16 +68,17 @@ class LlamaModel:
                 ]
                 layer["moe"] = SparseMoeBlock(Linear(w.pop(router)), experts, c.num_experts_per_tok, c.norm_topk_prob)
             else:
-                gate_up = [w.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+                gate_up = _fused(w, p + "mlp.", "gate_up_proj", ["gate_proj", "up_proj"])
                 bias_names = [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")]
                 mlp_bias = [w[n] for n in bias_names] if bias_names[0] in w else None
-                layer["gate_up"] = Linear(torch.cat(gate_up), torch.cat(mlp_bias) if mlp_bias else None)
+                layer["gate_up"] = Linear(gate_up, torch.cat(mlp_bias) if mlp_bias else None)
                 layer["down"] = Linear(w.pop(p + "mlp.down_proj.weight"), w.get(p + "mlp.down_proj.bias"))
             self.layers.append(layer)
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.scale = c.head_dim**-0.5
-        self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs).to(device)
+        # [positions, rotary_dim]: the ops turn each head's first rotary_dim dims (partial rotary) and pass the rest.
+        self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs, max_model_len).to(device)
 
     def linears(self, layer: int) -> list[Linear]:
         """The decoder layer's matmuls that one token goes through: fused qkv, o, then fused gate_up and down, or a

@@ -216,6 +216,13 @@ def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
         raise ModelNotFoundError(f"{path} has no config.json")
     with reading_model(path):
         config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        generation = path / "generation_config.json"
+        if generation.is_file():
+            # Its eos ids too, as transformers' generate and vLLM stop on them: an instruct model's end of turn is
+            # often only there (Phi-3's <|end|>, beside <|endoftext|> in config.json).
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *eos])))
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError("the folder has no tokenizer.json")
         tokenizer = Tokenizer.from_folder(path)  # before the weights: the cheap reads fail first
@@ -271,19 +278,23 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
     "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
     "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",  # phi3: q, k and v in one tensor
 }
+# Where an architecture's tensor holds something else: phi3's ffn_up is gate and up stacked (HF's gate_up_proj).
+_GGUF_NAMES_BY_ARCH = {"phi3": {"blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"}}
 # A sparse layer's router, and its experts stacked by llama.cpp into one 3-D tensor [experts, out, in] for each of
 # gate, up and down (HF names each expert's matrix; the names are the architecture's: moe_weight_names).
 _GGUF_MOE = {"ffn_gate_inp": None, "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
     key, layer = (f"blk.{{i}}.{parts[2]}", parts[1]) if parts[0] == "blk" else (base, None)
-    if key not in _GGUF_NAMES:
+    names = _GGUF_NAMES | _GGUF_NAMES_BY_ARCH.get(arch, {})
+    if key not in names:
         return None
-    return _GGUF_NAMES[key].format(i=layer) + "." + suffix
+    return names[key].format(i=layer) + "." + suffix
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -301,16 +312,26 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
-def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
+def _gguf_config(meta: dict, has_output: bool, rope_factors: dict[str, list[float]]) -> ModelConfig:
+    """`rope_factors`: phi3's LongRoPE factors, from its rope_factors_long and rope_factors_short tensors."""
     arch = meta["general.architecture"]
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     hidden = g("embedding_length")
+    head_dim = g("attention.key_length") or hidden // heads
     # llama3 scaling comes as a rope_freqs tensor; linear scaling only as these two keys.
     scaling = g("rope.scaling.type")
     rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")} if scaling == "linear" else None
+    if rope_factors:
+        rope_scaling = {
+            "rope_type": "longrope",
+            "long_factor": rope_factors["long"],
+            "short_factor": rope_factors["short"],
+            "original_max_position_embeddings": g("rope.scaling.original_context_length"),
+            "attention_factor": g("rope.scaling.attn_factor"),  # absent: computed as transformers does
+        }
     eos = meta.get("tokenizer.ggml.eos_token_id")
     # llama.cpp's qwen3moe and Mixtral ("llama" with experts): every layer sparse, the top-k weights renormalised
     # unless the file says otherwise
@@ -330,15 +351,18 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
         num_hidden_layers=g("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=g("attention.head_count_kv", heads),
-        head_dim=g("attention.key_length") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=g("attention.layer_norm_rms_epsilon"),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         max_position_embeddings=g("context_length", 4096),
         tie_word_embeddings=not has_output,
         attention_bias=arch == "qwen2",
         rope_scaling=rope_scaling,
+        # llama.cpp writes phi3's sliding_window, 0 for none (Phi-4-mini); the engine caps the context to it
+        sliding_window=(g("attention.sliding_window") or None) if arch == "phi3" else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
+        partial_rotary_factor=g("rope.dimension_count", head_dim) / head_dim,
         **moe,
     )
 
@@ -385,14 +409,22 @@ def convert_gguf(path: Path, out: Path) -> None:
             raise ModelLoadError(f"not a readable GGUF file (damaged or cut short?): {_one_line(e)}") from e
         meta = gguf_metadata(reader)
         names = {t.name for t in reader.tensors}
-        config = _gguf_config(meta, has_output="output.weight" in names)
+        rope_factors = {
+            t.name.removeprefix("rope_factors_").removesuffix(".weight"): dequantize(t.data, t.tensor_type).tolist()
+            for t in reader.tensors
+            if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        }
+        config = _gguf_config(meta, has_output="output.weight" in names, rope_factors=rope_factors)
         if not config.vocab_size:
             vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
             config = ModelConfig(**{**config.__dict__, "vocab_size": vocab_size})
         weights = {}
-        permute = meta["general.architecture"] == "llama"  # convert_hf_to_gguf permutes q/k for llama alone
+        arch = meta["general.architecture"]
+        permute = arch == "llama"  # convert_hf_to_gguf permutes q/k for llama alone
         for t in reader.tensors:
-            name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+            if t.name.startswith("rope_factors_"):
+                continue  # in the config's rope_scaling
+            name = hf_name(t.name, arch) or t.name  # e.g. rope_freqs.weight stays as it is
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape([int(d) for d in reversed(t.shape)])
             blk, layer, kind, _ = (t.name.split(".") + ["", "", ""])[:4]

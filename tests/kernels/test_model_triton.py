@@ -1,6 +1,6 @@
 """The whole model through the Triton kernels (in the interpreter on a CPU) against the torch path: a tiny random
-Llama (GQA, head dim 16) gives the same greedy tokens, with chunked prefill mixing prefill and decode rows; Qwen3 and
-Qwen3-MoE against transformers."""
+Llama, Qwen2 or Phi-3 (GQA, head dim 16) gives the same greedy tokens, with chunked prefill mixing prefill and decode
+rows; Qwen3 and Qwen3-MoE against transformers."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ from tests.oracle.test_tiny_architectures import build, greedy_under_pressure_ma
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("case", ["llama-gqa2-untied", "qwen2-gqa4-bias-tied"])
+@pytest.mark.parametrize(
+    # Phi-4-mini's shape: fused checkpoint, LongRoPE (long factors: the engine's context passes the original 48), rotary
+    # on 3/4 of each head
+    "case",
+    ["llama-gqa2-untied", "qwen2-gqa4-bias-tied", "phi4mini-gqa2-tied-longrope-partial-rotary"],
+)
 def test_triton_path_equals_torch_path(case, tmp_path, device):
     build(case, tmp_path, tiny_tokenizer().to_str())
     rng = random.Random(0)

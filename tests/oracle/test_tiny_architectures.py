@@ -1,13 +1,15 @@
-"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Mixtral), saved
-as an HF folder by transformers inside the test, loaded by our loader: logits and greedy tokens equal
+"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Mixtral, Phi-3),
+saved as an HF folder by transformers inside the test, loaded by our loader: logits and greedy tokens equal
 transformers' own."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from batchjob.bench.hf_export import export_hf  # noqa: E402
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
 from batchjob.model import loader  # noqa: E402
+from batchjob.model.config import ModelConfig  # noqa: E402
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
 from tests.conftest import forward_logits  # noqa: E402
@@ -54,6 +57,20 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
     "rope_theta": 10000.0,
 }
+# Phi-3-mini-128k / Phi-3.5 / Phi-4-mini's LongRoPE, pretrained on 48 positions here so that test prompts pass it.
+PHI3_ORIGINAL_MAX = 48
+PHI3 = dict(pad_token_id=0)  # Phi3Config's default pad id, 32000, lies outside the tiny vocabulary
+
+
+def longrope(rotary_dim: int) -> dict:
+    half = rotary_dim // 2
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 2.5 * i for i in range(half)],
+    }
+
 
 # name -> (config class, extra config, save_pretrained kwargs)
 CASES = {
@@ -136,8 +153,39 @@ CASES = {
         dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
         {},
     ),
+    # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint. Phi-3-mini-4k's sliding_window (2047 of 4096) caps
+    # the context as Mistral's does: 200 here, beyond every test sequence.
+    "phi3-mha-untied-window": ("Phi3Config", dict(**PHI3, num_key_value_heads=4, sliding_window=200), {}),
+    "phi3-gqa2-tied-partial-rotary": (
+        "Phi3Config",
+        dict(**PHI3, num_key_value_heads=2, tie_word_embeddings=True, partial_rotary_factor=0.5),
+        {},
+    ),
+    "phi3-gqa2-longrope": (
+        "Phi3Config",
+        dict(
+            **PHI3,
+            num_key_value_heads=2,
+            rope_parameters=longrope(16),
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+        ),
+        {},
+    ),
+    # Phi-4-mini's shape: LongRoPE on 3/4 of each head, tied embeddings
+    "phi4mini-gqa2-tied-longrope-partial-rotary": (
+        "Phi3Config",
+        dict(
+            **PHI3,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            partial_rotary_factor=0.75,
+            rope_parameters=longrope(12),
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+        ),
+        {},
+    ),
 }
-LENGTHS = (5, 37, 100)
+LENGTHS = (5, 37, 100)  # LongRoPE: the first two within its original 48 positions (short factors), the last past them
 
 
 def tiny_tokenizer() -> HFTokenizer:
@@ -222,13 +270,18 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     assert [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)] == sparse
     if sparse:
         assert (c.num_experts, c.num_experts_per_tok) == (hf.config.num_local_experts, hf.config.num_experts_per_tok)
-    # Our inverse frequencies are transformers' (llama3 / linear scaling included).
+    assert c.rotary_dim == int(extra.get("head_dim", 16) * extra.get("partial_rotary_factor", 1.0))
+    # Our inverse frequencies are transformers' (llama3 / linear scaling, LongRoPE's short factors included).
     hf_inv = hf.model.rotary_emb.inv_freq.double()
     assert torch.allclose(c.inv_freq(), hf_inv, rtol=1e-6, atol=0), (c.inv_freq(), hf_inv)
+    assert c.attention_factor() == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-12)
+    if c.rope_scaling and c.rope_scaling["rope_type"] == "longrope":
+        assert c.attention_factor() > 1.1 and not torch.equal(c.inv_freq(PHI3_ORIGINAL_MAX + 1), c.inv_freq())
 
-    ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs)
     g = torch.Generator().manual_seed(len(case))
     for n in LENGTHS:
+        # transformers picks LongRoPE's factors by the length of the forward pass, we by the engine's context
+        ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs, max_model_len=n)
         ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0].float()
@@ -238,6 +291,46 @@ def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
         if n == LENGTHS[-1]:
             diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
             assert diff <= 1e-4, f"{case}, {n} tokens: some position's logits differ by {diff}"
+
+
+@pytest.mark.parametrize("kind", ["su", "longrope"])
+def test_phi3_hub_config_form_gives_transformers_rotary(kind):
+    """Phi-3's own config.json files (Phi-3-mini-128k: "su", Phi-3.5 and Phi-4-mini: "longrope") say rope_scaling
+    with a `type`, and keep original_max_position_embeddings and partial_rotary_factor beside it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = longrope(12)
+    hub = {
+        **COMMON,
+        **PHI3,
+        "architectures": ["Phi3ForCausalLM"],
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": PHI3_ORIGINAL_MAX,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": kind, "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]},
+    }
+    ours, theirs = ModelConfig.from_hf(hub), transformers.Phi3Config(**hub)
+    for seq_len in (None, PHI3_ORIGINAL_MAX + 1):
+        inv, factor = ROPE_INIT_FUNCTIONS["longrope"](theirs, "cpu", seq_len=seq_len)
+        assert torch.allclose(ours.inv_freq(seq_len), inv.double(), rtol=1e-6, atol=0)
+        assert ours.attention_factor() == pytest.approx(factor, rel=1e-12) and factor > 1.1
+    assert ours.rotary_dim == 12 and not torch.equal(ours.inv_freq(), ours.inv_freq(PHI3_ORIGINAL_MAX + 1))
+
+
+def hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' `generate` on one prompt, greedy, eos off."""
+    with torch.inference_mode():
+        # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
+        ref = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=VOCAB + 5,
+            pad_token_id=0,
+        )
+    return ref[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize(
@@ -287,19 +380,167 @@ def greedy_under_pressure_matches_generate(
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
     assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in steps)
     for ids, out in zip(prompts, outs):
-        with torch.inference_mode():
-            # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=8,
-                do_sample=False,
-                eos_token_id=VOCAB + 5,
-                pad_token_id=0,
-            )
         assert out.finish_reason == "length"
-        assert out.token_ids == ref[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+        assert out.token_ids == hf_greedy(hf, ids, 8), f"{case}, prompt of {len(ids)} tokens"
     return hf
+
+
+# LongRoPE's two regimes: an engine whose context stays within the original positions uses the short factors, as
+# transformers does on sequences that short; one allowed more uses the long factors, as transformers does once a
+# sequence is longer (prompts past 48 here, so that every forward pass of `generate` picks them too).
+PHI3_SHORT, PHI3_LONG = ({"max_model_len": PHI3_ORIGINAL_MAX}, (3, 20, 30)), ({}, (50, 61, 90))
+PHI4 = "phi4mini-gqa2-tied-longrope-partial-rotary"
+PHI3_RUNS = [
+    pytest.param("phi3-mha-untied-window", {}, (3, 20, 45), "torch", id="phi3-window"),
+    pytest.param("phi3-gqa2-tied-partial-rotary", {}, (3, 20, 45), "torch", id="phi3-partial-rotary"),
+    pytest.param("phi3-gqa2-longrope", *PHI3_SHORT, "torch", id="phi3-longrope-short"),
+    pytest.param("phi3-gqa2-longrope", *PHI3_LONG, "torch", id="phi3-longrope-long"),
+    pytest.param(PHI4, *PHI3_SHORT, "torch", id="phi4mini-short"),
+    pytest.param(PHI4, *PHI3_LONG, "torch", id="phi4mini-long"),
+    # the Triton kernels (in the interpreter on a CPU) on everything Phi-4-mini needs
+    pytest.param(PHI4, *PHI3_SHORT, "triton", marks=pytest.mark.triton, id="phi4mini-short-triton"),
+    pytest.param(PHI4, *PHI3_LONG, "triton", marks=pytest.mark.triton, id="phi4mini-long-triton"),
+]
+
+
+@pytest.mark.parametrize(("case", "engine_args", "lengths", "ops_backend"), PHI3_RUNS)
+def test_tiny_phi3_greedy_under_chunked_prefill_and_preemption_matches_transformers(
+    case, engine_args, lengths, ops_backend, tmp_path, tokenizer_json, device
+):
+    """Prefills cut into chunks of 16 tokens beside decodes, and a pool of 4-token blocks that holds about half of
+    what the prompts need, so that sequences are preempted and recomputed: still transformers' tokens."""
+    from batchjob.engine.engine import Engine
+
+    hf = build(case, tmp_path, tokenizer_json)
+    new_tokens = 8
+    need = [-(-(n + new_tokens) // 4) for n in lengths]
+    engine = Engine(
+        str(tmp_path), device=device if ops_backend == "triton" else "cpu", ops_backend=ops_backend, dtype="float32",
+        num_threads=1, block_size=4, max_num_batched_tokens=16, num_kv_blocks=max(max(need) + 1, sum(need) // 2),
+        kv_watermark=1.0, enable_prefix_caching=False, **engine_args,
+    )  # fmt: skip
+    assert engine.max_model_len == engine_args.get("max_model_len", 200 if "window" in case else 256)
+    steps = []
+    engine.add_step_callback(steps.append)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    assert sum(s.num_preemptions for s in steps) > 0
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # chunks of prefill beside decodes
+    for ids, out in zip(prompts, outs):
+        assert out.finish_reason == "length"
+        assert out.token_ids == hf_greedy(hf, ids, new_tokens), f"{case}, prompt of {len(ids)} tokens"
+
+
+def test_generation_config_eos_ids_stop_generation(tmp_path, tokenizer_json):
+    """An instruct model's end of turn may be an eos id of generation_config.json alone (Phi-3's <|end|>): the
+    engine stops there, as transformers' generate does."""
+    from batchjob.engine.engine import Engine
+
+    hf = build("phi3-mha-untied-window", tmp_path, tokenizer_json)
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = hf_greedy(hf, ids, 8)
+    end = next(i for i, t in enumerate(ref) if i >= 2 and t not in ref[:i] and t != 2)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, ref[end]]}))
+    assert load_model(str(tmp_path)).config.eos_token_ids == (2, ref[end])
+    out = Engine(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=16).generate(
+        [ids], SamplingParams(max_tokens=8)
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[: end + 1]
+
+
+def write_phi3_gguf(hf, path) -> None:
+    """`hf` (a Phi-3) as llama.cpp's convert_hf_to_gguf.py writes it: architecture phi3, fused attn_qkv, ffn_up
+    holding gate and up, no output tensor when tied, the rotary dims and LongRoPE's factors, original length and
+    attention factor in the metadata; float32 tensors, so that the logits can be compared exactly."""
+    import gguf
+
+    from tests.model.test_loader import add_gpt2_tokenizer
+
+    c, sd = hf.config, hf.state_dict()
+    rope = c.rope_parameters
+    rotary_dim = int(c.hidden_size // c.num_attention_heads * rope["partial_rotary_factor"])
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(rotary_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(c.sliding_window or 0)
+    add_gpt2_tokenizer(w, tiny_tokenizer())
+    tensors = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+    if not c.tie_word_embeddings:
+        tensors["output"] = "lm_head"
+    for i in range(c.num_hidden_layers):
+        hf_layer = f"model.layers.{i}."
+        tensors |= {
+            f"blk.{i}.{ours}": hf_layer + theirs
+            for ours, theirs in [
+                ("attn_norm", "input_layernorm"),
+                ("attn_qkv", "self_attn.qkv_proj"),
+                ("attn_output", "self_attn.o_proj"),
+                ("ffn_norm", "post_attention_layernorm"),
+                ("ffn_up", "mlp.gate_up_proj"),
+                ("ffn_down", "mlp.down_proj"),
+            ]
+        }
+    if rope["rope_type"] == "longrope":
+        scale = c.max_position_embeddings / c.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    for name, hf_name in tensors.items():
+        w.add_tensor(name + ".weight", sd[hf_name + ".weight"].numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case", ["phi3-mha-untied-window", "phi4mini-gqa2-tied-longrope-partial-rotary"])
+def test_tiny_phi3_gguf_matches_transformers(case, tmp_path, tokenizer_json, monkeypatch):
+    """A phi3 GGUF of the same weights loads to the HF folder's config and weights, and to transformers' logits in
+    both LongRoPE regimes; exported back to an HF folder (the bench's peers read that), transformers computes the
+    same logits from it."""
+    from batchjob.bench.hf_export import export_hf
+    from batchjob.model import loader
+
+    # the GGUF's conversion cached in tmp_path; not all of $BATCHJOB_CACHE, which holds the built C++ kernels
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")
+    hf = build(case, tmp_path / "hf", tokenizer_json)
+    write_phi3_gguf(hf, tmp_path / "phi3.gguf")
+    loaded, from_hf = load_model(str(tmp_path / "phi3.gguf")), load_model(str(tmp_path / "hf"))
+    c = loaded.config
+    assert c.architecture == "Phi3ForCausalLM" and c.sliding_window == from_hf.config.sliding_window
+    assert (c.partial_rotary_factor, c.rotary_dim, c.tie_word_embeddings, c.max_position_embeddings) == (
+        from_hf.config.partial_rotary_factor,
+        from_hf.config.rotary_dim,
+        from_hf.config.tie_word_embeddings,
+        from_hf.config.max_position_embeddings,
+    )
+    assert c.attention_factor() == pytest.approx(from_hf.config.attention_factor(), rel=1e-6)
+    for seq_len in (None, PHI3_ORIGINAL_MAX + 1):
+        assert torch.allclose(c.inv_freq(seq_len), from_hf.config.inv_freq(seq_len), rtol=1e-6, atol=0)
+    assert set(loaded.weights) == set(from_hf.weights) and loaded.rope_freqs is None
+    assert all(torch.equal(loaded.weights[k], from_hf.weights[k]) for k in loaded.weights)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        export_hf(loaded, tmp_path / "export"), dtype=torch.float32
+    ).eval()
+    g = torch.Generator().manual_seed(3)
+    for n in (37, 100):  # short factors, then long
+        ours = LlamaModel(c, loaded.weights, ops, loaded.rope_freqs, max_model_len=n)
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+            diff_export = (exported(torch.tensor([ids])).logits[0] - ref).abs().max().item()
+        diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
+        assert diff <= 1e-4, f"{case}, {n} tokens: logits differ by {diff}"
+        assert diff_export <= 1e-4, f"{case}, {n} tokens: the export's logits differ by {diff_export}"
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
