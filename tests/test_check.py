@@ -23,7 +23,7 @@ def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
     report = json.loads(out.read_text())
     assert result.exit_code == 0, result.output
     assert {p: v["status"] for p, v in report["parts"].items()} == dict.fromkeys(
-        ("kernels", "equality", "throughput", "graphs", "host_sync", "kv_sizing"), "passed"
+        ("kernels", "equality", "throughput", "graphs", "sampling", "host_sync", "kv_sizing"), "passed"
     )
     rows = report["rows"]
     kernels = {r["check"].split()[0] for r in rows if r["part"] == "kernels"}
@@ -34,6 +34,10 @@ def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
     assert eq["longest_prompt_torch"] > eq["token_budget_torch"]  # prefilled in chunks
     [graphs] = [r for r in rows if r["part"] == "graphs"]  # the padded decode body against eager steps
     assert graphs["ok"] and graphs["sequences_equal"] == "3/3" and graphs["graphs_decode_tokens_per_s"] > 0
+    sampling = {r["check"]: r for r in rows if r["part"] == "sampling"}
+    assert sampling["device sampler == host sampler (seeded rows)"]["ok"]
+    assert sampling["JSON-constrained outputs parse"]["ok"]
+    assert sampling["sampled tokens/s vs greedy"]["share"] > 0 and sampling["json tokens/s vs greedy"]["share"] > 0
     [sync] = [r for r in rows if r["part"] == "host_sync"]
     assert sync["ok"] and sync["error"] is None and sync["mixed_steps"] > 0 and sync["preemptions"] > 0
     systems = {r["check"].rsplit(" ", 1)[1] for r in rows if r["part"] == "throughput" and "tiny-llama" in r["check"]}
@@ -57,6 +61,7 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch)
     monkeypatch.setattr(Check, "equality", capped)
     monkeypatch.setattr(Check, "throughput", measured)
     monkeypatch.setattr(Check, "graphs", lambda self, deadline: None)
+    monkeypatch.setattr(Check, "sampling", lambda self, deadline: None)
     monkeypatch.setattr(Check, "host_sync", lambda self, deadline: None)
     monkeypatch.setattr(Check, "kv_sizing", lambda self, deadline: self.row("kv_sizing", "pool", False))
     out = tmp_path / "check.json"
@@ -66,6 +71,7 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch)
         "equality": "capped",
         "throughput": "passed",
         "graphs": "passed",
+        "sampling": "passed",
         "host_sync": "passed",
         "kv_sizing": "failed",
     }

@@ -11,6 +11,9 @@ run cut short still leaves what it measured:
   throughput  engine (Triton ops; CUDA graphs unless the graphs part failed) against engine (torch ops) and HF
               generate at a fixed batch, on a fixed-length and a mixed-length workload, per model shape, with achieved
               FLOP/s and HBM bytes/s against measured peaks;
+  sampling    the sampler on the device against the same sampler on the host (seeded rows of every kind draw the
+              same tokens), JSON-constrained outputs that parse, and the engine's tokens/s on sampled (temperature
+              0.7, top_p 0.95, top 5 logprobs) and JSON-constrained workloads as a share of greedy's;
   host_sync   the engine (Triton ops) stepping with every host synchronisation inside a step raising;
   kv_sizing   torch's peak memory against kv_cache_memory_fraction of device memory, with CUDA graphs captured up to
               max_num_seqs and a step at the largest token budget.
@@ -24,7 +27,7 @@ import platform
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -103,7 +106,22 @@ PLANS = {
     ),
 }
 # seconds per part; 8 minutes on an H200 in all, start-up included
-CAPS = {"kernels": 140, "equality": 60, "throughput": 170, "graphs": 40, "host_sync": 15, "kv_sizing": 35}
+CAPS = {
+    "kernels": 140,
+    "equality": 60,
+    "throughput": 170,
+    "graphs": 40,
+    "sampling": 60,
+    "host_sync": 15,
+    "kv_sizing": 35,
+}
+# The sampling part's row settings: one of each kind, each seeded so that the device and the host draw alike.
+SAMPLED_ROWS = (
+    dict(temperature=0.7, top_p=0.95),
+    dict(temperature=1.0, top_k=20),
+    dict(temperature=0.8, min_p=0.05, repetition_penalty=1.2),
+    dict(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3, logprobs=True, top_logprobs=5),
+)
 
 
 class TimeCap(Exception):
@@ -172,6 +190,7 @@ class Check:
             ("equality", self.equality),
             ("graphs", self.graphs),
             ("throughput", self.throughput),
+            ("sampling", self.sampling),
             ("host_sync", self.host_sync),
             ("kv_sizing", self.kv_sizing),
         ):
@@ -383,6 +402,66 @@ class Check:
                 else None,
             )
 
+    def sampling(self, deadline: float) -> None:
+        from batchjob.bench.systems import run_engine
+        from batchjob.bench.workloads import synthetic
+        from batchjob.engine.outputs import Request
+        from batchjob.engine.sampler import Sampler
+        from batchjob.engine.sampling_params import SamplingParams
+        from batchjob.engine.sequence import Sequence
+
+        engine = self._engine(self.plan.models[0], "triton")
+        vocab, draws = engine.model_config.vocab_size, 3 if self.small else 50
+        logits = torch.randn(len(SAMPLED_ROWS) * 4, vocab, generator=torch.Generator().manual_seed(0)) * 4
+        tokens = {}
+        for where in (self.device, torch.device("cpu")):
+            params = [SamplingParams(seed=i, **SAMPLED_ROWS[i % len(SAMPLED_ROWS)]) for i in range(len(logits))]
+            seqs = [Sequence(Request(str(i), [5, 6, 7, 7], p), i) for i, p in enumerate(params)]
+            sampler, drawn = Sampler(0), []
+            for _ in range(draws):
+                drawn.append(sampler(logits.to(where), seqs)[0])
+            tokens[where.type] = drawn
+        same = sum(a == b for d, h in zip(tokens[self.device.type], tokens["cpu"]) for a, b in zip(d, h))
+        total = draws * len(logits)
+        # float sums in another order may move a draw that falls on a boundary between two tokens: rare
+        self.row(
+            "sampling", "device sampler == host sampler (seeded rows)", same >= 0.99 * total, equal=f"{same}/{total}"
+        )
+        self._within(deadline, "sampled and constrained throughput")
+        w = self.plan.workloads[0]
+        base = synthetic(vocab, w.prompts, w.input_len, w.output_len, seed=3)
+        schema = {"type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "integer"}}}
+        kinds = {
+            "greedy": {},
+            "sampled": dict(temperature=0.7, top_p=0.95, logprobs=True, top_logprobs=5),
+            "json": dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+        }
+        rates = {}
+        for kind, extra in kinds.items():
+            # a JSON row stops where its object closes; the others run to their length, as greedy's
+            update = {"ignore_eos": "response_format" not in extra, **extra}
+            params = [r.params.with_overrides(update) for r in base.requests]
+            requests = [Request(r.request_id, r.prompt_token_ids, p) for r, p in zip(base.requests, params)]
+            wl = replace(base, requests=requests, name=f"{base.name} {kind}")
+            run_engine(engine, wl)  # warm-up: compiles and masks of this kind
+            self._within(deadline, f"{kind} workload")
+            rates[kind] = run_engine(engine, wl, kind).row()["output_tokens_per_s"]
+        # an object the grammar closes within a few tokens, so that every row ends and is read whole
+        closed = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+        closed |= {"additionalProperties": False}
+        params = SamplingParams(
+            max_tokens=32,
+            temperature=0.7,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": closed}},
+        )
+        outputs = engine.generate([r.prompt_token_ids for r in base.requests[:4]], params, False)
+        parsed = sum(o.finish_reason == "stop" and _parses(o.text) for o in outputs)
+        self.row(
+            "sampling", "JSON-constrained outputs parse", parsed == len(outputs), parsed=f"{parsed}/{len(outputs)}"
+        )
+        for kind in ("sampled", "json"):
+            self.row("sampling", f"{kind} tokens/s vs greedy", None, share=rates[kind] / rates["greedy"], **rates)
+
     def host_sync(self, deadline: float) -> None:
         """The Triton engine (eager: a capture waits for the device by design) steps through chunked prefills, mixed
         steps, decodes and preemption with every host synchronisation inside a step raising (torch's sync debug mode
@@ -483,3 +562,12 @@ def run_check(device: str, json_path: str | None, load_format: str = "dummy", lo
     report = check.run()
     log(format_check(report))
     return report
+
+
+def _parses(text: str) -> bool:
+    """Whether the text starts with a JSON value (dummy weights' tokenizers may print the stop token after it)."""
+    try:
+        json.JSONDecoder().raw_decode(text)
+        return True
+    except ValueError:
+        return False

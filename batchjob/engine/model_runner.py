@@ -210,15 +210,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, argmax: bool = False, rows: list[int] | None = None) -> torch.Tensor:
-        """Runs the step; returns float32 CPU logits of the rows that need a token, in scheduled order, or with
-        `argmax` (every row greedy and plain, sampler.takes_argmax) their tokens, taken on the device, so that the
-        host reads one id a row instead of a vocabulary of logits. With `rows` (indices into the step's tokens), the
-        logits of those rows instead: what teacher-forced scoring reads (StepRunner.score)."""
+        """Runs the step; returns the float32 logits of the rows that need a token, in scheduled order, on the device
+        (the sampler works there, and the host reads only the tokens it draws), or with `argmax` (every row greedy
+        and plain, sampler.takes_argmax) their tokens, taken on the device and read by the host. With `rows`
+        (indices into the step's tokens), the logits of those rows on the host instead: what teacher-forced scoring
+        reads (StepRunner.score)."""
         with forbid_host_sync(self.device) if self.forbid_host_sync else contextlib.nullcontext():
             logits = self._forward_step(out, rows)
-            result = logits.argmax(-1) if argmax else logits
-        # the step's one host synchronisation: the tokens, or the logits the sampler reads
-        return result.cpu()
+            if argmax:
+                logits = logits.argmax(-1)
+        # the step's one host synchronisation: the tokens (here, or the sampler's), or the logits scoring reads
+        return logits.cpu() if argmax or rows is not None else logits
 
     def _forward_step(self, out: SchedulerOutput, rows: list[int] | None = None) -> torch.Tensor:
         """The step on the device, where with the Triton ops the host never waits for it (forbid_host_sync):

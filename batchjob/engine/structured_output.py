@@ -89,7 +89,9 @@ class StructuredOutput:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         else:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        # on the logits' device (xgrammar's kernel on a GPU): the matchers fill the mask on the host
+        device_mask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size, indices=rows)
         self.seconds += time.perf_counter() - t0
 
     def accept(self, seqs: list[Sequence], tokens: list[int]) -> None:
