@@ -23,18 +23,22 @@ class LlamaModel:
         ops: OpsBackend,
         rope_freqs: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
+        lm_head: bool = True,
     ):
+        """Without `lm_head` (an embedding model's hidden states are its output) no head is built, and the weights
+        need none."""
         self.config, self.ops = config, ops
         c = config
         w = {k: v.to(device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         tied = c.tie_word_embeddings
-        head = self.embed if tied else w["lm_head.weight"]
+        head = self.embed if tied or not lm_head else w["lm_head.weight"]
         # Logits in fp32 on a CPU whatever the model's dtype: bf16 logits keep 8 bits, so near the top (16 to 32 for
         # SmolLM2) they fall on steps of 1/8 and ties appear, which greedy breaks by the lowest id.
         self.logits_dtype = torch.float32 if torch.device(device).type == "cpu" else head.dtype
-        self.lm_head = Linear(head.to(self.logits_dtype), keep_weight=tied and head.dtype == self.logits_dtype)
+        keep = tied and head.dtype == self.logits_dtype
+        self.lm_head = Linear(head.to(self.logits_dtype), keep_weight=keep) if lm_head else None
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -64,8 +68,9 @@ class LlamaModel:
         return [w["qkv"], w["o"], w["gate_up"], w["down"]]
 
     def all_linears(self) -> list[Linear]:
-        """Every matmul of a forward pass and its logits: each layer's, then the LM head."""
-        return [lin for i in range(len(self.layers)) for lin in self.linears(i)] + [self.lm_head]
+        """Every matmul of a forward pass and its logits: each layer's, then the LM head (where there is one)."""
+        head = [self.lm_head] if self.lm_head is not None else []
+        return [lin for i in range(len(self.layers)) for lin in self.linears(i)] + head
 
     def weight_bytes(self) -> int:
         """What a decode step reads of the weights: every layer's matmuls and norms, and the LM head."""
