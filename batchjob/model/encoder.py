@@ -65,8 +65,11 @@ class Encoder:
         return self.pooling(self.model(input_ids, cu_seqlens), cu_seqlens, prompt_lengths)
 
 
-def load_encoder(path: Path, dtype: torch.dtype, ops: OpsBackend | None = None) -> Encoder:
-    """A BERT encoder, or a decoder (its config.json's model_type not bert) run on `ops` (the CPU's by default)."""
+def load_encoder(
+    path: Path, dtype: torch.dtype, ops: OpsBackend | None = None, device: torch.device | str = "cpu"
+) -> Encoder:
+    """A BERT encoder (on the CPU), or a decoder (its config.json's model_type not bert) on `device` with `ops` (the
+    CPU's by default)."""
     if not (path / "modules.json").is_file():
         raise ModelNotFoundError(f"{path} is not a sentence-transformers folder: it has no modules.json")
     with reading_model(path):
@@ -78,11 +81,13 @@ def load_encoder(path: Path, dtype: torch.dtype, ops: OpsBackend | None = None) 
         root = path / next(m["path"] for m in modules if m["type"].endswith(".Transformer"))
         hf_config = json.loads((root / "config.json").read_text())
         if hf_config.get("model_type") == "bert":
+            if torch.device(device).type != "cpu":
+                raise ValueError("BERT encoders run on the CPU")
             config = BertConfig.from_hf(hf_config)
             max_positions = config.max_position_embeddings
             model = BertModel(config, _weights(root, dtype))
         else:
-            model = _decoder(root, hf_config, dtype, ops)
+            model = _decoder(root, hf_config, dtype, ops, device)
             max_positions = model.config.max_position_embeddings
             if model.config.sliding_window:  # as the engine caps a context: the model attends no further
                 max_positions = min(max_positions, model.config.sliding_window)
@@ -125,7 +130,9 @@ def _weights(root: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
 
 
-def _decoder(root: Path, hf_config: dict, dtype: torch.dtype, ops: OpsBackend | None) -> DecoderEmbeddingModel:
+def _decoder(
+    root: Path, hf_config: dict, dtype: torch.dtype, ops: OpsBackend | None, device: torch.device | str
+) -> DecoderEmbeddingModel:
     """sentence-transformers saves the bare transformer (Qwen2Model: no LM head, tensor names without `model.`);
     a folder may also hold the whole *ForCausalLM. Either runs as its *ForCausalLM without the head."""
     if ops is None:
@@ -144,4 +151,4 @@ def _decoder(root: Path, hf_config: dict, dtype: torch.dtype, ops: OpsBackend | 
     }
     # no head is built: checked as if tied, the weights need none
     check_weights(dataclasses.replace(config, tie_word_embeddings=True), weights)
-    return DecoderEmbeddingModel(LlamaModel(config, weights, ops, lm_head=False))
+    return DecoderEmbeddingModel(LlamaModel(config, weights, ops, device=device, lm_head=False))

@@ -153,3 +153,16 @@ def test_unsupported_decoder_is_refused(qwen2, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2Model"]}))
     with pytest.raises(ModelLoadError, match="GPT2ForCausalLM"):
         load_encoder(tmp_path, torch.float32)
+
+
+@pytest.mark.triton
+def test_triton_path_equals_cpu_path(qwen2, texts, device):
+    """The same packed pass through the Triton kernels (in the interpreter on a CPU): its prefill-only metadata and
+    the scratch cache every layer shares work there too."""
+    from batchjob.kernels import ops as triton_ops
+
+    cpu = load_encoder(qwen2, torch.float32)
+    triton = load_encoder(qwen2, torch.float32, triton_ops, device)
+    ids = [t.token_ids for t in cpu.tokenize(texts[-11:-4])]  # 7 texts of 4 to 60 tokens
+    expected = cpu.embed(ids)
+    torch.testing.assert_close(triton.embed(ids).cpu(), expected, atol=1e-5, rtol=1e-5)
