@@ -80,6 +80,7 @@ def load_encoder(
         pooling = Pooling.from_folder(path, modules)
         root = path / next(m["path"] for m in modules if m["type"].endswith(".Transformer"))
         hf_config = json.loads((root / "config.json").read_text())
+        _check_text_modality(root)
         if hf_config.get("model_type") == "bert":
             if torch.device(device).type != "cpu":
                 raise ValueError("BERT encoders run on the CPU")
@@ -99,6 +100,19 @@ def load_encoder(
         st_config = path / "config_sentence_transformers.json"
         st = json.loads(st_config.read_text()) if st_config.is_file() else {}
     return Encoder(model, tokenizer, pooling, max_len, path, st.get("prompts") or {}, st.get("default_prompt_name"))
+
+
+def _check_text_modality(root: Path) -> None:
+    """sentence-transformers 6 renders every text through the tokenizer's chat template (as a user message) where
+    the folder's modality_config lists "message" (saved from a model whose tokenizer has a chat template); texts here
+    are tokenized as they are, so such a folder is refused rather than embedded otherwise."""
+    st_config = root / "sentence_bert_config.json"
+    modalities = json.loads(st_config.read_text()).get("modality_config", {}) if st_config.is_file() else {}
+    if "message" in modalities:
+        raise ModelLoadError(
+            "its sentence_bert_config.json has the 'message' modality (texts rendered through the chat template), "
+            "which is not supported here; remove it from modality_config to embed plain texts"
+        )
 
 
 def _max_seq_length(root: Path) -> int | None:

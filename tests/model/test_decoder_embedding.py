@@ -166,3 +166,17 @@ def test_triton_path_equals_cpu_path(qwen2, texts, device):
     ids = [t.token_ids for t in cpu.tokenize(texts[-11:-4])]  # 7 texts of 4 to 60 tokens
     expected = cpu.embed(ids)
     torch.testing.assert_close(triton.embed(ids).cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_chat_template_modality_is_refused(qwen2, tmp_path):
+    """A folder that sentence-transformers 6 saved from a model with a chat template renders texts through it; we
+    refuse it rather than embed the texts otherwise."""
+    for f in qwen2.iterdir():
+        if f.name != "sentence_bert_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((qwen2 / "sentence_bert_config.json").read_text())
+    message = {"method": "forward", "method_output_name": "last_hidden_state", "format": "flat"}
+    config["modality_config"]["message"] = message
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'message' modality"):
+        load_encoder(tmp_path, torch.float32)
