@@ -24,7 +24,7 @@ from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.telemetry.progress import LogProgress, RichProgress
-from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchjob.model.errors import CacheDirError, ModelError
 
 _set_option = click.option(
@@ -147,6 +147,8 @@ def plan(job_file: str, overrides: tuple[str, ...], no_calibrate: bool, as_json:
 
 def _plan_text(r: dict) -> str:
     lines = [("rows", f"{r['rows']:,} ({r['rows_failing_before_the_model']:,} fail before the model)")]
+    if r.get("task") == "embed":
+        return _plan_embedding_text(r, lines)
     if r["requests"]:
         lines += [
             ("requests", f"{r['requests']:,} ({r['duplicate_rows_computed_once']:,} duplicate rows computed once)"),
@@ -176,6 +178,29 @@ def _plan_text(r: dict) -> str:
             ),
             ("estimated time", f"{r['estimated_time_s']:,.0f} s"),
         ]
+    return _table(lines)
+
+
+def _plan_embedding_text(r: dict, lines: list[tuple[str, str]]) -> str:
+    if r["requests"]:
+        lines += [
+            ("inputs", f"{r['requests']:,} ({r['rows_truncated']:,} rows cut at {r['max_seq_length']:,} tokens)"),
+            (
+                "input tokens",
+                f"total {r['prompt_tokens_total']:,} | p50 {r['prompt_tokens_p50']:,} | p99 {r['prompt_tokens_p99']:,}",
+            ),
+            ("embeddings", f"{r['dimension']:,} values each"),
+        ]
+    if "calibration" in r:
+        c = r["calibration"]
+        lines += [
+            ("calibration", f"{c['inputs']:,} inputs: {c['tokens_per_s']:,.0f} tok/s"),
+            ("estimated time", f"{r['estimated_time_s']:,.0f} s"),
+        ]
+    return _table(lines)
+
+
+def _table(lines: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k:<20}{v}" for k, v in lines)
 
 
@@ -256,9 +281,9 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     show_default=True,
     type=click.Choice(["generate", "embed"]),
     help="embed: the Embedder against sentence-transformers encode on texts cut from sample_data/documents.parquet "
-    "(--model: a sentence-transformers folder)",
+    "(--model: a sentence-transformers folder or built-in name)",
 )
-@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--model", default=None, help=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} with --task embed")
 @click.option(
     "--job",
     "job_file",
@@ -336,6 +361,8 @@ def bench(**options) -> None:
     from batchjob.bench.compare import BenchOptions
     from batchjob.bench.compare import bench as run_bench
 
+    embedding = options["task"] == "embed"
+    options["model"] = options["model"] or (DEFAULT_EMBEDDING_MODEL if embedding else DEFAULT_MODEL)
     with _failures():
         click.echo(run_bench(BenchOptions(**options)))
 
@@ -348,10 +375,11 @@ def report(folder, output_dir) -> None:
     self-contained HTML page."""
     from batchjob.job.telemetry.report import render
 
-    try:
-        paths = render(folder, output_dir)
-    except FileNotFoundError as e:  # not a job's output folder
-        _fail(str(e), EXIT_USAGE)
+    with _failures():
+        try:
+            paths = render(folder, output_dir)
+        except FileNotFoundError as e:  # not a job's output folder
+            _fail(str(e), EXIT_USAGE)
     for path in paths:
         click.echo(str(path))
 

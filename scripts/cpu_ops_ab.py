@@ -1,5 +1,5 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention|job|dtype|invariance]
-   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE)
+"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention|job|dtype|invariance|sampler]
+   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
@@ -22,7 +22,10 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   bfloat16, and in bfloat16 with the LM head in bf16 too (bf16 logits): tok/s, prefill and decode-only step times,
   and the greedy outputs' agreement with float32 (whole sequences, first tokens).
 - invariance: 32 prompts (as tests/engine/test_engine.py's) per dtype, 12 greedy tokens: how many equal the prompt's
-  tokens alone when run in one batch, and in 64-token steps (chunked prefill)."""
+  tokens alone when run in one batch, and in 64-token steps (chunked prefill).
+- sampler: one step of N (64) rows over SmolLM2's vocabulary per sampling setting (temperature, top-p, top-k,
+  penalties, seeds), the engine's sampler against BASELINE (a sampler.py file, e.g. an older commit's from
+  `git show REV:batchjob/engine/sampler.py > /tmp/old_sampler.py`), ROUNDS rounds interleaved: ms a step."""
 
 import os
 import random
@@ -320,7 +323,43 @@ def invariance() -> None:
         )
 
 
+def sampler_ab() -> None:
+    import importlib.util
+
+    from batchjob.engine.outputs import Request
+    from batchjob.engine.sampler import Sampler
+    from batchjob.engine.sequence import Sequence
+
+    samplers = {"engine": Sampler}
+    if "BASELINE" in os.environ:
+        spec = importlib.util.spec_from_file_location("baseline_sampler", os.environ["BASELINE"])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        samplers["baseline"] = module.Sampler
+    n, vocab = int(os.environ.get("N", 64)), 49152
+    settings = {
+        "temperature 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+        "temperature 0.7": SamplingParams(temperature=0.7),
+        "temperature 0.8, top_k 50, repetition 1.1": SamplingParams(temperature=0.8, top_k=50, repetition_penalty=1.1),
+        "temperature 0.7, top_p 0.9, seeded": SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+    }
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    for name, params in settings.items():
+        seqs = [Sequence(Request(str(i), list(range(100, 400)), params), i) for i in range(n)]
+        times = {label: [] for label in samplers}
+        for _ in range(int(os.environ.get("ROUNDS", 3))):
+            for label, make in samplers.items():
+                sampler = make(0)
+                sampler(logits.clone(), seqs)
+                start = time.perf_counter()
+                for _ in range(3):
+                    sampler(logits.clone(), seqs)
+                times[label].append((time.perf_counter() - start) / 3 * 1000)
+        print(f"{name}: " + "; ".join(f"{k} {', '.join(f'{t:.0f}' for t in v)} ms" for k, v in times.items()))
+
+
 {
+    "sampler": sampler_ab,
     "steps": steps_ab,
     "prof": steps_ab,
     "gemm": gemm_ab,

@@ -1,11 +1,16 @@
-"""The README's million-row figures: `batchjob plan`, the start of `batchjob run` (scan, plan, model load, first
-engine step, then SIGTERM) and the same start when half the rows are already committed.
+"""The million-row figures: `batchjob plan`, the start of `batchjob run` (scan, plan, model load, first engine
+step, then SIGTERM) and the same start when half the rows are already committed.
 
     python scripts/million_rows.py /tmp/million [--rows 1000000]
+    python scripts/million_rows.py /tmp/million --task embed [--kill-after 120]
 
 Each phase is one `batchjob` process; its wall time and peak RSS come from wait4. The half-done state is made by
 writing the first half's results as one committed part in the output's schema (computing 500,000 rows would take the
-engine days on these cores); the run then resumes from it as from any part."""
+engine days on these cores); the run then resumes from it as from any part.
+
+With `--task embed` the same rows are embedded by the built-in all-minilm-l6-v2 from start to end: `plan`, then a
+run killed with SIGKILL `--kill-after` seconds after its first commit, then the resume to the end; the script then
+checks that every input id is in the output exactly once, with its embedding."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +31,7 @@ import pyarrow.parquet as pq
 from batchjob.job.output.schema import result_schema
 
 JOB = "input: {path: in.parquet}\nsampling: {max_tokens: 4}\nengine: {max_model_len: 128}\noutput: {path: out}\n"
+EMBED_JOB = "task: embed\ninput: {path: in.parquet}\noutput: {path: out-embed}\n"
 WORDS = ["apples", "rivers", "music", "winter", "cities", "robots", "gardens", "oceans", "history", "coffee"]
 
 
@@ -39,17 +46,22 @@ def generate(folder: Path, rows: int) -> None:
     (folder / "job.yaml").write_text(JOB)
 
 
-def measure(folder: Path, args: list[str], until_first_step: bool = False) -> dict:
-    """Run `batchjob ARGS` in FOLDER; with until_first_step, send SIGTERM once the log shows an engine step."""
+def measure(folder: Path, args: list[str], until_first_step: bool = False, kill_after: float | None = None) -> dict:
+    """Run `batchjob ARGS` in FOLDER; with until_first_step, send SIGTERM once the log shows an engine step; with
+    kill_after, SIGKILL it that many seconds after its first committed rows."""
     command = [sys.executable, "-m", "batchjob.cli", *args]
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, text=True)
-    first_step = None
+    first_step = first_commit = None
     for line in proc.stdout:
         if until_first_step and first_step is None and '"event": "progress"' in line:
             if json.loads(line)["batch_size"] > 0:
                 first_step = time.monotonic() - started
                 proc.send_signal(signal.SIGTERM)
+        elif kill_after is not None and first_commit is None and '"event": "progress"' in line:
+            if json.loads(line)["rows_done"] > 0:
+                first_commit = threading.Timer(kill_after, proc.kill)
+                first_commit.start()
         elif not until_first_step:
             print(line, end="")
     _, status, usage = os.wait4(proc.pid, 0)
@@ -87,15 +99,41 @@ def half_done(folder: Path, rows: int) -> None:
     pq.write_table(table, data / "part-000900.parquet")
 
 
+def embed_phases(folder: Path, rows: int, kill_after: float) -> list[dict]:
+    """plan, a run killed with -9 mid-way, its resume to the end; then every input id in the output once."""
+    (folder / "embed.yaml").write_text(EMBED_JOB)
+    run = ["run", "embed.yaml", "--log-format", "json", "--log-interval", "1"]
+    results = [measure(folder, ["plan", "embed.yaml"])]
+    results.append(measure(folder, [*run, "--restart"], kill_after=kill_after))
+    results[-1]["command"] += f"  (SIGKILL {kill_after:g} s after its first commit)"
+    results.append(measure(folder, run))
+    results[-1]["command"] += "  (resume to the end)"
+    out = pl.scan_parquet(folder / "out-embed" / "data" / "*.parquet")
+    summary = out.select(
+        pl.len().alias("rows"),
+        pl.col("id").n_unique().alias("distinct_ids"),
+        pl.col("embedding").is_null().sum().alias("without_embedding"),
+    ).collect()
+    results.append(summary.to_dicts()[0] | {"input_rows": rows})
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("folder", type=Path)
     parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--task", choices=["generate", "embed"], default="generate")
+    parser.add_argument("--kill-after", type=float, default=120.0, help="--task embed: seconds after the first commit")
     a = parser.parse_args()
     a.folder.mkdir(parents=True, exist_ok=True)
     if not (a.folder / "in.parquet").exists() or pq.read_metadata(a.folder / "in.parquet").num_rows != a.rows:
         generate(a.folder, a.rows)
     print("load average", os.getloadavg(), f"on {os.cpu_count()} cores")
+    if a.task == "embed":
+        for r in embed_phases(a.folder, a.rows, a.kill_after):
+            print(json.dumps(r))
+        print("load average", os.getloadavg())
+        return
     results = [measure(a.folder, ["plan", "job.yaml"])]
     run = ["run", "job.yaml", "--restart", "--log-format", "json", "--log-interval", "0"]
     results.append(measure(a.folder, run, until_first_step=True))

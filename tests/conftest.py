@@ -88,18 +88,17 @@ def oracle_prompts(loaded) -> list[list[dict]]:
 
 
 def forward_logits(model, ids: list[int], last_only: bool = True, block_size: int = 16) -> torch.Tensor:
-    """Our model's logits for one sequence through a fresh paged cache of the model's dtype: the last row, or every
-    row."""
-    c = model.config
+    """Our model's logits for one sequence through a fresh paged cache of the model's dtype, on its device: the last
+    row, or every row."""
+    c, device = model.config, model.embed.device
     n = len(ids)
     blocks = -(-n // block_size)
-    caches = [
-        tuple(torch.zeros(blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=model.dtype) for _ in range(2))
-        for _ in range(c.num_hidden_layers)
-    ]
-    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)))
+    shape = (blocks, block_size, c.num_key_value_heads, c.head_dim)
+    layers = range(c.num_hidden_layers)
+    caches = [tuple(torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(2)) for _ in layers]
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), device)
     with torch.inference_mode():
-        hidden = model.forward(torch.tensor(ids), torch.arange(n), meta, caches)
+        hidden = model.forward(torch.tensor(ids, device=device), torch.arange(n, device=device), meta, caches)
         return model.compute_logits(hidden[-1] if last_only else hidden)
 
 

@@ -8,6 +8,7 @@ overrides fields of each step's reported StepMetrics (figures that vary from ste
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from batchjob.engine.outputs import Request, RequestMetrics, RequestOutput, Step
 
 class FakeTokenizer:
     chat_template: str | None = "<|{role}|>{content}"  # what apply_chat_template writes; None: a model without one
+    template_head = ""  # the chat_template_kwargs it was given, written first
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -30,11 +32,17 @@ class FakeTokenizer:
         return bytes(ids).decode("utf-8", "ignore")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        text = self.template_head + "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
     def encode_chats(self, chats: list[tuple[list[dict], int]]) -> list[list[int] | Exception]:
         return [self.encode(self.apply_chat_template(messages), add_special_tokens=False) for messages, _ in chats]
+
+    def with_template_kwargs(self, kwargs: dict) -> FakeTokenizer:
+        """A tokenizer whose rendering starts with the kwargs, so that a test sees they reached the template."""
+        other = copy.copy(self)
+        other.template_head = self.template_head + "".join(f"<|{k}={v}|>" for k, v in sorted(kwargs.items()))
+        return other
 
 
 class FakeEngine:

@@ -99,6 +99,12 @@ def test_every_yaml_block_is_a_job_file_or_a_fragment_of_one(block, tmp_path, mo
         assert (REPO / job.input.path).exists(), f"{block.where}: {job.input.path} is not in the repository"
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_sample_job_file_loads_and_reads_data_in_the_repository(path):
+    job = load_job(path)
+    assert (REPO / job.input.path).exists(), f"{path.name}: {job.input.path} is not in the repository"
+
+
 def test_a_fragment_with_an_unknown_key_is_caught(tmp_path):
     bad = Block(REPO / "README.md", 0, "yaml", f"{FRAGMENT}\nsampling:\n  max_tokenz: 8\n")
     path = tmp_path / "job.yaml"

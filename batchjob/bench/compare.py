@@ -293,7 +293,7 @@ def _embed_report(o: BenchOptions) -> dict:
         raise JobFileError(f"bench --task embed: {why}") from None
     batch_sizes = sorted({ST_DEFAULT_BATCH, o.batch_size or BATCH_SIZE})
     texts = embed_texts(o.num_prompts or EMBED_TEXTS)
-    return run_embed_bench(embedder, o.model, texts, systems, batch_sizes, o.repeats)
+    return run_embed_bench(embedder, embedder.model_path, texts, systems, batch_sizes, o.repeats)
 
 
 def bench(o: BenchOptions) -> str:

@@ -98,6 +98,7 @@ def trace_launches(quick: bool = False):
                 elementwise.silu_and_mul(torch.randn(4, 128, dtype=dt))
                 q, k = torch.randn(4, H, D, dtype=dt), torch.randn(4, KVH, D, dtype=dt)
                 elementwise.rotary(q, k, torch.arange(4), torch.randn(8, D))
+                elementwise.rotary(q, k, torch.arange(4), torch.randn(8, D * 3 // 4))  # partial (Phi-4-mini)
                 for cache in (dt, ref.FP8_DTYPE):
                     c = make_attention_case(
                         [(5, 3), (99, 1)], heads=H, kv_heads=KVH, head_dim=D, page=16, dtype=dt, cache_dtype=cache

@@ -13,11 +13,26 @@ from batchjob.model.config import ModelConfig
 from batchjob.model.loader import LoadedModel, cache_dir, load_model
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+_MODEL_TYPES |= {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+_MODEL_TYPES |= {"Phi3ForCausalLM": "phi3"}
 
 
 def hf_config(c: ModelConfig) -> dict:
     """config.json as transformers writes it for the architecture."""
-    return {
+    moe = {}
+    if c.architecture == "Qwen3MoeForCausalLM":
+        moe = {
+            "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "norm_topk_prob": c.norm_topk_prob,
+            "decoder_sparse_step": c.decoder_sparse_step,
+            "mlp_only_layers": list(c.mlp_only_layers),
+        }
+    elif c.architecture == "MixtralForCausalLM":
+        moe = {"num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok}
+    rope = c.rope_scaling if (c.rope_scaling or {}).get("rope_type") == "longrope" else None
+    return moe | {
         "architectures": [c.architecture],
         "model_type": _MODEL_TYPES[c.architecture],
         "vocab_size": c.vocab_size,
@@ -38,6 +53,11 @@ def hf_config(c: ModelConfig) -> dict:
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
         "torch_dtype": "float32",
+        # none: Phi3Config's default (32000) need not lie in the vocabulary, and inference pads nothing
+        "pad_token_id": None,
+        "partial_rotary_factor": c.partial_rotary_factor,
+        # Phi-3's transformers config reads the pretraining length here (not from rope_scaling), 4096 when absent
+        **({"original_max_position_embeddings": rope["original_max_position_embeddings"]} if rope else {}),
     }
 
 

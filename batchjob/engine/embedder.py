@@ -7,11 +7,14 @@ sequence alone); results come back in input order. On the CPU."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
-from pathlib import Path
+from typing import Literal
 
 import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer as HFTokenizer
 
 from batchjob.engine.config import EmbedderConfig
 from batchjob.engine.host_memory import keep_freed_memory
@@ -20,6 +23,7 @@ from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
 from batchjob.model.errors import ModelNotFoundError
+from batchjob.model.loader import file_digest, locate_model
 
 __all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
 
@@ -46,14 +50,24 @@ class Embedder:
         configure_threads(self.config.num_threads or os.cpu_count() or 1)
         keep_freed_memory()
         self.dtype = pick_dtype(self.config, torch.device("cpu"))
-        path = Path(model).expanduser()
+        location = locate_model(model)  # a folder, a built-in name or a Hub id
+        path = self.model_path = location.path
         if not path.is_dir():
-            raise ModelNotFoundError(f"model {model!r} not found: an Embedder takes a sentence-transformers folder")
+            raise ModelNotFoundError(
+                f"model {model!r} is not a sentence-transformers folder ({path}): an Embedder takes one"
+            )
         self.encoder: Encoder = load_encoder(path, self.dtype, load_ops("torch"))
         self.prompt = self._resolve_prompt()
         # the tokens of each text that pooling may leave out (the folder's include_prompt)
         self._prompt_length = self.encoder.prompt_length(self.prompt) if self.prompt else 0
         self._request_counter = itertools.count()
+        self._left_tokenizer: HFTokenizer | None = None
+        # What decides the numbers, for a job's fingerprint: every file of the folder, and how it is computed.
+        self.model_digest = file_digest([p for p in path.rglob("*") if p.is_file()])
+        self.model_revision = location.revision
+        self.numerics = {"device": "cpu", "dtype": str(self.dtype).removeprefix("torch."), "task": "embed"}
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        self._matryoshka = config.get("is_matryoshka") or config.get("matryoshka_dimensions")
 
     def _resolve_prompt(self) -> str | None:
         """As sentence-transformers' encode resolves its prompt and prompt_name."""
@@ -70,6 +84,41 @@ class Embedder:
     @property
     def max_seq_length(self) -> int:
         return self.encoder.max_seq_length
+
+    @property
+    def dimension(self) -> int:
+        """The length of an embedding."""
+        return self.encoder.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoder.model.config.vocab_size
+
+    def can_shorten_to(self, dimensions: int) -> bool:
+        """Whether the model was trained to give its embeddings' first `dimensions` values meaning of their own (a
+        Matryoshka model: config.json's is_matryoshka or matryoshka_dimensions, as vLLM reads them)."""
+        if dimensions == self.dimension:
+            return True
+        allowed = self._matryoshka
+        return dimensions < self.dimension and (allowed is True or dimensions in (allowed or ()))
+
+    def shorten(self, embedding: list[float], dimensions: int) -> list[float]:
+        """The embedding's first `dimensions` values, normalised again if the model normalises (as OpenAI's API and
+        vLLM give a shortened embedding)."""
+        vector = torch.tensor(embedding[:dimensions])
+        return (F.normalize(vector, dim=0) if self.encoder.pooling.normalize else vector).tolist()
+
+    def tokenize(self, texts: list[str], truncation_side: Literal["right", "left"] = "right") -> list[Tokenized]:
+        """Token ids as embed() reads them, the prompt (if any) before each text, special tokens included, cut to
+        max_seq_length keeping the text's start (right, as sentence-transformers does) or its end (left); `truncated`
+        says whether anything was cut."""
+        texts = [(self.prompt or "") + t for t in texts]
+        if truncation_side == "right":
+            return self.encoder.tokenize(texts)
+        if self._left_tokenizer is None:
+            self._left_tokenizer = HFTokenizer.from_str(self.encoder.tokenizer.to_str())
+            self._left_tokenizer.enable_truncation(self.max_seq_length, direction="left")
+        return [Tokenized(e.ids, bool(e.overflowing)) for e in self._left_tokenizer.encode_batch(texts)]
 
     def embed(self, prompts: str | list[str] | list[list[int]], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One output per prompt, in input order. A text is tokenized with the model's special tokens and cut at
@@ -101,8 +150,7 @@ class Embedder:
 
     def _tokenized(self, prompts: list[str] | list[list[int]]) -> list[Tokenized]:
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        prefix = self.prompt or ""
-        out = dict(zip(texts, self.encoder.tokenize([prefix + prompts[i] for i in texts])))
+        out = dict(zip(texts, self.tokenize([prompts[i] for i in texts])))
         vocab = self.encoder.model.config.vocab_size
         for i, ids in enumerate(prompts):
             if i in out:

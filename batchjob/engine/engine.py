@@ -32,7 +32,18 @@ __all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput
 
 
 class Engine:
-    def __init__(self, model: str = DEFAULT_MODEL, **config):
+    def __new__(cls, model: str = DEFAULT_MODEL, task: str = "generate", **config):
+        """`task="embed"` gives an Embedder (engine/embedder.py) for the model, as vLLM's LLM(model, task="embed")
+        gives an engine whose embed() works."""
+        if task == "embed":
+            from batchjob.engine.embedder import Embedder
+
+            return Embedder(model, **config)
+        if task != "generate":
+            raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
+        return super().__new__(cls)
+
+    def __init__(self, model: str = DEFAULT_MODEL, task: str = "generate", **config):
         self.config = EngineConfig(**config)
         if self.config.load_format == "dummy":
             device = pick_device(self.config)
@@ -163,11 +174,14 @@ class Engine:
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """generate() over conversations ([{role, content}, ...], or a list of them) through the model's chat
-        template, with the assistant's turn opened."""
+        template, with the assistant's turn opened; `chat_template_kwargs` are the template's own switches (Qwen3's
+        enable_thinking), as in vLLM's LLM.chat."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
+        tokenizer = self.tokenizer.with_template_kwargs(chat_template_kwargs or {})
+        return self.generate([tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
         """Pulls requests lazily while there is room for them and yields each output as soon as it finishes.

@@ -90,6 +90,7 @@ class ModelRunner:
             load_ops(self.ops_backend),
             loaded.rope_freqs,
             self.device,
+            max_model_len,  # LongRoPE's long or short factors follow the context the engine allows
         )
         self.block_size = config.block_size
         c = loaded.config
@@ -98,7 +99,8 @@ class ModelRunner:
         if config.kv_cache_dtype == "fp8":
             per_slot += c.num_key_value_heads * 4  # the fp32 scale of each (slot, head)
         self.kv_bytes_per_token = 2 * c.num_hidden_layers * per_slot
-        graphs = use_cuda_graphs(config, self.device, self.model.ops)
+        # a sparse MoE layer sizes its expert matmuls on the host: its steps cannot be captured
+        graphs = use_cuda_graphs(config, self.device, self.model.ops) and self.model.capturable
         self.memory: MemoryProfile | None = None  # what the pool was sized against, on a GPU
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(graphs)
         # One block beyond those the block manager hands out: padded decode rows write and read it (decode_graphs.py).

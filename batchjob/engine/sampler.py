@@ -1,9 +1,12 @@
-"""Turns the logits of the rows that need a token into tokens.
+"""Turns the logits of the rows that need a token into tokens, all rows of a step at once, on the logits' device.
 
 Log-probabilities are of the model's own distribution (vLLM's raw_logprobs), taken before biases, penalties and any
-grammar mask. Constrained rows are masked next; then greedy rows take a batched argmax. Random rows sample by the
-exponential race (argmax of p / E, E ~ Exp(1)), drawing E from the request's own generator when it has a seed, so
-that its tokens do not depend on the batch."""
+grammar mask. Constrained rows are masked next; then every row's penalties, temperature and top-k / top-p / min-p
+filters are applied as whole-batch tensor operations, greedy rows take the argmax and random rows draw from their
+filtered distribution by its inverse: one uniform number u a row, the first token whose cumulative probability
+passes u (a draw of one number a row, where the exponential race draws one a token: on a CPU that race cost more
+than the forward pass). A row with a seed draws its u from its own generator, so that its tokens do not depend on the
+batch; the other rows draw theirs in one call of the engine's generator."""
 
 from __future__ import annotations
 
@@ -15,23 +18,9 @@ from batchjob.engine.outputs import TokenLogprob
 from batchjob.engine.sequence import Sequence
 
 LogitsMask = Callable[[torch.Tensor, list[Sequence]], None]  # masks rows of the logits in place
-
-
-def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    p = seq.params
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if p.presence_penalty or p.frequency_penalty:
-        out = seq.output_token_ids
-        if out:
-            ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
-            logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
-    return logits
+# Tokens a partial sort takes for top-p: the likeliest ones, which hold nearly all the mass of a language model's
+# distribution; a row whose top_p they do not reach is sorted whole.
+TOP_P_CANDIDATES = 1024
 
 
 def _unbiased(seq: Sequence) -> bool:
@@ -45,55 +34,148 @@ def takes_argmax(seq: Sequence) -> bool:
     return seq.params.greedy and _unbiased(seq) and not seq.params.logprobs and seq.matcher is None
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask out what top-k, top-p and min-p exclude (logits already divided by temperature)."""
-    if top_k and top_k < logits.numel():
-        kth = logits.topk(top_k).values[-1]
+def _column(values: list, like: torch.Tensor) -> torch.Tensor:
+    """Per-row values as a [rows, 1] tensor on the logits' device, to broadcast over the vocabulary."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _token_matrix(rows: list[list[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token ids padded to the longest (with id 0) as [rows, longest], and where a real id stands."""
+    width = max(map(len, rows), default=0) or 1
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    real = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, tokens in enumerate(rows):
+        ids[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        real[r, : len(tokens)] = True
+    return ids.to(like.device), real.to(like.device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """logit_bias, then repetition, presence and frequency penalties, in place on rows [len(seqs), V], each row with
+    its own settings; rows without them are left as they are."""
+    biased = [(r, t, v) for r, s in enumerate(seqs) for t, v in (s.params.logit_bias or {}).items()]
+    if biased:
+        rows, ids, values = zip(*biased)
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+    repeat = [r for r, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if repeat:
+        ids, real = _token_matrix([seqs[r].token_ids for r in repeat], logits)
+        seen = torch.zeros(len(repeat), logits.shape[1], dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, ids, real)
+        penalty = _column([seqs[r].params.repetition_penalty for r in repeat], logits)
+        rows = logits[repeat]
+        penalized = torch.where(rows > 0, rows / penalty, rows * penalty)
+        logits[repeat] = torch.where(seen, penalized, rows)
+    counted = [r for r, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty)]
+    counted = [r for r in counted if seqs[r].output_token_ids]
+    if counted:
+        ids, real = _token_matrix([seqs[r].output_token_ids for r in counted], logits)
+        counts = torch.zeros(len(counted), logits.shape[1], dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(1, ids, real.to(logits.dtype))
+        frequency = _column([seqs[r].params.frequency_penalty for r in counted], logits)
+        presence = _column([seqs[r].params.presence_penalty for r in counted], logits)
+        logits[counted] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+
+
+def filter_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """The probabilities of rows [n, V] of temperature-scaled logits, zero where each row's top-k, top-p and min-p
+    exclude a token (not renormalised). Top-k keeps ties with its k-th value; min-p and top-p are taken from the
+    top-k filtered probabilities, top-p keeping the likeliest tokens whose preceding mass is below it (ties with
+    the last kept one too)."""
+    vocab = logits.shape[1]
+    k = [min(v, vocab) if v else vocab for v in top_k]
+    if min(k) < vocab:
+        kth = logits.topk(max(k), dim=1).values.gather(1, torch.tensor(k, device=logits.device).unsqueeze(1) - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0 or min_p > 0.0:
-        probs = logits.softmax(-1)
-        if min_p > 0.0:
-            logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-        if top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep each token whose preceding mass is below top_p (the first is always kept).
-            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-            logits = logits.index_fill(0, order[drop], float("-inf"))
-    return logits
+    probs = logits.softmax(-1)
+    if max(min_p) == 0.0 and min(top_p) == 1.0:
+        return probs
+    floor = torch.zeros_like(probs[:, :1])
+    if max(min_p) > 0.0:
+        floor = _column(min_p, probs) * probs.max(-1, keepdim=True).values
+    if min(top_p) < 1.0:
+        floor = torch.maximum(floor, _top_p_floor(probs, _column(top_p, probs)))
+    return probs.masked_fill_(probs < floor, 0.0)
+
+
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest probability top-p keeps. Found among the likeliest TOP_P_CANDIDATES tokens (a partial
+    sort, where the mass almost always is); a row whose candidates hold less than its top_p is sorted whole."""
+    vals = probs.topk(min(TOP_P_CANDIDATES, probs.shape[1]), dim=1).values
+
+    def floor(sorted_vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        kept = (sorted_vals.cumsum(-1) - sorted_vals) < p  # the first is always kept
+        return sorted_vals.gather(1, kept.sum(-1, keepdim=True) - 1)
+
+    out = floor(vals, top_p)
+    short = (vals.sum(-1, keepdim=True) < top_p).squeeze(1).nonzero().squeeze(1)
+    if short.numel():
+        out[short] = floor(probs[short].sort(dim=-1, descending=True).values, top_p[short])
+    return out
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
+    @torch.inference_mode()  # the logits are the model runner's inference tensors, changed in place here
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], mask: LogitsMask | None = None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits [N, V] float32 on the CPU, row i for seqs[i] (changed in place). Returns the tokens and, per row,
-        its TokenLogprob when the row asks for logprobs, else None."""
+        """logits [N, V] float32, row i for seqs[i] (changed in place), on any device. Returns the tokens and, per
+        row, its TokenLogprob when the row asks for logprobs, else None; the host reads them once."""
         want = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
         raw = logits[want].log_softmax(-1) if want else None
         if mask is not None:
             mask(logits, seqs)
-        tokens = logits.argmax(-1).tolist()
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.greedy and _unbiased(seq):
-                continue
-            row = _apply_penalties(logits[i].clone(), seq)
-            if p.greedy:
-                tokens[i] = int(row.argmax())
-                continue
-            row = _filter(row / p.temperature, p.top_k, p.top_p, p.min_p)
-            race = torch.empty_like(row).exponential_(generator=seq.generator or self.generator)
-            tokens[i] = int((row.softmax(-1) / race).argmax())
+        plain = [i for i, seq in enumerate(seqs) if seq.params.greedy and _unbiased(seq)]
+        rest = [i for i, seq in enumerate(seqs) if not (seq.params.greedy and _unbiased(seq))]
+        if not rest:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
+            if plain:
+                tokens[plain] = logits[plain].argmax(-1)
+            rows = logits if not plain else logits[rest]  # the logits are the sampler's to change
+            apply_penalties(rows, [seqs[i] for i in rest])
+            greedy = [j for j, i in enumerate(rest) if seqs[i].params.greedy]
+            if greedy:
+                tokens[[rest[j] for j in greedy]] = rows[greedy].argmax(-1)
+            random = [j for j, i in enumerate(rest) if not seqs[i].params.greedy]
+            if random:
+                chosen = rows if len(random) == len(rest) else rows[random]
+                tokens[[rest[j] for j in random]] = self._sample(chosen, [seqs[rest[j]] for j in random])
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if want:
-            chosen = raw.gather(1, torch.tensor([tokens[i] for i in want]).unsqueeze(1)).squeeze(1).tolist()
+            chosen_ids = tokens[want]
+            chosen = raw.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
             k = max(seqs[i].params.top_logprobs for i in want)
-            top_vals, top_ids = raw.topk(k, -1) if k else (None, None)
+            top_vals, top_ids = (t.tolist() for t in raw.topk(k, -1)) if k else ([], [])
             for j, i in enumerate(want):
                 n = seqs[i].params.top_logprobs
-                top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
-                logprobs[i] = TokenLogprob(tokens[i], chosen[j], top)
-        return tokens, logprobs
+                top = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
+                logprobs[i] = TokenLogprob(int(chosen_ids[j]), chosen[j], top)
+        return tokens.tolist(), logprobs
+
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token a row of [n, V] penalized logits, each row at its own temperature and filters, drawn by the
+        inverse of its distribution function: one uniform number a row, not one a token."""
+        p = [s.params for s in seqs]
+        probs = filter_probs(
+            rows.div_(_column([q.temperature for q in p], rows)),
+            [q.top_k for q in p],
+            [q.top_p for q in p],
+            [q.min_p for q in p],
+        )
+        uniform = torch.empty(len(seqs), 1)
+        unseeded = [j for j, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            uniform[unseeded] = torch.rand(len(unseeded), 1, generator=self.generator)
+        for j, s in enumerate(seqs):
+            if s.generator is not None:  # its own stream: the same draws whatever else is in the batch
+                uniform[j] = torch.rand(1, generator=s.generator)
+        cdf = probs.cumsum_(-1)
+        # right=True: the first token whose cumulative mass passes the draw, which a zero-probability token never is
+        picked = torch.searchsorted(cdf, uniform.to(cdf.device) * cdf[:, -1:], right=True)
+        return picked.squeeze(1).clamp(max=probs.shape[1] - 1)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from batchjob.engine.config import EngineConfig
-from batchjob.engine.outputs import Request, RequestOutput, StepMetrics
+from batchjob.engine.config import EmbedderConfig, EngineConfig
+from batchjob.engine.outputs import EmbeddingRequestOutput, Request, RequestOutput, StepMetrics
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.token_budget import AutoTokenBudget
 from batchjob.model.chat_shape import Chat
@@ -25,6 +25,8 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
     def encode_chats(self, chats: list[Chat]) -> list[list[int] | Exception]: ...
+
+    def with_template_kwargs(self, kwargs: dict) -> Tokenizer: ...
 
 
 class JobEngine(Protocol):
@@ -59,6 +61,37 @@ class JobEngine(Protocol):
     def abort_waiting(self) -> None: ...
 
 
-def model_identity(engine: JobEngine) -> dict:
+class TokenizedInput(Protocol):
+    token_ids: list[int]
+    truncated: bool
+
+
+class Embedder(Protocol):
+    """What an embedding job (task: embed) needs: batchjob.engine.Embedder."""
+
+    config: EmbedderConfig  # max_num_batched_tokens, for how much to hand it at once
+    model_digest: str
+    model_revision: str | None
+    numerics: dict[str, str]
+
+    @property
+    def max_seq_length(self) -> int: ...
+
+    @property
+    def dimension(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def tokenize(self, texts: list[str], truncation_side: str = "right") -> list[TokenizedInput]: ...
+
+    def can_shorten_to(self, dimensions: int) -> bool: ...
+
+    def shorten(self, embedding: list[float], dimensions: int) -> list[float]: ...
+
+    def embed(self, prompts: list[list[int]], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]: ...
+
+
+def model_identity(engine: JobEngine | Embedder) -> dict:
     """The fingerprint's parts that are known only once the model is loaded."""
     return {"model_digest": engine.model_digest, "model_revision": engine.model_revision, "numerics": engine.numerics}

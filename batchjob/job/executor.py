@@ -5,7 +5,7 @@ spreads shards over Ray workers. Both commit through the same PartWriter, so the
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -14,23 +14,27 @@ import numpy as np
 
 from batchjob.engine.outputs import RequestOutput, StepMetrics
 from batchjob.env import configure_threads
-from batchjob.job.contracts import JobEngine, model_identity
-from batchjob.job.output.schema import failed_row, result_rows
+from batchjob.job.contracts import Embedder, JobEngine, model_identity
+from batchjob.job.output.schema import embedding_row, embedding_schema, failed_row, result_rows
 from batchjob.job.output.state import Committed
 from batchjob.job.output.writer import PartWriter
-from batchjob.job.planner import Work, job_planner, requests
+from batchjob.job.planner import EmbeddingPlanner, EmbeddingWork, Work, job_planner, requests
 from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.stopper import Interrupted, Stopper
 from batchjob.job.telemetry.progress import Progress
 from batchjob.job.telemetry.timeline import Timeline
 
+# Tokens of the rows handed to the Embedder at once, in forward passes' worth: enough for its length sort to leave
+# little padding, few enough that a stop or a checkpoint waits only seconds.
+EMBED_CALL_BATCHES = 16
 
-def load_engine(job: JobSpec) -> JobEngine:
+
+def load_engine(job: JobSpec) -> JobEngine | Embedder:
     configure_threads()  # in a Ray worker, before torch loads
     from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
 
-    return Engine(job.model, **job.engine.model_dump(exclude_unset=True))
+    return Engine(job.model, task=job.task, **job.engine.model_dump(exclude_unset=True))
 
 
 @dataclass
@@ -51,7 +55,7 @@ class Pending:
 
     def start(self) -> None:
         """Generation begins (after the model load, which the run's rates leave out)."""
-        self.progress.start(self.scan.total, self.committed.rows)
+        self.progress.start(self.scan.total, self.committed.rows, self.job.task)
 
     def row_failed(self, row: Row, error: str) -> None:
         self.writer.add(failed_row(row, error))
@@ -86,6 +90,9 @@ class LocalExecutor:
                 self.engine = self.engine_factory(pending.job)
         except Interrupted:
             return
+        if pending.job.task == "embed":
+            self.embed(pending, self.engine)
+            return
         planner = job_planner(pending.job, self.engine, pending.row_failed)
         pending.model_known(model_identity(self.engine))
         if pending.stopper.stopping:  # stopped during the model load: nothing started, nothing to commit
@@ -99,6 +106,23 @@ class LocalExecutor:
                 self.commit(output)
         finally:
             self.timeline.write()
+
+    def embed(self, pending: Pending, embedder: Embedder) -> None:
+        """An embedding job: the rows' inputs go to the Embedder a few forward passes' worth at a time, and their
+        rows are committed as they come back; a stop waits for the call under way only."""
+        per_line = pending.job.input.format == "openai-batch"
+        pending.writer.schema = embedding_schema(pending.scan.passthrough_schema, embedder.dimension, per_line)
+        planner = EmbeddingPlanner(pending.job, embedder, pending.row_failed)
+        pending.model_known(model_identity(embedder))
+        if pending.stopper.stopping:
+            return
+        pending.start()
+        for call in embedding_calls(planner.works(pending.rows), embedder):
+            if pending.stopper.stopping:
+                return
+            for record in embedding_records(embedder, call, per_line):
+                pending.writer.add(record)
+            pending.progress.rows(len(call), prompt_tokens=sum(w.prompt_tokens for w in call))
 
     def on_step(self, metrics: StepMetrics) -> None:
         p = self.pending
@@ -121,7 +145,7 @@ class LocalExecutor:
         work = self.in_flight.pop(output.request_id)
         if output.finish_reason == "abort":
             return  # not committed, so it runs again on resume
-        for record in result_rows(work, output, self.engine.tokenizer):
+        for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
             self.pending.writer.add(record)
         self.pending.progress.rows(
             len(work.rows),
@@ -132,7 +156,38 @@ class LocalExecutor:
     def engine_summary(self) -> dict:
         if self.engine is None:
             return {}
+        if self.pending.job.task == "embed":
+            return {"max_num_batched_tokens": self.engine.config.max_num_batched_tokens}
         summary = {"token_budget": self.engine.token_budget}
         if self.engine.auto_budget is not None:
             summary["token_budget_auto"] = self.engine.auto_budget.summary()
         return summary
+
+
+def embedding_records(embedder: Embedder, works: list[EmbeddingWork], per_line: bool) -> list[dict]:
+    """The output rows of `works`, their inputs embedded in one Embedder call."""
+    outputs = iter(embedder.embed([ids for w in works for ids in w.inputs], use_tqdm=False))
+    records = []
+    for work in works:
+        vectors = [next(outputs).embedding for _ in work.inputs]
+        if work.dimensions is not None:
+            vectors = [embedder.shorten(v, work.dimensions) for v in vectors]
+        records.append(embedding_row(work.row, vectors, work.prompt_tokens, work.truncated, per_line))
+    return records
+
+
+def embedding_calls(works: Iterable[EmbeddingWork], embedder: Embedder) -> Iterator[list[EmbeddingWork]]:
+    """`works` in groups of a few forward passes' worth of input tokens: one Embedder call each."""
+    works = iter(works)
+    while call := list(_up_to_tokens(works, EMBED_CALL_BATCHES * embedder.config.max_num_batched_tokens)):
+        yield call
+
+
+def _up_to_tokens(works: Iterable[EmbeddingWork], budget: int) -> Iterable[EmbeddingWork]:
+    """The next works from `works` up to `budget` input tokens (at least one)."""
+    tokens = 0
+    for work in works:
+        yield work
+        tokens += work.prompt_tokens
+        if tokens >= budget:
+            return

@@ -1,15 +1,21 @@
 """The OpenAI Batch API file format: request lines in, response lines out.
 
-A request line is {"custom_id", "method": "POST", "url", "body": {"messages" | "prompt", "max_tokens", ...}}; a
-response line is {"id", "custom_id", "response": {"status_code", "body": {"choices", "usage", ...}}, "error"}."""
+A request line is {"custom_id", "method": "POST", "url", "body": {"messages" | "prompt", "max_tokens", ...}}, or
+{"body": {"input", "encoding_format", "dimensions"}} for /v1/embeddings; a response line is {"id", "custom_id",
+"response": {"status_code", "body": {"choices" | "data", "usage", ...}}, "error"}."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import time
 from typing import Any
 
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+import numpy as np
+
+CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+URLS_BY_TASK = {"generate": (CHAT_URL, COMPLETIONS_URL), "embed": (EMBEDDINGS_URL,)}
+MAX_EMBEDDING_INPUTS = 2048  # inputs of one /v1/embeddings line, as OpenAI's API allows
 # Body fields that become per-request sampling settings, by SamplingParams name. top_k, min_p and
 # repetition_penalty are vLLM's extensions to the OpenAI API. Of two fields for one setting, the later here wins.
 SAMPLING_FIELDS = {
@@ -32,22 +38,31 @@ SAMPLING_FIELDS = {
 }
 # Honoured too: the prompt, `model` (every line names one; the job's model answers it) and `stream: false`.
 OTHER_FIELDS = {CHAT_URL: {"messages", "model", "stream"}, COMPLETIONS_URL: {"prompt", "model", "stream"}}
+# `user` only names the end user for the provider's abuse monitoring: nothing to honour offline.
+EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 
 
 class RequestLineError(ValueError):
     pass
 
 
-def parse_request(obj: dict) -> tuple[dict, dict]:
-    """The prompt values ({"messages": [...]} or {"prompt": "..."}) and sampling overrides of one request line.
-    A body field that batchjob does not honour fails the line: it is never dropped silently."""
+def parse_request(obj: dict, task: str = "generate") -> tuple[dict, dict]:
+    """The prompt values ({"messages": [...]} or {"prompt": "..."}; {"input": [...], "encoding_format",
+    "dimensions"} for /v1/embeddings) and sampling overrides of one request line of a job of `task`. A body field
+    that batchjob does not honour fails the line: it is never dropped silently."""
     if obj.get("method", "POST") != "POST":
         raise RequestLineError(f"method must be POST, got {obj.get('method')!r}")
     url, body = obj.get("url"), obj.get("body")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise RequestLineError(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
+    urls = URLS_BY_TASK[task]
+    if url not in urls:
+        other = next((t for t, u in URLS_BY_TASK.items() if url in u), None)
+        if other:
+            raise RequestLineError(f"url {url} needs task: {other}, and this job's task is {task}")
+        raise RequestLineError(f"url must be {' or '.join(urls)}, got {url!r}")
     if not isinstance(body, dict):
         raise RequestLineError("body must be an object")
+    if url == EMBEDDINGS_URL:
+        return _embedding_request(body), {}
     unsupported = sorted(k for k in body if k not in SAMPLING_FIELDS and k not in OTHER_FIELDS[url])
     if unsupported:
         raise RequestLineError(f"unsupported field {', '.join(unsupported)}")
@@ -72,6 +87,35 @@ def parse_request(obj: dict) -> tuple[dict, dict]:
     if "prompt" not in body:
         raise RequestLineError("body.prompt is required for /v1/completions")
     return {"prompt": body["prompt"]}, overrides
+
+
+def _embedding_request(body: dict) -> dict:
+    unsupported = sorted(k for k in body if k not in EMBEDDING_FIELDS)
+    if unsupported:
+        raise RequestLineError(f"unsupported field {', '.join(unsupported)}")
+    inputs = body.get("input")
+    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(_is_token_id(t) for t in inputs)):
+        inputs = [inputs]  # one text, or one array of token ids
+    if not isinstance(inputs, list) or not inputs:
+        raise RequestLineError("body.input must be a text, an array of texts or of token ids, and not empty")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise RequestLineError(f"body.input has {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS} a line")
+    for i, one in enumerate(inputs):
+        if isinstance(one, str) and one:
+            continue
+        if not (isinstance(one, list) and one and all(_is_token_id(t) for t in one)):
+            raise RequestLineError(f"body.input[{i}] must be a non-empty text or array of token ids")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise RequestLineError(f"body.encoding_format must be float or base64, got {encoding!r}")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and not (_is_token_id(dimensions) and dimensions > 0):
+        raise RequestLineError(f"body.dimensions must be a positive integer, got {dimensions!r}")
+    return {"input": inputs, "encoding_format": encoding, "dimensions": dimensions}
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _chat_logprobs(entries: list[dict]) -> dict:
@@ -107,6 +151,8 @@ def format_response(row: dict, model: str) -> dict:
             "response": None,
             "error": {"code": "row_error", "message": row["error"]},
         }
+    if row.get("url") == EMBEDDINGS_URL:
+        return _response(request_id, row["id"], _embedding_body(row, model))
     chat = row.get("url") != COMPLETIONS_URL
     choices: list[dict[str, Any]] = []
     texts, reasons = row.get("outputs") or [row["output"]], row.get("finish_reasons") or [row["finish_reason"]]
@@ -116,6 +162,8 @@ def format_response(row: dict, model: str) -> dict:
             choice["logprobs"] = (_chat_logprobs if chat else _completion_logprobs)(row["logprobs"][i])
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if row.get("reasonings") is not None:  # output.split_reasoning, as vLLM's reasoning parsers answer
+                choice["message"]["reasoning_content"] = row["reasonings"][i]
         else:
             choice["text"] = text
         choices.append(choice)
@@ -132,9 +180,24 @@ def format_response(row: dict, model: str) -> dict:
             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]},
         },
     }
+    return _response(request_id, row["id"], body)
+
+
+def _embedding_body(row: dict, model: str) -> dict:
+    def encode(vector: list[float]) -> list[float] | str:
+        if row["encoding_format"] == "base64":  # little-endian float32, as OpenAI's API encodes it
+            return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode()
+        return vector
+
+    data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(row["embeddings"])]
+    usage = {"prompt_tokens": row["prompt_tokens"], "total_tokens": row["prompt_tokens"]}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def _response(request_id: str, custom_id: str, body: dict) -> dict:
     return {
         "id": request_id,
-        "custom_id": row["id"],
+        "custom_id": custom_id,
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import statistics
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
-from batchjob.job.contracts import JobEngine
+from batchjob.job.contracts import Embedder, JobEngine
 from batchjob.job.executor import load_engine
-from batchjob.job.planner import Work, job_planner
+from batchjob.job.planner import EmbeddingPlanner, Work, job_planner
 from batchjob.job.reader import InputSource
 from batchjob.job.spec import JobSpec
 
 CALIBRATION_REQUESTS = 8
 CALIBRATION_MAX_TOKENS = 64
+CALIBRATION_EMBED_BATCHES = 2  # forward passes' worth of the first inputs, embedded once to warm up, then timed
 
 
 def plan_job(
@@ -24,6 +26,8 @@ def plan_job(
     source = InputSource(job)
     scan = source.scan()
     engine = engine_factory(job)
+    if job.task == "embed":
+        return _plan_embedding(job, source, scan.total, engine, calibrate)
     block_size = engine.config.block_size
     failed = 0
 
@@ -90,6 +94,41 @@ def plan_job(
         prefill_s = (prompt_tokens - shared) / c["prefill_tokens_per_s"] if c["prefill_tokens_per_s"] else 0.0
         decode_s = report["output_tokens_expected"] / concurrency * c["decode_step_s"]
         report["estimated_time_s"] = round(prefill_s + decode_s, 1)
+    return report
+
+
+def _plan_embedding(job: JobSpec, source: InputSource, rows: int, embedder: Embedder, calibrate: bool) -> dict:
+    failed, truncated, lengths, sample = 0, 0, array("q"), []
+    budget = CALIBRATION_EMBED_BATCHES * embedder.config.max_num_batched_tokens
+
+    def count_failure(row, error) -> None:
+        nonlocal failed
+        failed += 1
+
+    for work in EmbeddingPlanner(job, embedder, count_failure).works(source.rows()):
+        truncated += work.truncated
+        lengths.extend(map(len, work.inputs))
+        if sum(map(len, sample)) < budget:  # the first inputs: what the run starts with
+            sample += work.inputs
+    report = {"task": "embed", "rows": rows, "rows_failing_before_the_model": failed, "requests": len(lengths)}
+    if not lengths:
+        return report
+    ordered = sorted(lengths)
+    report |= {
+        "rows_truncated": truncated,
+        "prompt_tokens_total": sum(lengths),
+        "prompt_tokens_p50": ordered[len(ordered) // 2],
+        "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
+        "max_seq_length": embedder.max_seq_length,
+        "dimension": embedder.dimension,
+    }
+    if calibrate:
+        embedder.embed(sample, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        embedder.embed(sample, use_tqdm=False)
+        tokens_per_s = sum(map(len, sample)) / (time.perf_counter() - start)
+        report["calibration"] = {"inputs": len(sample), "tokens_per_s": round(tokens_per_s, 1)}
+        report["estimated_time_s"] = round(report["prompt_tokens_total"] / tokens_per_s, 1)
     return report
 
 

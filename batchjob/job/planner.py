@@ -21,7 +21,7 @@ import pydantic
 
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.contracts import JobEngine
+from batchjob.job.contracts import Embedder, JobEngine
 from batchjob.job.prompt import PromptBuilder, RowError
 from batchjob.job.reader import Row
 from batchjob.job.spec import JobSpec
@@ -42,6 +42,83 @@ class Work:
     @property
     def request(self) -> Request:
         return Request(self.request_id, self.token_ids, self.params)
+
+
+@dataclass
+class EmbeddingWork:
+    row: Row
+    inputs: list[list[int]]  # token ids of each of the row's inputs (an OpenAI Batch line may have several)
+    truncated: bool
+    dimensions: int | None = None  # an OpenAI Batch line's `dimensions`: each embedding cut to its first ones
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.inputs))
+
+
+class EmbeddingPlanner:
+    """Rows to the token ids an Embedder reads: the template filled with the row's columns as plain text, or an
+    OpenAI Batch line's inputs (texts or token ids); each cut to the model's max_seq_length as prompt.on_too_long
+    says. Rows stay in input order: the Embedder sorts the inputs of each call by length itself."""
+
+    def __init__(self, job: JobSpec, embedder: Embedder, on_error: Callable[[Row, str], None]):
+        self.builder = PromptBuilder(job, None, 0)
+        self.embedder, self.on_error, self.policy = embedder, on_error, job.prompt.on_too_long
+        self.side = "left" if self.policy == "truncate_left" else "right"
+
+    def works(self, rows: Iterable[Row]) -> Iterator[EmbeddingWork]:
+        rows = iter(rows)
+        while chunk := list(itertools.islice(rows, TOKENIZE_CHUNK)):
+            inputs: list[list[str | list[int]] | RowError] = []
+            for row in chunk:
+                try:
+                    if row.error is not None:
+                        raise RowError(row.error)
+                    inputs.append(row.values["input"] if "input" in row.values else [self.builder.text(row)])
+                except RowError as e:
+                    inputs.append(e)
+            texts = [t for one in inputs if not isinstance(one, RowError) for t in one if isinstance(t, str)]
+            tokenized = iter(self.embedder.tokenize(texts, self.side))
+            for row, one in zip(chunk, inputs):
+                try:
+                    if isinstance(one, RowError):
+                        raise one
+                    texts_of_row = [next(tokenized) for t in one if isinstance(t, str)]
+                    yield self._work(row, one, iter((t.token_ids, t.truncated) for t in texts_of_row))
+                except RowError as e:
+                    self.on_error(row, str(e))
+
+    def _work(
+        self, row: Row, inputs: list[str | list[int]], tokenized: Iterator[tuple[list[int], bool]]
+    ) -> EmbeddingWork:
+        limit, out, truncated = self.embedder.max_seq_length, [], False
+        for i, one in enumerate(inputs):
+            ids, cut = next(tokenized) if isinstance(one, str) else self._token_ids(one, i)
+            if cut and self.policy == "error":
+                raise RowError(
+                    f"input{f'[{i}]' if len(inputs) > 1 else ''} is longer than the model's max_seq_length of "
+                    f"{limit} tokens (prompt.on_too_long: error)"
+                )
+            out.append(ids)
+            truncated |= cut
+        dimensions = row.values.get("dimensions")
+        if dimensions is not None and not self.embedder.can_shorten_to(dimensions):
+            raise RowError(
+                f"body.dimensions {dimensions}: this model's embeddings have {self.embedder.dimension} and it "
+                "cannot give fewer (not a Matryoshka model)"
+                if dimensions < self.embedder.dimension
+                else f"body.dimensions {dimensions}: this model's embeddings have {self.embedder.dimension}"
+            )
+        return EmbeddingWork(row, out, truncated, dimensions)
+
+    def _token_ids(self, ids: list[int], i: int) -> tuple[list[int], bool]:
+        vocab = self.embedder.vocab_size
+        if any(t >= vocab for t in ids):
+            raise RowError(f"input[{i}]: a token id outside the vocabulary (0 to {vocab - 1})")
+        limit = self.embedder.max_seq_length
+        if len(ids) <= limit:
+            return ids, False
+        return (ids[-limit:] if self.side == "left" else ids[:limit]), True
 
 
 def job_planner(job: JobSpec, engine: JobEngine, on_error: Callable[[Row, str], None]) -> Planner:

@@ -21,8 +21,11 @@ class PromptBuilder:
     def __init__(self, job: JobSpec, tokenizer: Tokenizer, context_len: int):
         self.prompt, self.format = job.prompt, job.input.format
         self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
-        self.tokenizer, self.context_len = tokenizer, context_len
+        kwargs = job.prompt.chat_template_kwargs
+        self.tokenizer = tokenizer.with_template_kwargs(kwargs) if tokenizer is not None else None
+        self.context_len = context_len
         self.fields = [name for name in job.prompt.fields if name != self.text_column]  # parsed once, not per row
+        self.chat = job.prompt.chat_template and job.task == "generate"  # an embedding model reads plain text
 
     def build_many(self, rows: list[Row], max_tokens: list[int]) -> list[tuple[list[int], bool] | RowError]:
         """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads), and chat
@@ -93,6 +96,12 @@ class PromptBuilder:
         # whole prompt's tokens, which keeps the row's text on the side the policy keeps.
         return (full[-limit:] if policy == "truncate_left" else full[:limit]), True
 
+    def text(self, row: Row) -> str:
+        """The whole prompt of a row as plain text (the template filled, no chat template), for a job whose model
+        reads text: an embedding job's."""
+        compose, main = self._parts(row)
+        return compose(main)
+
     def _parts(self, row: Row) -> tuple[Callable[[str], str | Chat], str]:
         """How to compose the prompt around its main text (the part truncation cuts): a plain text, or a chat whose
         hole message holds it; and that text."""
@@ -109,7 +118,7 @@ class PromptBuilder:
             return self._messages_parts(row.values[self.messages_column])
         main = _text(row.values.get(self.text_column), self.text_column)
         fields = {name: _scalar(row.values.get(name), name) for name in self.fields} if self.fields else {}
-        template, system, chat = self.prompt.template, self.prompt.system, self.prompt.chat_template
+        template, system, chat = self.prompt.template, self.prompt.system, self.chat
 
         def compose(text: str) -> str | Chat:
             try:
@@ -144,7 +153,7 @@ class PromptBuilder:
         """Fail before any work when every prompt would need a chat template that the model does not have. An OpenAI
         Batch file may hold /v1/completions lines only, which need none: there each chat line fails alone. (A
         template that refuses some messages fails those rows, not the job.)"""
-        if self.tokenizer.chat_template is not None or self.format == "openai-batch":
+        if not self.chat or self.tokenizer.chat_template is not None or self.format == "openai-batch":
             return
         if self.messages_column:
             raise JobFileError("input.messages_column: chat messages need a chat template, and this model has none")

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from batchjob.job.contracts import JobEngine, model_identity
-from batchjob.job.executor import Pending
-from batchjob.job.output.schema import failed_row, result_rows, result_schema
+from batchjob.job.contracts import Embedder, JobEngine, model_identity
+from batchjob.job.executor import Pending, embedding_calls, embedding_records
+from batchjob.job.output.schema import embedding_schema, failed_row, result_rows, result_schema
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import is_url
-from batchjob.job.planner import job_planner, requests
+from batchjob.job.planner import EmbeddingPlanner, job_planner, requests
 from batchjob.job.reader import InputSource, Row
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
 from batchjob.job.stopper import Interrupted
@@ -62,15 +62,25 @@ class EngineWorker:
         self,
         job: JobSpec,
         passthrough: pa.Schema,
-        engine_factory: Callable[[JobSpec], JobEngine],
+        engine_factory: Callable[[JobSpec], JobEngine | Embedder],
         versions: dict[str, list],
     ):
         self.job, self.versions = job, versions
         self.source: InputSource | None = None  # opened with the first RowRange
         self.engine = engine_factory(job)
         self.records: list[dict] = []  # the result rows of the shard in hand
-        self.planner = job_planner(job, self.engine, lambda row, error: self.records.append(failed_row(row, error)))
-        self.schema = result_schema(passthrough).with_metadata({MODEL: json.dumps(model_identity(self.engine))})
+
+        def on_error(row: Row, error: str) -> None:
+            self.records.append(failed_row(row, error))
+
+        self.per_line = job.input.format == "openai-batch"  # an embedding job's rows: a list of embeddings a line
+        if job.task == "embed":
+            self.planner = EmbeddingPlanner(job, self.engine, on_error)
+            schema = embedding_schema(passthrough, self.engine.dimension, self.per_line)
+        else:
+            self.planner = job_planner(job, self.engine, on_error)
+            schema = result_schema(passthrough, reasoning=job.output.split_reasoning)
+        self.schema = schema.with_metadata({MODEL: json.dumps(model_identity(self.engine))})
 
     def run_shard(self, shard: pa.Table | RowRange) -> pa.Table:
         if isinstance(shard, RowRange):
@@ -80,8 +90,13 @@ class EngineWorker:
         else:
             rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         self.records, works = [], {}
-        for output in self.engine.stream(requests(self.planner.works(rows), works)):
-            self.records += result_rows(works.pop(output.request_id), output, self.engine.tokenizer)
+        if self.job.task == "embed":
+            for call in embedding_calls(self.planner.works(rows), self.engine):
+                self.records += embedding_records(self.engine, call, self.per_line)
+        else:
+            for output in self.engine.stream(requests(self.planner.works(rows), works)):
+                work = works.pop(output.request_id)
+                self.records += result_rows(work, output, self.engine.tokenizer, self.job.output.split_reasoning)
         return pa.Table.from_pylist(self.records, schema=self.schema)
 
 
@@ -159,6 +174,7 @@ class RayExecutor:
         if self.model is None:  # the first results: now the model is known, and so is the whole job
             pending.model_known(model)
             self.model = model
+            pending.writer.schema = table.schema.remove_metadata()  # an embedding's length is the model's
         elif model != self.model:
             raise StateError(
                 f"Ray workers run different models or numerics ({self.model} and {model}): the model path must "
@@ -172,8 +188,8 @@ class RayExecutor:
             pending.writer.add(record)
         pending.progress.rows(
             len(fresh),
-            output_tokens=sum(r["output_tokens"] or 0 for r in fresh),
-            prompt_tokens=sum((r["prompt_tokens"] or 0) - (r["cached_tokens"] or 0) for r in fresh),
+            output_tokens=sum(r.get("output_tokens") or 0 for r in fresh),
+            prompt_tokens=sum((r["prompt_tokens"] or 0) - (r.get("cached_tokens") or 0) for r in fresh),
         )
 
 

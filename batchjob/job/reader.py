@@ -66,7 +66,7 @@ class InputSource:
         """`versions`: a driver's InputSource.versions, so that a Ray worker reads the files the driver found and
         digested, as they were then; default: input.path's files as they are now."""
         spec: InputSpec = job.input
-        self.spec, self.format = spec, spec.format
+        self.spec, self.format, self.task = spec, spec.format, job.task
         # A URL is read through fsspec (credentials and endpoint from the environment or input.storage_options);
         # a local path as it always was, so its synthetic ids and fingerprint stay the same.
         self.fs, root = url_to_fs(spec.path, spec.storage_options) if is_url(spec.path) else (None, spec.path)
@@ -328,7 +328,7 @@ class InputSource:
         if self.format == "openai-batch":
             row.passthrough["url"] = obj.get("url")
             try:
-                row.values, row.overrides = parse_request(obj)
+                row.values, row.overrides = parse_request(obj, self.task)
             except RequestLineError as e:
                 row.error = row.error or f"line {lineno}: {e}"
         else:

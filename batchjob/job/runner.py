@@ -13,6 +13,7 @@ from batchjob.job.contracts import JobEngine
 from batchjob.job.executor import Executor, LocalExecutor, Pending, load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGNAL
 from batchjob.job.output.lock import describe
+from batchjob.job.output.schema import result_schema
 from batchjob.job.output.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
 from batchjob.job.output.storage import display
 from batchjob.job.output.writer import PartWriter, sort_parts, write_openai_output
@@ -33,6 +34,7 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
     between runs; the engine settings that change what is computed may not."""
     fp = {
         "model": job.model,
+        "task": job.task,
         "model_digest": model_digest,
         "model_revision": None,  # the Hub commit, known with the digest
         "numerics": None,  # the resolved device, dtypes and ops backend, known with the digest
@@ -40,7 +42,10 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
         "sampling": job.sampling.model_dump(),
         "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
         # The published files' layout: a rerun with another size must not leave the old files beside the new ones.
-        "output": {"rows_per_file": job.output.rows_per_file if job.output.order == "input" else None},
+        "output": {
+            "rows_per_file": job.output.rows_per_file if job.output.order == "input" else None,
+            "split_reasoning": job.output.split_reasoning,
+        },
         "input": {
             **job.input.model_dump(include={"format", "id_column", "text_column", "messages_column", "passthrough"}),
             "files": source.identity(),
@@ -124,7 +129,7 @@ class JobRun:
         job, out = self.job, self.out
         writer = PartWriter(
             out.data,
-            scan.passthrough_schema,
+            result_schema(scan.passthrough_schema, reasoning=job.output.split_reasoning),
             checkpoint_rows=job.output.checkpoint_rows,
             checkpoint_seconds=job.output.checkpoint_seconds,
             next_part=out.next_part_number(),

@@ -15,10 +15,10 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from batchjob.engine.config import EngineConfig
+from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.output.schema import RESULT_COLUMNS
-from batchjob.model.builtin import DEFAULT_MODEL
+from batchjob.job.output.schema import EMBEDDING_COLUMNS, REASONING_COLUMNS, RESULT_COLUMNS
+from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
@@ -62,11 +62,12 @@ class InputSpec(_Section):
         twice = sorted({c for c in self.passthrough if self.passthrough.count(c) > 1})
         if twice:
             raise ValueError(f"passthrough: {', '.join(twice)} named more than once")
-        clashes = sorted(RESULT_COLUMNS & set(self.passthrough))
+        ours = RESULT_COLUMNS | EMBEDDING_COLUMNS | REASONING_COLUMNS
+        clashes = sorted(ours & set(self.passthrough))
         if clashes:
             raise ValueError(
                 f"passthrough: {', '.join(clashes)} would clash with result columns of that name "
-                f"({', '.join(sorted(RESULT_COLUMNS))})"
+                f"({', '.join(sorted(ours))})"
             )
         if self.format == "openai-batch":
             named = {"id_column", "text_column", "messages_column"} & self.model_fields_set
@@ -82,6 +83,9 @@ class PromptSpec(_Section):
     system: str | None = None
     template: str | None = Field(None, description="str.format template over input columns; default: the text")
     chat_template: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="the chat template's own switches, e.g. {enable_thinking: false} (Qwen3)"
+    )
     on_too_long: Literal["error", "truncate_left", "truncate_right"] = "error"
 
     @property
@@ -124,6 +128,9 @@ class OutputSpec(_Section):
     checkpoint_rows: int = Field(1000, ge=1)
     checkpoint_seconds: float = Field(60.0, gt=0)
     rows_per_file: int = Field(100_000, ge=1, description="rows per final file when order is 'input'")
+    split_reasoning: bool = Field(
+        False, description="a <think>...</think> block at an output's start goes to `reasoning`, the rest to `output`"
+    )
 
 
 class RaySpec(_Section):
@@ -146,7 +153,14 @@ class RaySpec(_Section):
 
 
 class JobSpec(_Section):
-    model: str = Field(DEFAULT_MODEL, min_length=1)
+    model: str = Field(
+        DEFAULT_MODEL,
+        min_length=1,
+        description=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} for task 'embed'",
+    )
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="'embed': one embedding a row (a sentence-transformers model) instead of a completion"
+    )
     executor: Literal["local", "ray"] = Field("local", description="'ray': scale out over Ray Data actors")
     input: InputSpec
     prompt: PromptSpec = Field(default_factory=PromptSpec)
@@ -160,6 +174,8 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
         inp, prompt = self.input, self.prompt
+        if self.task == "embed":
+            self._check_embed()
         if inp.messages_column is not None:
             if prompt.template is not None:
                 raise ValueError("prompt.template: not used with input.messages_column (the messages are the prompt)")
@@ -178,6 +194,36 @@ class JobSpec(_Section):
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self
+
+    def _check_embed(self) -> None:
+        """What an embedding job cannot use fails here rather than being ignored: there is nothing to sample, no chat
+        to template, and the engine is an Embedder with settings of its own."""
+        unused = ["sampling"] if "sampling" in self.model_fields_set else []
+        unused += [
+            f"prompt.{name}"
+            for name in ("system", "chat_template", "chat_template_kwargs")
+            if name in self.prompt.model_fields_set
+        ]
+        unused += ["output.split_reasoning"] if self.output.split_reasoning else []
+        unused += ["input.messages_column"] if self.input.messages_column is not None else []
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: not used with task 'embed'")
+        settings = self.engine.model_dump(exclude_unset=True)
+        other = sorted(set(settings) - set(EmbedderConfig.model_fields))
+        if other:
+            raise ValueError(
+                f"engine.{', engine.'.join(other)}: not used with task 'embed' "
+                f"(its engine keys: {', '.join(EmbedderConfig.model_fields)})"
+            )
+        if "model" not in self.model_fields_set:
+            object.__setattr__(self, "model", DEFAULT_EMBEDDING_MODEL)
+        if "on_too_long" not in self.prompt.model_fields_set:
+            # An embedding model reads a text's start, as sentence-transformers cuts it; `truncated` says so.
+            object.__setattr__(self.prompt, "on_too_long", "truncate_right")
+        try:
+            EmbedderConfig(**settings)
+        except pydantic.ValidationError as e:
+            raise ValueError("; ".join(f"engine.{_describe(err, [])}" for err in e.errors())) from None
 
 
 # A job file is a few hundred values; past these it is not one (/dev/zero, a log named by mistake, or aliases that

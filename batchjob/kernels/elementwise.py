@@ -102,6 +102,8 @@ def _rotary_one(
     HALF: tl.constexpr,
     H_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PASS: tl.constexpr,
+    PASS_PAD: tl.constexpr,
 ):
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, HALF_PAD)
@@ -116,6 +118,11 @@ def _rotary_one(
     dst = o_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(dst, o1.to(o_ptr.dtype.element_ty), mask=ok)
     tl.store(dst + HALF, o2.to(o_ptr.dtype.element_ty), mask=ok)
+    if PASS > 0:  # partial rotary: the head's dims past the rotary part are copied as they are
+        e = tl.arange(0, PASS_PAD)
+        ok_pass = (h < n_heads)[:, None] & (e < PASS)[None, :]
+        tail = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + 2 * HALF + e[None, :], mask=ok_pass)
+        tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + 2 * HALF + e[None, :], tail, mask=ok_pass)
 
 
 @triton.jit
@@ -141,6 +148,8 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
     HQ_PAD: tl.constexpr,
     HK_PAD: tl.constexpr,
+    PASS: tl.constexpr,
+    PASS_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -149,11 +158,13 @@ def _rotary_kernel(
     cos = tl.load(cache_ptr + pos * stride_cache + d, mask=dok, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=dok, other=0.0).to(tl.float32)
     _rotary_one(
-        q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin, HALF, HQ_PAD, HALF_PAD
-    )
+        q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin, HALF, HQ_PAD, HALF_PAD,
+        PASS, PASS_PAD,
+    )  # fmt: skip
     _rotary_one(
-        k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, n_k_heads, cos, sin, HALF, HK_PAD, HALF_PAD
-    )
+        k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, n_k_heads, cos, sin, HALF, HK_PAD, HALF_PAD,
+        PASS, PASS_PAD,
+    )  # fmt: skip
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +173,8 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
     """Rotary embedding in the neox/HF layout (halves, not interleaved pairs).
-    q [T, H, D], k [T, KVH, D], cos_sin_cache [max_pos, D]: cos in the first D/2 columns, sin in the rest."""
+    q [T, H, D], k [T, KVH, D], cos_sin_cache [max_pos, R]: cos in the first R/2 columns, sin in the rest; the first
+    R dims of each head turn, the other D - R (partial rotary) are copied."""
     check_device(q, k, positions, cos_sin_cache)
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -170,7 +182,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if T:
-        half = D // 2
+        half = cache.shape[-1] // 2
         pos = positions.reshape(-1)
         _rotary_kernel[(T,)](
             q,
@@ -194,6 +206,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
             HALF_PAD=next_pow2(half),
             HQ_PAD=next_pow2(H),
             HK_PAD=next_pow2(KVH),
+            PASS=D - 2 * half,
+            PASS_PAD=next_pow2(D - 2 * half),
             num_warps=4,
         )
     return qo, ko

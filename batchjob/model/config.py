@@ -8,8 +8,16 @@ from dataclasses import dataclass, field
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-# GGUF's general.architecture -> HF's name. Mistral GGUFs say "llama".
+SUPPORTED_ARCHITECTURES += ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES += ("Phi3ForCausalLM",)
+# GGUF's general.architecture -> HF's name. Mistral GGUFs say "llama" (Mixtral's too: "llama" with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+GGUF_ARCHITECTURES |= {"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+GGUF_ARCHITECTURES |= {"phi3": "Phi3ForCausalLM"}
+# q/k RMSNorm per head before rotary (HF's q_norm/k_norm)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3): the fused matmuls as they are.
+FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -28,17 +36,30 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict | None = None
-    sliding_window: int | None = None  # Mistral v0.1; the engine caps the context to it
+    sliding_window: int | None = None  # Mistral v0.1, Phi-3-mini-4k; the engine caps the context to it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Sparse MoE MLPs (Qwen3-MoE, Mixtral): num_experts 0 is a dense model. Which layers are sparse: HF's
+    # decoder_sparse_step and mlp_only_layers (Qwen3-MoE's; Mixtral's layers are all sparse).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * this dims of each head (Phi-4-mini: 0.75)
 
     def __post_init__(self):
+        # a config read back from JSON (the GGUF conversion cache) holds lists
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty rotary part")
         if self.rope_scaling:
             self.inv_freq()  # an unsupported or incomplete rope_scaling fails with the config, not at the first step
 
@@ -49,8 +70,17 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         rope_theta = cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        if kind in (None, "default"):
             rope_scaling = None
+        elif kind in ("longrope", "su"):  # "su" is LongRoPE's first name (Phi-3's early configs)
+            # Phi-3 keeps the pretraining length beside rope_scaling; transformers gives that one priority.
+            original = (
+                cfg.get("original_max_position_embeddings")
+                or rope_scaling.get("original_max_position_embeddings")
+                or cfg.get("max_position_embeddings", 4096)
+            )
+            rope_scaling = {**rope_scaling, "rope_type": "longrope", "original_max_position_embeddings": original}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,15 +100,41 @@ class ModelConfig:
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            partial_rotary_factor=float(
+                cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+            ),
+            **_moe_fields(arch, cfg),
         )
 
-    def inv_freq(self) -> torch.Tensor:
-        d = self.head_dim
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture in QK_NORM_ARCHITECTURES
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF's test (Qwen3MoeDecoderLayer): sparse unless listed in mlp_only_layers or off the sparse step."""
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head rotary turns; the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
+        """[rotary_dim / 2] inverse frequencies. `seq_len` picks LongRoPE's factors as transformers does: the long
+        ones past original_max_position_embeddings, else (and when None) the short ones."""
+        d = self.rotary_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         rs = self.rope_scaling
         if not rs:
             return inv
         kind = rs.get("rope_type", rs.get("type"))
+        if kind == "longrope":
+            if not len(rs["short_factor"]) == len(rs["long_factor"]) == len(inv):
+                raise ValueError(f"rope_scaling longrope: short_factor and long_factor need {len(inv)} values each")
+            long = seq_len is not None and seq_len > rs["original_max_position_embeddings"]
+            return inv / torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float64)
         if kind == "linear":
             return inv / rs["factor"]
         if kind == "llama3":
@@ -89,19 +145,68 @@ class ModelConfig:
             scaled = torch.where(wavelen > old / low, inv / factor, inv)
             mid = (wavelen <= old / low) & (wavelen >= old / high)
             return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
 
-    def cos_sin_cache(self, max_positions: int, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-        """[max_positions, head_dim]: cos then sin, in fp32. `rope_freqs` is GGUF's per-frequency divisor."""
-        inv = self.inv_freq()
+    def attention_factor(self) -> float:
+        """What LongRoPE multiplies cos and sin by (1 for every other rotary): sqrt(1 + ln(s) / ln(original)), s the
+        context's growth over pretraining, as transformers and vLLM compute it."""
+        rs = self.rope_scaling or {}
+        if rs.get("rope_type") != "longrope":
+            return 1.0
+        if rs.get("attention_factor") is not None:
+            return float(rs["attention_factor"])
+        original = rs["original_max_position_embeddings"]
+        scale = rs.get("factor") or self.max_position_embeddings / original
+        return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+
+    def cos_sin_cache(
+        self, max_positions: int, rope_freqs: torch.Tensor | None = None, max_model_len: int | None = None
+    ) -> torch.Tensor:
+        """[max_positions, rotary_dim]: cos then sin, in fp32. `rope_freqs` is GGUF's per-frequency divisor.
+
+        LongRoPE's long factors serve every position when the context the engine allows (`max_model_len`, default
+        max_position_embeddings) goes past original_max_position_embeddings, the short ones otherwise, as vLLM and
+        llama.cpp choose. transformers switches per forward call instead (long once a sequence is longer), which
+        leaves a sequence that grows past the original length with keys of both kinds in its cache, and would make a
+        row's result depend on how it was batched or chunked."""
+        inv = self.inv_freq(max_model_len or self.max_position_embeddings)
         if rope_freqs is not None:
             inv = inv / rope_freqs.double()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+        return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_factor()).float()
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    if arch == "MixtralForCausalLM":  # every layer sparse, its intermediate_size the experts', top-k renormalised
+        return dict(
+            num_experts=cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    if arch == "Qwen3MoeForCausalLM":  # transformers 5 writes num_experts as num_local_experts
+        return dict(
+            num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+    return {}
+
+
+def moe_weight_names(c: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """A sparse layer's HF parameter names: the router's, and each expert's (gate, up, down)."""
+    if c.architecture == "MixtralForCausalLM":
+        p, projs = f"model.layers.{layer}.block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, projs = f"model.layers.{layer}.mlp.", ("gate_proj", "up_proj", "down_proj")
+    return p + "gate.weight", [tuple(p + f"experts.{e}.{w}.weight" for w in projs) for e in range(c.num_experts)]
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Llama-family model."""
+    """HF parameter names and shapes of a Llama-family model (Phi-3's fused projections under their own names)."""
     h, q, kv, inter = (
         c.hidden_size,
         c.num_attention_heads * c.head_dim,
@@ -113,17 +218,23 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
+        fused = c.architecture in FUSED_CHECKPOINTS
+        qkv = {"qkv_proj": q + 2 * kv} if fused else {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {p + f"self_attn.{n}.weight": (rows, h) for n, rows in qkv.items()}
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if c.is_moe_layer(i):
+            router, experts = moe_weight_names(c, i)
+            shapes[router] = (c.num_experts, h)
+            for gate, up, down in experts:
+                e = c.moe_intermediate_size
+                shapes |= {gate: (e, h), up: (e, h), down: (h, e)}
+        else:
+            gate_up = {"gate_up_proj": 2 * inter} if fused else {"gate_proj": inter, "up_proj": inter}
+            shapes |= {p + f"mlp.{n}.weight": (rows, h) for n, rows in gate_up.items()}
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
         if c.attention_bias:
             shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
     return shapes

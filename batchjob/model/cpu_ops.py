@@ -37,7 +37,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
     native = native_ops_for(q.device, q.dtype, k.dtype)
     d = q.shape[-1]
     heads_back_to_back = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == d for t in (q, k))
-    # the cos/sin table stays float32 whatever the model's dtype (ModelConfig.cos_sin_cache)
+    # the cos/sin table stays float32 whatever the model's dtype (ModelConfig.cos_sin_cache); one narrower than the
+    # head is partial rotary, which the kernel does too
     if native is None or not heads_back_to_back or k.shape[-1] != d or cos_sin_cache.dtype != torch.float32:
         return torch_ops.rotary(q, k, positions, cos_sin_cache)
     native.rotary_(q, k, positions, cos_sin_cache)

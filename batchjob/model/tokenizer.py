@@ -3,6 +3,7 @@ rendered with jinja2 the way transformers renders it."""
 
 from __future__ import annotations
 
+import copy
 import json
 from datetime import datetime
 from functools import cached_property
@@ -58,6 +59,7 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as e:
             raise ModelLoadError(f"its chat template does not parse: {e.message} (line {e.lineno})") from None
         self._shapes: dict[tuple, ChatShape | None] = {}
+        self._template_kwargs: dict = {}  # the chat template's own switches (enable_thinking), as vLLM passes them
 
     @property
     def vocab_size(self) -> int:
@@ -96,11 +98,21 @@ class Tokenizer:
         if self._template is None:
             raise ValueError("this model has no chat template")
         return self._template.render(
+            **self._template_kwargs,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+    def with_template_kwargs(self, kwargs: dict) -> Tokenizer:
+        """This tokenizer, its chat template rendered with `kwargs` too (Qwen3's `enable_thinking`, say), as vLLM's
+        chat_template_kwargs; the same tokenizer when there are none."""
+        if not kwargs:
+            return self
+        other = copy.copy(self)
+        other._template_kwargs, other._shapes = {**self._template_kwargs, **kwargs}, {}
+        return other
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself, as transformers' apply_chat_template(tokenize=True) assumes.

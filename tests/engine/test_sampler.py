@@ -134,3 +134,97 @@ def test_a_greedy_step_reads_tokens_not_logits_and_keeps_the_sampler_s_tokens():
     slow = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, n=2, logprobs=True), use_tqdm=False)
     assert seen and not any(seen)
     assert [[s.token_ids for s in o.samples] for o in fast] == [[s.token_ids for s in o.samples] for o in slow]
+
+
+# --- the batched sampler against a row-at-a-time reference (the sampler as it was before it was batched) -----------
+def reference_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.logit_bias:
+        row[torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)))
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        ids, counts = torch.tensor(seq.output_token_ids).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return row
+
+
+def reference_filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    if top_k and top_k < row.numel():
+        row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+    if top_p < 1.0 or min_p > 0.0:
+        probs = row.softmax(-1)
+        if min_p > 0.0:
+            row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            row = row.index_fill(0, order[(sorted_probs.cumsum(-1) - sorted_probs) >= top_p], float("-inf"))
+    return row
+
+
+MIXED = [
+    SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+    SamplingParams(temperature=1.3, top_k=5, seed=2),
+    SamplingParams(temperature=0.8, min_p=0.1, top_p=0.95, seed=3),
+    SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, seed=4),
+    SamplingParams(temperature=0.9, logit_bias={3: 5.0, 7: -100.0}, top_k=20, top_p=0.8, seed=5),
+    SamplingParams(temperature=0.0, repetition_penalty=1.5),  # greedy, penalized
+    SamplingParams(temperature=1.0, top_k=1000, seed=6),  # k past the vocabulary: no filter
+]
+
+
+def mixed_seqs() -> list[Sequence]:
+    out = seqs(*MIXED, prompt=(1, 2, 3, 3, 9))
+    for i, seq in enumerate(out):
+        for t in (4, 9, 9, 11 + i):
+            seq.token_ids.append(t)
+    return out
+
+
+def test_batched_penalties_and_filters_equal_the_row_at_a_time_reference():
+    from batchjob.engine.sampler import apply_penalties, filter_probs
+
+    lg, ss = logits(len(MIXED), 64, seed=5), mixed_seqs()
+    batched = lg.clone()
+    apply_penalties(batched, ss)
+    for i, seq in enumerate(ss):
+        assert torch.allclose(batched[i], reference_penalties(lg[i].clone(), seq), atol=1e-6), i
+    ps = [s.params for s in ss]
+    scaled = batched / torch.tensor([max(p.temperature, 1.0) for p in ps]).unsqueeze(1)
+    filtered = filter_probs(scaled, [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps])
+    for i, p in enumerate(ps):
+        expected = reference_filter(scaled[i], p.top_k, p.top_p, p.min_p).softmax(-1)
+        assert torch.equal(filtered[i] > 0, expected > 0), i
+        assert torch.allclose(filtered[i] / filtered[i].sum(), expected, atol=1e-6), i
+
+
+def test_top_p_past_the_partial_sort_sorts_the_row_whole():
+    from batchjob.engine.sampler import TOP_P_CANDIDATES, filter_probs
+
+    flat = torch.randn(2, 4 * TOP_P_CANDIDATES, generator=torch.Generator().manual_seed(1)) * 0.01
+    filtered = filter_probs(flat, [0, 0], [0.9, 0.2], [0.0, 0.0])
+    for i, top_p in enumerate((0.9, 0.2)):
+        expected = reference_filter(flat[i], 0, top_p, 0.0)
+        assert torch.equal(filtered[i] > 0, ~expected.isinf()), i
+    assert (filtered[0] > 0).sum() > TOP_P_CANDIDATES  # the candidates alone would have cut it short
+
+
+def test_every_kind_of_row_samples_its_filtered_distribution_in_one_batch():
+    """Many steps of one mixed batch: each row's token frequencies follow the softmax of its own penalized,
+    temperature-scaled and filtered logits (the row-at-a-time reference)."""
+    lg, ss = logits(len(MIXED), 24, seed=11), mixed_seqs()
+    sampler, steps = Sampler(seed=3), 3000
+    counts = torch.zeros(len(MIXED), 24)
+    for _ in range(steps):
+        tokens, _ = sampler(lg.clone(), ss)
+        counts[torch.arange(len(MIXED)), torch.tensor(tokens)] += 1
+    for i, seq in enumerate(ss):
+        row, p = reference_penalties(lg[i].clone(), seq), seq.params
+        if p.greedy:
+            assert counts[i, row.argmax()] == steps
+            continue
+        expected = reference_filter(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+        assert torch.allclose(counts[i] / steps, expected, atol=0.03), (i, counts[i] / steps, expected)
+        assert counts[i][expected == 0].sum() == 0, i  # a filtered-out token never comes out

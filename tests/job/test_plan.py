@@ -76,3 +76,40 @@ def test_plan_counts_constrained_rows_and_distinct_grammars(tmp_path):
     job = make_job(write_jsonl(tmp_path / "b.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})
     plan = plan_job(job, calibrate=False, engine_factory=fake_factory())
     assert plan["constrained_rows"] == 3 and plan["distinct_grammars"] == 2
+
+
+def test_plan_of_a_qwen3_moe_counts_kv_by_its_head_dim(tmp_path):
+    """Qwen3's head_dim is its own (64 here, where hidden / heads is 16): the KV a sequence takes is layers x K and V x
+    KV heads x head_dim x 4 bytes (fp32) a token. The model is the config alone (load_format dummy)."""
+    import json
+
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 512,
+    }
+    (tmp_path / "qwen3moe.json").write_text(json.dumps(config))
+    rows = [{"id": f"r{i}", "text": "some words " * (3 + i)} for i in range(4)]
+    job = make_job(
+        write_jsonl(tmp_path / "d.jsonl", rows),
+        tmp_path / "out",
+        model=str(tmp_path / "qwen3moe.json"),
+        prompt={"chat_template": False},
+        sampling={"max_tokens": 4},
+        engine={"load_format": "dummy", "dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "num_threads": 1},
+    )
+    plan = plan_job(job, calibrate=False)
+    per_token = 3 * 2 * 2 * 64 * 4
+    tokens = plan["prompt_tokens_total"] / 4 + plan["output_tokens_expected"] / 4
+    assert plan["kv_bytes_per_sequence_mean"] == round(per_token * tokens)
+    assert plan["kv_bytes_per_sequence_max"] == per_token * (plan["prompt_tokens_p99"] + 4)

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -241,3 +242,37 @@ def test_real_model_on_ray_gives_the_local_outputs_across_a_killed_driver(tmp_pa
     assert {k: r["title"] for k, r in rows.items()} == {k: r["title"] for k, r in reference.items()}
     again = cli("run", job, "--executor", "ray", env=env)
     assert again.returncode == 0 and "already complete" in again.stdout
+
+
+@pytest.mark.slow
+def test_an_embedding_job_on_ray_writes_the_local_runs_embeddings(tmp_path, cluster, minilm, embed_texts):
+    rows = [{"id": f"t{i}", "text": text, "n": i} for i, text in enumerate(embed_texts)]
+    data = write_parquet(tmp_path / "texts.parquet", rows)
+
+    def job(folder: str, **extra):
+        spec = {
+            "task": "embed",
+            "model": str(minilm),
+            "input": {"path": str(data), "passthrough": ["n"]},
+            "engine": {"dtype": "float32"},
+            "output": {"path": str(tmp_path / folder), "checkpoint_rows": 7},
+            **extra,
+        }
+        (tmp_path / f"{folder}.yaml").write_text(yaml.safe_dump(spec))
+        return load_job(tmp_path / f"{folder}.yaml")
+
+    assert run_job(job("local"), Messages(), engine_factory=load_engine) == EXIT_OK
+    on_ray = job("ray", executor="ray", ray={"num_workers": 2, "shard_rows": 10})
+    assert run_job(on_ray, Messages(), engine_factory=load_engine) == EXIT_OK
+    local, ray_rows = results(tmp_path / "local"), results(tmp_path / "ray")
+    assert sorted(ray_rows) == sorted(local) == sorted(r["id"] for r in rows)
+    for key, row in local.items():
+        other = ray_rows[key]
+        assert (other["error"], other["prompt_tokens"], other["truncated"], other["n"]) == (
+            row["error"],
+            row["prompt_tokens"],
+            row["truncated"],
+            row["n"],
+        )
+        if row["error"] is None:
+            assert float(np.dot(row["embedding"], other["embedding"])) > 0.99999

@@ -144,6 +144,7 @@ def test_openai_batch_lines(tmp_path):
         {"custom_id": "c3", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}},
         {"custom_id": "c4", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}},
+        {"custom_id": "c6", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}},
     ]
     source = source_for(write_jsonl(tmp_path / "b.jsonl", lines), tmp_path, format="openai-batch")
     source.scan()
@@ -152,7 +153,9 @@ def test_openai_batch_lines(tmp_path):
     assert rows[0].overrides == {"max_tokens": 5, "temperature": 0.5, "stop": ["END"]}
     assert rows[0].passthrough == {"url": "/v1/chat/completions"}
     assert rows[1].values == {"prompt": "once upon"} and rows[1].overrides == {}
-    assert "method must be POST" in rows[2].error and "url must be" in rows[3].error
+    assert "method must be POST" in rows[2].error
+    assert "url /v1/embeddings needs task: embed, and this job's task is generate" in rows[3].error
+    assert "url must be /v1/chat/completions or /v1/completions, got '/v1/responses'" in rows[5].error
     assert "custom_id is missing" in rows[4].error and rows[4].id.endswith("b.jsonl:5")
 
 

@@ -58,7 +58,10 @@ def test_unknown_keys_name_the_file_the_path_and_the_allowed_keys(tmp_path):
     message = error_of(tmp_path, MINIMAL + "engine: {max_num_seqz: 3}\nprompt: {sytem: hi}\n")
     assert str(tmp_path / "job.yaml") in message
     assert "engine.max_num_seqz: unknown key; allowed:" in message and "max_num_seqs" in message
-    assert "prompt.sytem: unknown key; allowed: chat_template, on_too_long, system, template" in message
+    assert (
+        "prompt.sytem: unknown key; allowed: chat_template, chat_template_kwargs, on_too_long, system, template"
+        in message
+    )
 
 
 def test_bad_values_say_what_is_allowed(tmp_path):

@@ -13,11 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.job.output.lock import LockHeld, OutputLock
+from batchjob.job.output.schema import result_schema
 from batchjob.job.output.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
 from batchjob.job.output.storage import TMP_PREFIX, write_atomic
 from batchjob.job.output.writer import PartWriter, sort_parts
 
 PASSTHROUGH = pa.schema([("title", pa.string())])
+SCHEMA = result_schema(PASSTHROUGH)
 
 
 def record(i: int, error: str | None = None) -> dict:
@@ -35,7 +37,7 @@ def record(i: int, error: str | None = None) -> dict:
 
 
 def writer(folder, rows=3, seconds=3600.0, next_part=0) -> PartWriter:
-    return PartWriter(folder, PASSTHROUGH, checkpoint_rows=rows, checkpoint_seconds=seconds, next_part=next_part)
+    return PartWriter(folder, SCHEMA, checkpoint_rows=rows, checkpoint_seconds=seconds, next_part=next_part)
 
 
 def test_parts_commit_every_n_rows_and_on_flush(tmp_path):

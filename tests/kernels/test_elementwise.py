@@ -49,15 +49,16 @@ def test_rms_norm_head_rows_and_strided_input(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
-def test_rotary(device, dtype, heads, kv_heads, head_dim):
-    """q/k as the model passes them: non-contiguous views of a fused qkv projection."""
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(9, 3, 64, 64), (4, 2, 128, 128), (4, 2, 128, 96)])
+def test_rotary(device, dtype, heads, kv_heads, head_dim, rotary_dim):
+    """q/k as the model passes them: non-contiguous views of a fused qkv projection; rotary_dim < head_dim is
+    partial rotary (Phi-4-mini's 96 of 128), the rest of each head copied."""
     g = torch.Generator().manual_seed(heads)
     T, max_pos = 6, 50
     qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(device, dtype)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim)
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
     positions = torch.tensor([0, 1, 17, 49, 3, 3], dtype=torch.int64, device=device)
@@ -66,6 +67,8 @@ def test_rotary(device, dtype, heads, kv_heads, head_dim):
     assert qo.shape == rq.shape and ko.shape == rk.shape and qo.dtype == dtype
     torch.testing.assert_close(qo, rq, **TOL[dtype])
     torch.testing.assert_close(ko, rk, **TOL[dtype])
+    assert torch.equal(qo[..., rotary_dim:], q[..., rotary_dim:])
+    assert torch.equal(ko[..., rotary_dim:], k[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

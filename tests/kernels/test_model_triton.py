@@ -1,21 +1,31 @@
 """The whole model through the Triton kernels (in the interpreter on a CPU) against the torch path: a tiny random
-Llama (GQA, head dim 16) gives the same greedy tokens, with chunked prefill mixing prefill and decode rows."""
+Llama, Qwen2 or Phi-3 (GQA, head dim 16) gives the same greedy tokens, with chunked prefill mixing prefill and decode
+rows; Qwen3 and Qwen3-MoE against transformers."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.model.llama import LlamaModel
+from batchjob.model.loader import load_model
+from tests.conftest import forward_logits
 
 pytest.importorskip("transformers", reason="the tiny model is made by transformers (test extra)")
-from tests.oracle.test_tiny_architectures import build, tiny_tokenizer
+from tests.oracle.test_tiny_architectures import build, greedy_under_pressure_matches_generate, tiny_tokenizer
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("case", ["llama-gqa2-untied", "qwen2-gqa4-bias-tied"])
+@pytest.mark.parametrize(
+    # Phi-4-mini's shape: fused checkpoint, LongRoPE (long factors: the engine's context passes the original 48), rotary
+    # on 3/4 of each head
+    "case",
+    ["llama-gqa2-untied", "qwen2-gqa4-bias-tied", "phi4mini-gqa2-tied-longrope-partial-rotary"],
+)
 def test_triton_path_equals_torch_path(case, tmp_path, device):
     build(case, tmp_path, tiny_tokenizer().to_str())
     rng = random.Random(0)
@@ -25,3 +35,20 @@ def test_triton_path_equals_torch_path(case, tmp_path, device):
     torch_out = Engine(str(tmp_path), ops_backend="torch", **common).generate(prompts, params)
     triton_out = Engine(str(tmp_path), ops_backend="triton", **common).generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", ["qwen3-gqa2-headdim32-tied", "qwen3moe-top2of8-normtopk-mlponly"])
+def test_triton_path_greedy_equals_transformers_under_preemption(case, tmp_path, device):
+    """Qwen3's q/k norms (the Triton rms_norm over head rows) and Qwen3-MoE's experts on the Triton ops: the
+    oracle test's pool and token budget, tokens equal transformers' generate; every position's logits within 1e-4."""
+    from batchjob.kernels import ops as triton_ops
+
+    hf = greedy_under_pressure_matches_generate(case, tmp_path, tiny_tokenizer().to_str(), "triton", device)
+    loaded = load_model(str(tmp_path))
+    ours = LlamaModel(loaded.config, loaded.weights, triton_ops, device=device)
+    ids = random.Random(1).choices(range(3, 300), k=37)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    diff = (forward_logits(ours, ids, last_only=False).cpu() - ref).abs().max().item()
+    assert diff <= 1e-4, f"{case}: logits differ by {diff}"

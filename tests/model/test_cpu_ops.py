@@ -95,17 +95,24 @@ def test_fused_rms_norm_matches_the_torch_op_in_place(rows):
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
-def test_fused_rotary_matches_the_torch_op_on_qkv_views(heads, kv_heads, head_dim):
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "rotary_dim"),
+    # the last two turn part of each head (Phi-4-mini: 96 of 128)
+    [(9, 3, 64, 64), (8, 2, 128, 128), (4, 4, 32, 32), (8, 2, 128, 96), (4, 4, 32, 16)],
+)
+def test_fused_rotary_matches_the_torch_op_on_qkv_views(heads, kv_heads, head_dim, rotary_dim):
     t = 45
     qkv = _rows(t, (heads + 2 * kv_heads) * head_dim, 4)
     q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
-    cos_sin = _rows(300, head_dim, 5)
+    cos_sin = _rows(300, rotary_dim, 5)
     positions = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(6))
     ref_q, ref_k = ops.rotary(q, k, positions, cos_sin)
+    assert torch.equal(ref_q[..., rotary_dim:], q[..., rotary_dim:])  # the part past rotary_dim passes
+    assert not torch.equal(ref_q[..., :rotary_dim], q[..., :rotary_dim])
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     out_q, out_k = cpu_ops.rotary(q, k, positions, cos_sin)
+    assert out_q.data_ptr() == q.data_ptr()  # in place: the C++ kernel ran
     torch.testing.assert_close(out_q, ref_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out_k, ref_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # V untouched

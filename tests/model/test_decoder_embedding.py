@@ -1,5 +1,5 @@
-"""Decoder embedders (gte-Qwen2, Qwen3-Embedding style) against sentence-transformers: tiny random Qwen2 and Llama
-decoders saved as sentence-transformers folders, embedded by the Embedder on packed batches through the paged
+"""Decoder embedders (gte-Qwen2, Qwen3-Embedding style) against sentence-transformers: tiny random Qwen2, Qwen3 and
+Llama decoders saved as sentence-transformers folders, embedded by the Embedder on packed batches through the paged
 attention of the CPU backend; prompts, last-token and mean pooling, a packed batch against each sequence alone."""
 
 from __future__ import annotations
@@ -45,23 +45,37 @@ def save_decoder(folder: Path, config) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
 
 
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory) -> Path:
-    """Saved by sentence-transformers itself: the bare Qwen2Model at the root (no LM head, names without
-    `model.`), last-token pooling, Normalize, named prompts, max_seq_length in tokenizer_config.json."""
+def st_folder(tmp_path_factory, config) -> Path:
+    """Saved by sentence-transformers itself: the bare *Model at the root (no LM head, names without `model.`),
+    last-token pooling, Normalize, named prompts, max_seq_length in tokenizer_config.json."""
     from sentence_transformers.sentence_transformer import modules
 
-    hf = tmp_path_factory.mktemp("qwen2-hf")
-    save_decoder(hf, transformers.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True))
+    hf = tmp_path_factory.mktemp("hf")
+    save_decoder(hf, config)
     transformer = modules.Transformer(str(hf), max_seq_length=MAX_SEQ_LENGTH)
     pooling = modules.Pooling(COMMON["hidden_size"], pooling_mode="lasttoken")
     model = st.SentenceTransformer(
         modules=[transformer, pooling, modules.Normalize()], prompts={"query": QUERY, "document": ""}, device="cpu"
     )
-    folder = tmp_path_factory.mktemp("qwen2-st")
+    folder = tmp_path_factory.mktemp("st")
     model.save(str(folder))
-    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen2Model"]
+    saved = json.loads((folder / "config.json").read_text())["architectures"]
+    assert saved == [type(config).__name__.replace("Config", "Model")]
     return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory) -> Path:
+    """gte-Qwen2's shape: Qwen2 with q/k/v biases."""
+    config = transformers.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True)
+    return st_folder(tmp_path_factory, config)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    """Qwen3-Embedding's shape: Qwen3 with q/k norms, head_dim apart from hidden_size / heads."""
+    config = transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    return st_folder(tmp_path_factory, config)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +118,7 @@ def assert_cosine(a: torch.Tensor, b: torch.Tensor, least: float) -> None:
     assert cosine.min() >= least, f"row {int(cosine.argmin())}: cosine {float(cosine.min()):.6f}"
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_mean"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama_mean"])
 def test_matches_sentence_transformers(name, request, texts):
     folder = request.getfixturevalue(name)
     encoder = load_encoder(folder, torch.float32)

@@ -61,6 +61,22 @@ def test_shipped_configs_by_name_and_the_builtin_architecture(loaded):
         dummy_config_path("no-such-config")
 
 
+@pytest.mark.parametrize(
+    "name,total,active",
+    # Qwen3-0.6B: 0.6B; Qwen3-30B-A3B: 30.5B, 3.3B of them a token's (its model card's figures)
+    [("qwen3-0.6b", (0.59e9, 0.61e9), None), ("qwen3-30b-a3b", (30.4e9, 30.6e9), (3.2e9, 3.4e9))],
+)
+def test_shipped_qwen3_configs_have_their_models_parameter_counts(name, total, active):
+    c = ModelConfig.from_hf(json.loads(dummy_config_path(name).read_text()))
+    shapes = weight_shapes(c)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    assert total[0] < params < total[1]
+    if active:
+        idle = c.num_experts - c.num_experts_per_tok  # the experts a token skips, in every layer
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+        assert active[0] < params - c.num_hidden_layers * idle * per_expert < active[1]
+
+
 def test_synthetic_tokenizer_round_trips_bytes():
     tok = synthetic_tokenizer()
     ids = tok.encode("héllo, wörld")

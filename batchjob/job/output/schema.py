@@ -27,21 +27,46 @@ RESULT_SCHEMA = pa.schema(
     ]
 )
 RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
+# An embedding job's rows (task: embed): one `embedding` a row, or for OpenAI Batch input, a line's `embeddings` (one
+# per input, each cut to the line's `dimensions`) with the line's encoding_format for its response.
+EMBEDDING_COLUMNS = frozenset({"embedding", "embeddings", "encoding_format"})
+REASONING_COLUMNS = frozenset({"reasoning", "reasonings"})  # with output.split_reasoning
 
 
-def result_rows(work, output, tokenizer) -> list[dict]:
-    """The output rows of a finished planner Work: one per input row it stands for, duplicates included."""
+THINK_START, THINK_END = "<think>", "</think>"  # the reasoning block of Qwen3, DeepSeek-R1, SmolLM3 and others
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """The reasoning and the answer of an output: the text up to `</think>` (less an opening `<think>`) and the text
+    after it; an output cut inside its reasoning is all reasoning; an output without the block is all answer. (A
+    template that opens the block in the prompt, as DeepSeek-R1's does, leaves only the closing tag in the output.)"""
+    head, end, tail = text.partition(THINK_END)
+    if end:
+        return head.strip().removeprefix(THINK_START).strip(), tail.lstrip()
+    if text.lstrip().startswith(THINK_START):
+        return text.lstrip().removeprefix(THINK_START).strip(), ""
+    return None, text
+
+
+def result_rows(work, output, tokenizer, reasoning: bool = False) -> list[dict]:
+    """The output rows of a finished planner Work: one per input row it stands for, duplicates included; with
+    `reasoning`, each sample's reasoning block split off its text."""
     m, samples = output.metrics, output.samples
     logprobs = None
     if work.params.logprobs:
         logprobs = [[_token_logprob(lp, tokenizer) for lp in s.logprobs or []] for s in samples]
+    texts = [s.text for s in samples]
+    thoughts = None
+    if reasoning:
+        thoughts, texts = map(list, zip(*map(split_reasoning, texts))) if texts else ([], [])
     return [
         {
             **row.passthrough,
             "id": row.id,
-            "output": output.text,
+            "output": texts[0] if texts else output.text,
             "finish_reason": output.finish_reason,
-            "outputs": [s.text for s in samples],
+            "outputs": texts,
+            **({"reasoning": thoughts[0] if thoughts else None, "reasonings": thoughts} if reasoning else {}),
             "finish_reasons": [s.finish_reason for s in samples],
             "output_token_counts": [len(s.token_ids) for s in samples],
             "logprobs": logprobs,
@@ -76,5 +101,27 @@ def failed_row(row, error: str) -> dict:
     return {**row.passthrough, "id": row.id, "error": error, "row_index": row.index}
 
 
-def result_schema(passthrough: pa.Schema) -> pa.Schema:
-    return pa.schema([*RESULT_SCHEMA, *passthrough])
+def result_schema(passthrough: pa.Schema, reasoning: bool = False) -> pa.Schema:
+    """A generation job's columns; with `reasoning` (output.split_reasoning), the split-off reasoning too."""
+    split = [("reasoning", pa.string()), ("reasonings", pa.list_(pa.string()))] if reasoning else []
+    return pa.schema([*RESULT_SCHEMA, *split, *passthrough])
+
+
+def embedding_schema(passthrough: pa.Schema, dimension: int, per_line: bool) -> pa.Schema:
+    """The columns of an embedding job's rows: `per_line` for OpenAI Batch input, whose lines hold lists of inputs."""
+    if per_line:
+        vectors = [("embeddings", pa.list_(pa.list_(pa.float32()))), ("encoding_format", pa.string())]
+    else:
+        vectors = [("embedding", pa.list_(pa.float32(), dimension))]
+    common = [("prompt_tokens", pa.int32()), ("truncated", pa.bool_()), ("error", pa.string())]
+    return pa.schema([("id", pa.string()), *vectors, *common, ("row_index", pa.int64()), *passthrough])
+
+
+def embedding_row(row, vectors: list[list[float]], prompt_tokens: int, truncated: bool, per_line: bool) -> dict:
+    """The output row of an input row whose inputs were embedded (a row of OpenAI Batch input may have several)."""
+    record = {**row.passthrough, "id": row.id, "prompt_tokens": prompt_tokens, "truncated": truncated}
+    if per_line:
+        record |= {"embeddings": vectors, "encoding_format": row.values["encoding_format"]}
+    else:
+        record["embedding"] = vectors[0]
+    return record | {"error": None, "row_index": row.index}

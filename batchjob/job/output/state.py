@@ -38,7 +38,6 @@ from batchjob.job.output.storage import (
     location,
     mtime,
     parquet_file,
-    read_parquet,
     refresh,
     write_atomic,
     write_json,
@@ -47,6 +46,13 @@ from batchjob.job.output.storage import (
 JOB_FILE, SUCCESS, SUMMARY, LOCK = "_job.json", "_SUCCESS", "_summary.json", "_lock"
 DATA, STAGING, STAGED, OPENAI_OUTPUT = "data", "_sorted", "_COMPLETE", "output.jsonl"
 TIMELINE, METRICS, QUARANTINE = "_timeline.parquet", "metrics.prom", "_quarantine"
+COUNTED_COLUMNS = ("id", "error", "prompt_tokens", "output_tokens", "cached_tokens")  # of the committed parts
+# What the fingerprint parts that an earlier batchjob did not record stood for then.
+FINGERPRINT_DEFAULTS = {
+    "task": "generate",
+    "prompt": {"chat_template_kwargs": {}},
+    "output": {"split_reasoning": False},
+}
 # The files batchjob writes beside data/ (recorded in _job.json's "files" before it first writes them).
 WRITTEN = (SUCCESS, SUMMARY, OPENAI_OUTPUT, TIMELINE, METRICS)
 # The files that say the job is complete: removed together, first, whenever the results are repaired.
@@ -214,7 +220,8 @@ class OutputDir:
         done, id_chunks = Committed(), []
         for part in parts:
             try:
-                table = read_parquet(part, columns=["id", "error", "prompt_tokens", "output_tokens", "cached_tokens"])
+                with parquet_file(part) as pf:  # an embedding job's parts have no output or cached tokens
+                    table = pf.read(columns=[c for c in COUNTED_COLUMNS if c in pf.schema_arrow.names])
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
                 raise StateError(f"cannot read the committed part {part}: {e}") from None
             if with_ids:
@@ -222,7 +229,8 @@ class OutputDir:
             done.rows += table.num_rows
             done.failed += table.num_rows - table.column("error").null_count
             for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
-                setattr(done, name, getattr(done, name) + (pc.sum(table.column(name)).as_py() or 0))
+                if name in table.column_names:
+                    setattr(done, name, getattr(done, name) + (pc.sum(table.column(name)).as_py() or 0))
         if id_chunks:
             done.ids = pa.chunked_array([c for column in id_chunks for c in column.chunks], pa.string())
         return done
@@ -263,7 +271,9 @@ class OutputDir:
                     "batchjob will not delete them: move them away or choose another output.path"
                 )
             return
-        stored = meta.get("fingerprint", {})
+        # A fingerprint part that an earlier batchjob did not record had the one value it then could have.
+        stored = _with_defaults(meta.get("fingerprint", {}), FINGERPRINT_DEFAULTS)
+        fingerprint = _with_defaults(fingerprint, FINGERPRINT_DEFAULTS)
         changed = [k for k in keys if stored.get(k) != fingerprint[k]]
         if changed:
             raise StateError(
@@ -412,3 +422,14 @@ def _footer_rows(part: Location) -> int | None:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _with_defaults(stored: dict, defaults: dict) -> dict:
+    """`stored` with each part it lacks taken from `defaults`, section by section."""
+    out = dict(stored)
+    for key, value in defaults.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and value:
+            out[key] = _with_defaults(out[key], value)
+        else:
+            out.setdefault(key, value)
+    return out

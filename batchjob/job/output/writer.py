@@ -15,7 +15,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.job.openai_batch import format_response
-from batchjob.job.output.schema import result_schema
 from batchjob.job.output.storage import Location, parquet_file, read_parquet, write_atomic, write_table
 
 
@@ -25,7 +24,7 @@ class PartWriter:
     def __init__(
         self,
         folder: Location,
-        passthrough: pa.Schema,
+        schema: pa.Schema,  # the result rows' (schema.py); an embedding job sets it once the model is known
         *,
         checkpoint_rows: int,
         checkpoint_seconds: float,
@@ -34,7 +33,7 @@ class PartWriter:
         before_commit: Callable[[], None] = lambda: None,
     ):
         self.before_commit = before_commit
-        self.folder, self.schema = folder, result_schema(passthrough)
+        self.folder, self.schema = folder, schema
         # On an object store a run's parts carry its tag: a run that lost its lease but still writes cannot
         # overwrite a part of the run that took over (there is no rename to lose a race cleanly).
         self.suffix = f"-{run_tag}" if run_tag else ""

@@ -38,6 +38,7 @@ class Stats:
     step_decode_tokens: int = 0
     step: StepMetrics | None = None
     started: float = field(default_factory=time.monotonic)
+    task: str = "generate"  # an embedding job (embed) has input tokens only, and no engine steps
 
     @property
     def done(self) -> int:
@@ -52,6 +53,7 @@ class Stats:
         output = self.step_decode_tokens if live else self.output_tokens
         total = self.step_tokens if live else self.output_tokens + self.prompt_tokens
         return {
+            "task": self.task,
             "rows_done": self.done,
             "rows_total": self.total,
             "output_tokens_per_s": round(output / elapsed, 1),
@@ -67,10 +69,16 @@ class Stats:
 def _line(s: dict) -> str:
     eta = "?" if s["eta_s"] is None else _duration(s["eta_s"])
     pct = 100 * s["rows_done"] / s["rows_total"] if s["rows_total"] else 100.0
+    return f"rows {s['rows_done']}/{s['rows_total']} ({pct:.1f}%) | {_rates(s)} | eta {eta}"
+
+
+def _rates(s: dict) -> str:
+    if s["task"] == "embed":
+        return f"input {s['total_tokens_per_s']:.0f} tok/s"
     return (
-        f"rows {s['rows_done']}/{s['rows_total']} ({pct:.1f}%) | out {s['output_tokens_per_s']:.1f} tok/s | "
-        f"total {s['total_tokens_per_s']:.1f} tok/s | batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | "
-        f"preemptions {s['preemptions']} | prefix hits {s['prefix_hit_pct']:.0f}% | eta {eta}"
+        f"out {s['output_tokens_per_s']:.1f} tok/s | total {s['total_tokens_per_s']:.1f} tok/s | "
+        f"batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | preemptions {s['preemptions']} | "
+        f"prefix hits {s['prefix_hit_pct']:.0f}%"
     )
 
 
@@ -101,8 +109,8 @@ class Progress(ABC):
                 os.dup2(null, stream.fileno())
                 os.close(null)
 
-    def start(self, total: int, done_before: int) -> None:
-        self.stats = Stats(total=total, done_before=done_before)
+    def start(self, total: int, done_before: int, task: str = "generate") -> None:
+        self.stats = Stats(total=total, done_before=done_before, task=task)
 
     def rows(self, n: int, *, output_tokens: int = 0, prompt_tokens: int = 0) -> None:
         self.stats.rows += n
@@ -179,8 +187,8 @@ class RichProgress(Progress):
         self.live = Live(Group(self.bar, self.stats_line), console=self.console, refresh_per_second=4)
         self.task = None
 
-    def start(self, total: int, done_before: int) -> None:
-        super().start(total, done_before)
+    def start(self, total: int, done_before: int, task: str = "generate") -> None:
+        super().start(total, done_before, task)
         self.task = self.bar.add_task("rows", total=total, completed=done_before, eta="?")
         with self.showing(self.console.file):
             self.live.start()
@@ -191,11 +199,7 @@ class RichProgress(Progress):
             self.bar.update(
                 self.task, completed=s["rows_done"], eta="?" if s["eta_s"] is None else _duration(s["eta_s"])
             )
-            self.stats_line.plain = (
-                f"out {s['output_tokens_per_s']:.0f} tok/s | total {s['total_tokens_per_s']:.0f} tok/s | "
-                f"batch {s['batch_size']} | KV {s['kv_usage_pct']:.0f}% | preempt {s['preemptions']} | "
-                f"prefix hit {s['prefix_hit_pct']:.0f}%"
-            )
+            self.stats_line.plain = _rates(s)
 
     def message(self, text: str) -> None:
         if not self.lost:

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure  # no pyplot: no global state, no display; 
 from matplotlib.ticker import MaxNLocator
 
 from batchjob.engine.config import EngineConfig
-from batchjob.job.output.state import DATA, JOB_FILE, SUMMARY, TIMELINE
+from batchjob.job.output.state import DATA, JOB_FILE, SUMMARY, TIMELINE, StateError
 from batchjob.job.telemetry.timeline import read_timeline
 
 CHART_COLUMNS = ["prompt_tokens", "output_tokens", "ttft_s", "total_time_s", "error"]
@@ -42,6 +42,11 @@ def render(folder: Path, out_dir: Path | None = None) -> list[Path]:
     """Writes OUT/report/*.png and report.html (or into `out_dir`); returns the paths written."""
     folder = Path(folder)
     out_dir = Path(out_dir) if out_dir else folder / "report"
+    if ((_read_json(folder / JOB_FILE) or {}).get("fingerprint") or {}).get("task") == "embed":
+        raise StateError(
+            f"{folder} holds an embedding job (task: embed): `batchjob report` draws a generation job's steps, "
+            "latencies and lengths; `batchjob status` shows an embedding job's progress"
+        )
     timeline = read_timeline(folder / TIMELINE)
     results = _read_results(folder / DATA)
     if not timeline.num_rows and results is None:

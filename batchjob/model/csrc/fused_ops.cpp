@@ -81,16 +81,18 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
 }
 
 // Rotary embedding in place on q [T, H, D] and k [T, KVH, D] (views of the fused qkv rows: each head's D floats
-// contiguous), neox layout: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); cos_sin_cache [P, D] holds cos
-// in its first D/2 columns and sin in the rest.
+// contiguous), neox layout: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); cos_sin_cache [P, R] holds cos
+// in its first R/2 columns and sin in the rest. The first R dims of a head turn; with R < D (partial rotary) the
+// others stay as they are.
 void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos_sin_cache) {
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rotary_: q and k of one dtype");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) == k.size(2),
               "rotary_: q [T, H, D] and k [T, KVH, D] with contiguous heads");
-  const int64_t d = q.size(2), half = d / 2;
+  const int64_t d = q.size(2), rot = cos_sin_cache.size(1), half = rot / 2;
   TORCH_CHECK(q.stride(1) == d && k.stride(1) == d, "rotary_: heads back to back");
   const at::Tensor cs = cos_sin_cache.contiguous(), pos = positions.to(at::kLong).contiguous();
-  TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.size(1) == d, "rotary_: cos_sin_cache [P, D] float32");
+  TORCH_CHECK(cs.scalar_type() == at::kFloat && rot % 2 == 0 && rot <= d,
+              "rotary_: cos_sin_cache [P, R] float32, R even and at most D");
   const int64_t h = q.size(1), kvh = k.size(1), qs = q.stride(0), ks = k.stride(0), max_pos = cs.size(0);
   const float* csp = cs.data_ptr<float>();
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -107,7 +109,7 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at
     };
     at::parallel_for(0, q.size(0), kGrain, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const float *cos = csp + pp[t] * d, *sin = cos + half;
+        const float *cos = csp + pp[t] * rot, *sin = cos + half;
         for (int64_t j = 0; j < h; ++j) rotate(qp + t * qs + j * d, cos, sin);
         for (int64_t j = 0; j < kvh; ++j) rotate(kp + t * ks + j * d, cos, sin);
       }
