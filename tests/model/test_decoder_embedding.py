@@ -194,3 +194,26 @@ def test_chat_template_modality_is_refused(qwen2, tmp_path):
     (tmp_path / "sentence_bert_config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="'message' modality"):
         load_encoder(tmp_path, torch.float32)
+
+
+@pytest.mark.slow
+def test_an_embedding_job_on_a_decoder_folder(qwen3, texts, tmp_path):
+    """`batchjob run` with task: embed takes a decoder folder as it takes an encoder's: the job layer needs nothing
+    of its own for decoders."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.helpers import write_parquet
+    from tests.job.test_e2e import cli, dataset
+    from tests.job.test_embed_jobs import write_job
+
+    texts = [t for t in texts if t]  # an empty text is a job's error row
+    data = write_parquet(tmp_path / "texts.parquet", [{"id": f"t{i}", "text": t} for i, t in enumerate(texts)])
+    job = write_job(tmp_path / "job.yaml", qwen3, data, tmp_path / "out", engine={"dtype": "float32"})
+    result = cli("run", str(job))
+    assert result.returncode == 0, result.stdout + result.stderr
+    schema = pq.read_schema(next((tmp_path / "out" / "data").glob("*.parquet")))
+    assert schema.field("embedding").type == pa.list_(pa.float32(), COMMON["hidden_size"])
+    rows = dataset(tmp_path / "out")
+    ours = torch.tensor([rows[f"t{i}"]["embedding"] for i in range(len(texts))])
+    assert_cosine(ours, st_encode(qwen3, texts), 0.9999)
