@@ -81,3 +81,8 @@ class EmbedderConfig(BaseModel):
         8192, ge=16, description="tokens of one packed forward pass; a longer sequence runs alone"
     )
     num_threads: int | None = Field(None, ge=1, le=MAX_NUM_THREADS)
+    # As sentence-transformers' encode(prompt=..., prompt_name=...): a text put before every text (an instruction,
+    # for a query to Qwen3-Embedding), or one of the folder's named prompts; prompt wins, and with neither, the
+    # folder's default_prompt_name if it has one.
+    prompt: str | None = None
+    prompt_name: str | None = None

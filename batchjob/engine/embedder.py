@@ -1,7 +1,8 @@
 """The embedding API: Embedder(folder, **config).embed(texts), as vLLM's LLM(model, task="embed").embed(prompts).
 
 Inputs are sorted by length and packed into forward passes of up to max_num_batched_tokens tokens, so that a batch
-holds texts of near lengths (its attention pads to the longest); results come back in input order. On the CPU."""
+holds texts of near lengths (a BERT encoder's attention pads to the longest; a decoder's paged attention reads each
+sequence alone); results come back in input order. On the CPU."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from batchjob.engine.config import EmbedderConfig
 from batchjob.engine.host_memory import keep_freed_memory
-from batchjob.engine.model_runner import pick_dtype
+from batchjob.engine.model_runner import load_ops, pick_dtype
 from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
@@ -41,7 +42,8 @@ def token_budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 class Embedder:
-    """Sentence embeddings from a local sentence-transformers folder of a BERT-family encoder."""
+    """Sentence embeddings from a local sentence-transformers folder of a BERT-family encoder or of a decoder
+    (Llama, Qwen2, Mistral: Qwen3-Embedding, gte-Qwen2), as its config.json says."""
 
     def __init__(self, model: str, **config):
         self.config = EmbedderConfig(**config)
@@ -54,7 +56,10 @@ class Embedder:
             raise ModelNotFoundError(
                 f"model {model!r} is not a sentence-transformers folder ({path}): an Embedder takes one"
             )
-        self.encoder: Encoder = load_encoder(path, self.dtype)
+        self.encoder: Encoder = load_encoder(path, self.dtype, load_ops("torch"))
+        self.prompt = self._resolve_prompt()
+        # the tokens of each text that pooling may leave out (the folder's include_prompt)
+        self._prompt_length = self.encoder.prompt_length(self.prompt) if self.prompt else 0
         self._request_counter = itertools.count()
         self._left_tokenizer: HFTokenizer | None = None
         # What decides the numbers, for a job's fingerprint: every file of the folder, and how it is computed.
@@ -63,6 +68,18 @@ class Embedder:
         self.numerics = {"device": "cpu", "dtype": str(self.dtype).removeprefix("torch."), "task": "embed"}
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         self._matryoshka = config.get("is_matryoshka") or config.get("matryoshka_dimensions")
+
+    def _resolve_prompt(self) -> str | None:
+        """As sentence-transformers' encode resolves its prompt and prompt_name."""
+        c, prompts = self.config, self.encoder.prompts
+        if c.prompt is not None:
+            return c.prompt
+        name = c.prompt_name or self.encoder.default_prompt_name
+        if name is None:
+            return None
+        if name not in prompts:
+            raise ValueError(f"prompt_name {name!r} is not one of the model's prompts: {sorted(prompts)}")
+        return prompts[name]
 
     @property
     def max_seq_length(self) -> int:
@@ -92,8 +109,10 @@ class Embedder:
         return (F.normalize(vector, dim=0) if self.encoder.pooling.normalize else vector).tolist()
 
     def tokenize(self, texts: list[str], truncation_side: Literal["right", "left"] = "right") -> list[Tokenized]:
-        """Token ids as embed() reads them, special tokens included, cut to max_seq_length keeping the text's start
-        (right, as sentence-transformers does) or its end (left); `truncated` says whether anything was cut."""
+        """Token ids as embed() reads them, the prompt (if any) before each text, special tokens included, cut to
+        max_seq_length keeping the text's start (right, as sentence-transformers does) or its end (left); `truncated`
+        says whether anything was cut."""
+        texts = [(self.prompt or "") + t for t in texts]
         if truncation_side == "right":
             return self.encoder.tokenize(texts)
         if self._left_tokenizer is None:
@@ -104,8 +123,10 @@ class Embedder:
     def embed(self, prompts: str | list[str] | list[list[int]], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One output per prompt, in input order. A text is tokenized with the model's special tokens and cut at
         max_seq_length (`truncated` says so); an empty text is its special tokens alone ([CLS] [SEP] for BERT) and
-        gets an embedding as sentence-transformers gives it. A token-id list is taken as it is: it must be non-empty
-        and at most max_seq_length long. use_tqdm shows a tqdm.auto bar with prompts done and input tokens/s."""
+        gets an embedding as sentence-transformers gives it. The prompt (config prompt or prompt_name) is put before
+        every text and counts in max_seq_length. A token-id list is taken as it is, no prompt added: it must be
+        non-empty and at most max_seq_length long. use_tqdm shows a tqdm.auto bar with prompts done and input
+        tokens/s."""
         from tqdm.auto import tqdm
 
         if isinstance(prompts, str):
@@ -115,7 +136,9 @@ class Embedder:
         start, tokens = time.perf_counter(), 0
         with tqdm(total=len(inputs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
             for batch in token_budget_batches([len(t.token_ids) for t in inputs], self.config.max_num_batched_tokens):
-                vectors = self.encoder.embed([inputs[i].token_ids for i in batch]).tolist()
+                batch_ids = [inputs[i].token_ids for i in batch]
+                prompt_lengths = [self._prompt_length if isinstance(prompts[i], str) else 0 for i in batch]
+                vectors = self.encoder.embed(batch_ids, prompt_lengths).tolist()
                 for i, vector in zip(batch, vectors):
                     request_id = str(next(self._request_counter))
                     ids = inputs[i].token_ids
@@ -127,7 +150,7 @@ class Embedder:
 
     def _tokenized(self, prompts: list[str] | list[list[int]]) -> list[Tokenized]:
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        out = dict(zip(texts, self.encoder.tokenize([prompts[i] for i in texts])))
+        out = dict(zip(texts, self.tokenize([prompts[i] for i in texts])))
         vocab = self.encoder.model.config.vocab_size
         for i, ids in enumerate(prompts):
             if i in out:

@@ -34,18 +34,22 @@ class LlamaModel:
         rope_freqs: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
+        lm_head: bool = True,
     ):
+        """Without `lm_head` (an embedding model's hidden states are its output) no head is built, and the weights
+        need none."""
         self.config, self.ops = config, ops
         c = config
         w = {k: v.to(device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         tied = c.tie_word_embeddings
-        head = self.embed if tied else w["lm_head.weight"]
+        head = self.embed if tied or not lm_head else w["lm_head.weight"]
         # Logits in fp32 on a CPU whatever the model's dtype: bf16 logits keep 8 bits, so near the top (16 to 32 for
         # SmolLM2) they fall on steps of 1/8 and ties appear, which greedy breaks by the lowest id.
         self.logits_dtype = torch.float32 if torch.device(device).type == "cpu" else head.dtype
-        self.lm_head = Linear(head.to(self.logits_dtype), keep_weight=tied and head.dtype == self.logits_dtype)
+        keep = tied and head.dtype == self.logits_dtype
+        self.lm_head = Linear(head.to(self.logits_dtype), keep_weight=keep) if lm_head else None
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -90,11 +94,11 @@ class LlamaModel:
         return [w["qkv"], w["o"], moe.router] + [lin for pair in moe.experts[: moe.top_k] for lin in pair]
 
     def all_linears(self) -> list[Linear]:
-        """Every matmul of the model: each layer's (every expert's), then the LM head."""
+        """Every matmul of the model: each layer's (every expert's), then the LM head (where there is one)."""
         every = []
         for w in self.layers:
             every += [w["qkv"], w["o"]] + (w["moe"].linears() if w["moe"] else [w["gate_up"], w["down"]])
-        return every + [self.lm_head]
+        return every + ([self.lm_head] if self.lm_head is not None else [])
 
     @property
     def capturable(self) -> bool:

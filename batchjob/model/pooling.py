@@ -1,5 +1,6 @@
 """A sentence embedding from an encoder's last hidden states, as sentence-transformers' Pooling and Normalize
-modules compute it: the mean of a sequence's rows, its first row (CLS) or its last, then L2-normalised or not."""
+modules compute it: the mean of a sequence's rows, its first row (CLS) or its last, then L2-normalised or not; with
+include_prompt false, a prompt's tokens at the start of each sequence are left out."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ _FLAGS: dict[str, PoolingMode | None] = {
 class Pooling:
     mode: PoolingMode
     normalize: bool
+    include_prompt: bool = True
 
     @classmethod
     def from_config(cls, cfg: dict, normalize: bool) -> Pooling:
@@ -36,7 +38,7 @@ class Pooling:
         if len(modes) != 1 or _FLAGS.get(modes[0], modes[0]) not in ("mean", "cls", "lasttoken"):
             # sentence-transformers concatenates several modes' vectors; none of the models wanted here does
             raise ModelLoadError(f"its pooling {modes} is not supported (one of mean, cls, lasttoken)")
-        return cls(_FLAGS.get(modes[0], modes[0]), normalize)
+        return cls(_FLAGS.get(modes[0], modes[0]), normalize, bool(cfg.get("include_prompt", True)))
 
     @classmethod
     def from_folder(cls, path: Path, modules: list[dict]) -> Pooling:
@@ -47,17 +49,23 @@ class Pooling:
         cfg = json.loads((path / kinds["Pooling"]["path"] / "config.json").read_text())
         return cls.from_config(cfg, normalize="Normalize" in kinds)
 
-    def __call__(self, hidden: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        """[number of sequences, hidden] in float32 from the packed hidden states [T, hidden]."""
+    def __call__(
+        self, hidden: torch.Tensor, cu_seqlens: list[int], prompt_lengths: list[int] | None = None
+    ) -> torch.Tensor:
+        """[number of sequences, hidden] in float32 from the packed hidden states [T, hidden]; sequence i's first
+        prompt_lengths[i] rows are a prompt's."""
         hidden = hidden.float()  # sums and norms in fp32 whatever the model computed in
         starts, ends = torch.tensor(cu_seqlens[:-1]), torch.tensor(cu_seqlens[1:])
+        seq = torch.repeat_interleave(torch.arange(len(starts)), ends - starts)  # the sequence of each row
+        if not self.include_prompt and prompt_lengths and any(prompt_lengths):
+            # masked as sentence-transformers masks them: a sequence all prompt pools to zeros
+            starts = torch.minimum(starts + torch.tensor(prompt_lengths), ends)
+            hidden = hidden * (torch.arange(len(hidden)) >= starts[seq]).unsqueeze(1)
         if self.mode == "cls":
-            pooled = hidden[starts]
+            pooled = hidden[torch.minimum(starts, ends - 1)]
         elif self.mode == "lasttoken":
             pooled = hidden[ends - 1]
         else:
-            lengths = ends - starts
-            seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-            sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, seq, hidden)
-            pooled = sums / lengths.unsqueeze(1)
+            sums = hidden.new_zeros(len(starts), hidden.shape[1]).index_add_(0, seq, hidden)
+            pooled = sums / (ends - starts).clamp(min=1).unsqueeze(1)
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
