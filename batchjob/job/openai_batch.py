@@ -101,11 +101,14 @@ def _embedding_request(body: dict) -> dict:
     if len(inputs) > MAX_EMBEDDING_INPUTS:
         raise RequestLineError(f"body.input has {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS} a line")
     for i, one in enumerate(inputs):
+        if isinstance(one, (int, float)):  # a flat array with a value that is no token id
+            bad = next(t for t in inputs if not _is_token_id(t))
+            raise RequestLineError(f"body.input: {bad!r} is not a token id (a non-negative integer)")
         if isinstance(one, str) and one:
             continue
         if not (isinstance(one, list) and one and all(_is_token_id(t) for t in one)):
             raise RequestLineError(f"body.input[{i}] must be a non-empty text or array of token ids")
-    encoding = body.get("encoding_format", "float")
+    encoding = body.get("encoding_format") or "float"  # null: the default, as for the other fields
     if encoding not in ("float", "base64"):
         raise RequestLineError(f"body.encoding_format must be float or base64, got {encoding!r}")
     dimensions = body.get("dimensions")

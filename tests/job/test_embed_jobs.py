@@ -292,3 +292,36 @@ def test_a_sigterm_stops_an_embedding_job_after_the_call_under_way(tmp_path, min
     resumed = cli("run", str(job))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert sorted(dataset(out.path)) == sorted(r["id"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ({"input": ["x"] * 2049}, "2049 inputs; at most 2048"),
+        ({"input": [101, -5, 102]}, "-5 is not a token id"),
+        ({"input": [True, False]}, "True is not a token id"),
+        ({"input": [101.0, 102]}, "101.0 is not a token id"),
+        ({"input": ["ok", ""]}, "body.input[1] must be a non-empty text"),
+        ({"input": [[[1]]]}, "body.input[0] must be a non-empty text"),
+        ({"input": []}, "body.input must be a text"),
+        ({"input": "hi", "dimensions": "abc"}, "dimensions must be a positive integer"),
+        ({"input": "hi", "dimensions": 0}, "dimensions must be a positive integer"),
+        ({"input": "hi", "encoding_format": "hex"}, "encoding_format must be float or base64"),
+        ({"input": "hi", "stream": True}, "unsupported field stream"),
+    ],
+)
+def test_hostile_embedding_lines_fail_alone_with_the_reason(body, error):
+    from batchjob.job.openai_batch import RequestLineError, parse_request
+
+    with pytest.raises(RequestLineError) as e:
+        parse_request({"custom_id": "x", "url": "/v1/embeddings", "body": body}, "embed")
+    assert error in str(e.value)
+
+
+def test_embedding_lines_as_openai_accepts_them():
+    from batchjob.job.openai_batch import parse_request
+
+    line = {"custom_id": "x", "url": "/v1/embeddings", "body": {"input": "hi", "encoding_format": None, "user": "u"}}
+    assert parse_request(line, "embed") == ({"input": ["hi"], "encoding_format": "float", "dimensions": None}, {})
+    tokens = {"custom_id": "x", "url": "/v1/embeddings", "body": {"input": [[101, 102], "two"], "model": "m"}}
+    assert parse_request(tokens, "embed")[0]["input"] == [[101, 102], "two"]
