@@ -51,6 +51,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return native.silu_and_mul(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return torch_ops.gelu_tanh_and_mul(x)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
     native = native_ops_for(k.device, k.dtype, v.dtype, k_cache.dtype)
     if native is None:  # an fp8 cache, or other dtypes
@@ -59,11 +63,23 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_c
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale_cache=None,
+    v_scale_cache=None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """ops.paged_attention; float32 or bfloat16 (q and cache alike) goes to the C++ kernel, one call for all
     sequences, reading blocks in place."""
     native = native_ops_for(q.device, q.dtype, k_cache.dtype)
-    if native is None:
-        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache)
+    if native is None or sliding_window is not None or logits_soft_cap is not None:
+        return torch_ops.paged_attention(
+            q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
     return native.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)

@@ -11,7 +11,7 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 
 pytest.importorskip("transformers", reason="the tiny model is made by transformers (test extra)")
-from tests.oracle.test_tiny_architectures import build, tiny_tokenizer
+from tests.oracle.test_tiny_architectures import GEMMA_CASES, assert_engine_matches_generate, build, tiny_tokenizer
 
 
 @pytest.mark.triton
@@ -25,3 +25,12 @@ def test_triton_path_equals_torch_path(case, tmp_path, device):
     torch_out = Engine(str(tmp_path), ops_backend="torch", **common).generate(prompts, params)
     triton_out = Engine(str(tmp_path), ops_backend="triton", **common).generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+def test_triton_gemma_equals_transformers(case, tmp_path, device):
+    """Sliding-window layers, soft-capping and Gemma's MLP through the Triton kernels, with chunked prefill and
+    preemption: transformers' greedy tokens, and logprobs within 1e-4."""
+    hf = build(case, tmp_path, tiny_tokenizer().to_str())
+    assert_engine_matches_generate(hf, tmp_path, case, ops_backend="triton", device=device)

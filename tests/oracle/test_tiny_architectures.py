@@ -1,8 +1,9 @@
-"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral), saved as an HF folder by
-transformers inside the test, loaded by our loader: logits and greedy tokens equal transformers' own."""
+"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Gemma 2, Gemma 3), saved as an HF
+folder by transformers inside the test, loaded by our loader: logits and greedy tokens equal transformers' own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
+from batchjob.model.gemma import GemmaModel  # noqa: E402
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
 from tests.conftest import forward_logits  # noqa: E402
@@ -84,6 +86,41 @@ CASES = {
     ),
 }
 LENGTHS = (5, 37, 100)
+# Gemma: windows of 8 and 12 tokens, far shorter than the prompts, so that the sliding layers' masks matter; a
+# query_pre_attn_scalar that is not head_dim; Gemma 3 with a scaled rope on its global layers and its own local base,
+# Gemma 2 with caps low enough that tanh bends the scores and logits it meets.
+GEMMA_CASES = {
+    "gemma3-gqa2-window8-linearrope": (
+        "Gemma3TextConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        {},
+    ),
+    "gemma2-mha-window12-softcap": (
+        "Gemma2Config",
+        dict(
+            num_key_value_heads=4,
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=12,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+        ),
+        {},
+    ),
+}
+CASES |= GEMMA_CASES
 
 
 def tiny_tokenizer() -> HFTokenizer:
@@ -124,9 +161,10 @@ def _randomize(model: torch.nn.Module) -> None:
 
 def build(case: str, folder, tokenizer_json: str):
     cls_name, extra, save_kwargs = CASES[case]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    # eager: the attention that soft-caps scores (HF's SDPA path does not)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     _randomize(model)
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -138,7 +176,7 @@ def build(case: str, folder, tokenizer_json: str):
     return model
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c not in GEMMA_CASES])
 def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     hf = build(case, tmp_path, tokenizer_json)
     cls_name, extra, save_kwargs = CASES[case]
@@ -206,6 +244,76 @@ def test_tiny_model_greedy_generate_matches_transformers(case, tmp_path, tokeniz
             )
         assert out.finish_reason == "length"
         assert out.token_ids == ref[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+
+
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+def test_tiny_gemma_matches_transformers(case, tmp_path, tokenizer_json):
+    """Every position's logits of prompts longer than the window, then the engine against `generate`."""
+    hf = build(case, tmp_path, tokenizer_json)
+    cls_name, extra, _ = GEMMA_CASES[case]
+    loaded = load_model(str(tmp_path))
+    c = loaded.config
+    assert (
+        c.architecture
+        == hf.config.architectures[0]
+        == cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")
+    )
+    assert c.layer_types == tuple(hf.config.layer_types) and c.sliding_window == extra["sliding_window"]
+    assert sum(c.layer_window(i) is not None for i in range(c.num_hidden_layers)) >= 2
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (
+        extra.get("attn_logit_softcapping"),
+        extra.get("final_logit_softcapping"),
+    )
+    if cls_name == "Gemma3TextConfig":  # both ropes are transformers' own
+        rope = hf.model.rotary_emb
+        assert torch.allclose(c.inv_freq(), rope.full_attention_inv_freq.double(), rtol=1e-6, atol=0)
+        local = dataclasses.replace(c, rope_theta=c.rope_local_base_freq, rope_scaling=None)
+        assert torch.allclose(local.inv_freq(), rope.sliding_attention_inv_freq.double(), rtol=1e-6, atol=0)
+
+    ours = GemmaModel(c, dict(loaded.weights), ops)
+    g = torch.Generator().manual_seed(len(case))
+    for n in LENGTHS:
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert ref[-1].std() > 0.3, "logits too flat to compare"
+        diff = (forward_logits(ours, ids, last_only=False, block_size=4) - ref).abs().max().item()
+        assert diff <= 1e-4, f"{case}, {n} tokens: some position's logits differ by {diff}"
+
+    assert_engine_matches_generate(hf, tmp_path, case)
+
+
+def assert_engine_matches_generate(hf, folder, case: str, **engine_options) -> None:
+    """Our engine on the folder (chunked prefill beside decodes, a pool small enough to preempt) against `generate`
+    one prompt at a time: the same greedy tokens, and their logprobs within 1e-4."""
+    from batchjob.engine.engine import Engine
+
+    options = dict(device="cpu", dtype="float32", num_threads=1, block_size=4, num_kv_blocks=24) | engine_options
+    engine = Engine(str(folder), max_num_batched_tokens=16, max_num_seqs=4, **options)
+    steps = []
+    engine.add_step_callback(steps.append)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (30, 7, 41, 19)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True), use_tqdm=False)
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # chunked prefill beside decodes
+    assert sum(s.num_preemptions for s in steps) > 0
+    for ids, out in zip(prompts, outs):
+        with torch.inference_mode():
+            # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=10,
+                do_sample=False,
+                eos_token_id=VOCAB + 5,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert out.token_ids == ref.sequences[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+        ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, out.token_ids)]
+        diff = max(abs(a.logprob - b) for a, b in zip(out.logprobs, ref_logprobs))
+        assert diff <= 1e-4, f"{case}, prompt of {len(ids)} tokens: logprobs differ by {diff}"
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
