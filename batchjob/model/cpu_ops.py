@@ -77,9 +77,12 @@ def paged_attention(
     """ops.paged_attention; float32 or bfloat16 (q and cache alike) goes to the C++ kernel, one call for all
     sequences, reading blocks in place."""
     native = native_ops_for(q.device, q.dtype, k_cache.dtype)
-    if native is None or sliding_window is not None or logits_soft_cap is not None:
+    if native is None:
         return torch_ops.paged_attention(
             q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         )  # fmt: skip
-    return native.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    if sliding_window is None and logits_soft_cap is None:
+        return native.paged_attention(*args)
+    return native.paged_attention(*args, sliding_window or 0, logits_soft_cap or 0.0)

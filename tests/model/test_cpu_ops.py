@@ -21,10 +21,10 @@ STEPS = {
 }
 
 
-def torch_reference(case):
+def torch_reference(case, **options):
     """The torch path on caches whose never-written slots (NaN) are zeroed: it reads whole padded blocks."""
     k, v = torch.nan_to_num(case.k_cache), torch.nan_to_num(case.v_cache)
-    return ops.paged_attention(case.q, k, v, case.meta, case.scale)
+    return ops.paged_attention(case.q, k, v, case.meta, case.scale, **options)
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -39,6 +39,23 @@ def test_native_op_matches_the_torch_path(step, heads, kv_heads, head_dim, page)
     out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert not case.meta.plan_cache  # the native op ran, not the torch path's plan
     torch.testing.assert_close(out, torch_reference(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize(("window", "cap"), [(1, None), (7, None), (40, None), (None, 1.5), (20, 2.0)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page"), [(4, 1, 256, 16), (8, 2, 64, 5)])
+def test_native_op_serves_sliding_windows_and_soft_caps(step, window, cap, heads, kv_heads, head_dim, page):
+    """Gemma's options, on Gemma 3 270M's head shape and on one that otherwise takes the templated paths: windows of
+    one key, shorter than a block, and across a 16-row tile; soft-capping alone and with a window."""
+    case = make_attention_case(STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page)
+    case.scale *= 4  # scores large enough that a cap bends them
+    options = dict(sliding_window=window, logits_soft_cap=cap)
+    out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, **options)
+    assert not case.meta.plan_cache  # the native op ran, not the torch path's plan
+    ref = torch_reference(case, **options)
+    if step != "prefills" or window != 40:  # (a window longer than those prompts changes nothing)
+        assert not torch.allclose(ref, torch_reference(case), atol=1e-3), "the options change nothing here"
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_native_op_reads_queries_in_place_from_the_fused_qkv_rows():

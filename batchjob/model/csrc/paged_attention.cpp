@@ -11,6 +11,9 @@
 // With AVX512_BF16, bf16 dot products run in vdpbf16ps (float32 sums of bf16 products): a decode's scores, and both
 // GEMMs of a prefill tile, whose probabilities are then rounded to bf16 (`python scripts/cpu_ops_ab.py attention`
 // with DTYPE=bfloat16: 1.6-1.8x the widening loops' prefill rate).
+// Gemma's options, a sliding window (a query at p sees keys in (p - window, p]) and soft-capped scores
+// (cap * tanh(s / cap)), run in the generic loops, which then start each row at its window's first key; the
+// templated paths serve calls without them as before.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,8 +50,22 @@ struct Tile {
   const int32_t* table;
   int64_t rows, first_pos, ctx, h, kvh, d, bs, row_stride, block_stride, q_row;
   float scale;
-  float* scores;  // [rows, H, ctx]
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
+  float* scores;   // [rows, H, ctx]
 };
+
+// The first key row j sees: 0, or the start of its window.
+template <typename T>
+inline int64_t row_lo(const Tile<T>& t, int64_t j) {
+  return t.window ? std::max<int64_t>(0, t.first_pos + j - t.window + 1) : 0;
+}
+
+// One past the last row that sees the key at pos: all rows, or those whose window still holds pos.
+template <typename T>
+inline int64_t rows_hi(int64_t pos, const Tile<T>& t) {
+  return t.window ? std::min(t.rows, pos - t.first_pos + t.window) : t.rows;
+}
 
 template <typename T>
 inline int64_t first_row(int64_t pos, const Tile<T>& t) { return std::max<int64_t>(0, pos - t.first_pos); }
@@ -62,20 +79,21 @@ inline const T* cache_row(const Tile<T>& t, const T* cache, int64_t pos) {
 template <typename T>
 void softmax_rows(const Tile<T>& t) {
   for (int64_t j = 0; j < t.rows; ++j) {
-    const int64_t n = t.first_pos + j + 1;  // keys row j sees; the unseen tail stays 0 and adds nothing to the sum
+    // keys row j sees: [lo, n); the unseen entries stay 0 and add nothing to the weighted sum
+    const int64_t lo = row_lo(t, j), n = t.first_pos + j + 1;
     for (int64_t hq = 0; hq < t.h; ++hq) {
       float* s = t.scores + (j * t.h + hq) * t.ctx;
-      float mx = s[0];
-      for (int64_t i = 1; i < n; ++i) mx = std::max(mx, s[i]);
+      float mx = s[lo];
+      for (int64_t i = lo + 1; i < n; ++i) mx = std::max(mx, s[i]);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
+      for (int64_t i = lo; i < n; ++i) {
         s[i] = std::exp(s[i] - mx);
         sum += s[i];
       }
       const float inv = 1.f / sum;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+      for (int64_t i = lo; i < n; ++i) s[i] *= inv;
     }
   }
 }
@@ -520,10 +538,10 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
 
 template <typename T>
 void attend_generic(const Tile<T>& t) {
-  const int64_t g = t.h / t.kvh, d = t.d;
-  for (int64_t pos = 0; pos < t.ctx; ++pos) {
+  const int64_t g = t.h / t.kvh, d = t.d, lo = row_lo(t, 0);
+  for (int64_t pos = lo; pos < t.ctx; ++pos) {
     const T* krow = cache_row(t, t.k, pos);
-    for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
+    for (int64_t j = first_row(pos, t), j1 = rows_hi(pos, t); j < j1; ++j) {
       const T* qrow = t.q + j * t.q_row;
       for (int64_t hq = 0; hq < t.h; ++hq) {
         const T* a = qrow + hq * d;
@@ -531,15 +549,17 @@ void attend_generic(const Tile<T>& t) {
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < d; ++i) s += to_f32(a[i]) * to_f32(b[i]);
-        t.scores[(j * t.h + hq) * t.ctx + pos] = s * t.scale;
+        s *= t.scale;
+        if (t.softcap) s = t.softcap * std::tanh(s / t.softcap);
+        t.scores[(j * t.h + hq) * t.ctx + pos] = s;
       }
     }
   }
   softmax_rows(t);
   std::fill(t.out, t.out + t.rows * t.h * d, 0.f);
-  for (int64_t pos = 0; pos < t.ctx; ++pos) {
+  for (int64_t pos = lo; pos < t.ctx; ++pos) {
     const T* vrow = cache_row(t, t.v, pos);
-    for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
+    for (int64_t j = first_row(pos, t), j1 = rows_hi(pos, t); j < j1; ++j) {
       for (int64_t hq = 0; hq < t.h; ++hq) {
         const float w = t.scores[(j * t.h + hq) * t.ctx + pos];
         float* o = t.out + (j * t.h + hq) * d;
@@ -582,10 +602,12 @@ Kernels<T> pick(int64_t d, int64_t g) {
 
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, int64_t window,
+                double softcap, at::Tensor& out) {
   const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
   const int64_t num_seqs = seq_lens.size(0), max_blocks = tables.size(1);
-  const Kernels<T> kernels = pick<T>(d, h / kvh);
+  // the templated paths know neither option: with one, every item takes the generic loops
+  const Kernels<T> kernels = window || softcap ? Kernels<T>{attend_generic<T>, nullptr} : pick<T>(d, h / kvh);
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -594,7 +616,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
       const int64_t r1 = std::min<int64_t>(r + kQueryTile, qsl[s + 1]);
-      items.push_back({s, r, r1, (r1 - r) * lens[s]});
+      items.push_back({s, r, r1, (r1 - r) * (window ? std::min<int64_t>(lens[s], window + r1 - r) : lens[s])});
     }
   }
   // Largest first, so that the dynamic schedule ends with small items on every thread.
@@ -620,6 +642,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       t.h = h, t.kvh = kvh, t.d = d, t.bs = bs, t.row_stride = kvh * d, t.block_stride = bs * kvh * d;
       t.q_row = q.stride(0);
       t.scale = static_cast<float>(scale);
+      t.window = window;
+      t.softcap = static_cast<float>(softcap);
       if constexpr (std::is_same_v<T, float>) {
         t.out = dst;
       } else {
@@ -640,7 +664,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& query_start_loc, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
@@ -654,12 +678,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   const int64_t h = q.size(1), d = q.size(2), kvh = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "head_dim or head counts do not match");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: 0 (none) or positive");
   at::Tensor out = at::empty({q.size(0), h, d}, q.options());
   const at::Tensor tables = block_tables.contiguous();
   if (dtype == at::kFloat)
-    attend_all<float>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out);
+    attend_all<float>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, window, softcap, out);
   else
-    attend_all<bf16>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out);
+    attend_all<bf16>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, window, softcap, out);
   return out;
 }
 
@@ -667,6 +692,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(batchjob_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale) -> Tensor");
+        "Tensor query_start_loc, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
