@@ -9,10 +9,16 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from batchjob.model.config import ModelConfig
+from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from batchjob.model.loader import LoadedModel, cache_dir, load_model
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
 
 
 def hf_config(c: ModelConfig) -> dict:
@@ -38,7 +44,21 @@ def hf_config(c: ModelConfig) -> dict:
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
         "torch_dtype": "float32",
+    } | (_gemma_config(c) if c.architecture in GEMMA_ARCHITECTURES else {})
+
+
+def _gemma_config(c: ModelConfig) -> dict:
+    """Gemma's keys as transformers reads them (older configs' rope_local_base_freq included)."""
+    extra = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": list(c.layer_types),
+        "query_pre_attn_scalar": c.query_pre_attn_scalar,
+        "attn_logit_softcapping": c.attn_logit_softcapping,
+        "final_logit_softcapping": c.final_logit_softcapping,
     }
+    if c.rope_local_base_freq is not None:
+        extra["rope_local_base_freq"] = c.rope_local_base_freq
+    return extra
 
 
 def export_hf(loaded: LoadedModel, folder: Path) -> Path:

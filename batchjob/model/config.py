@@ -47,7 +47,7 @@ class ModelConfig:
     # query_pre_attn_scalar**-0.5; tanh soft-capping of attention scores and of the logits; Gemma 3's rope theta of the
     # sliding layers (rope_theta and rope_scaling are the full layers').
     layer_types: tuple[str, ...] | None = None
-    query_pre_attn_scalar: float | None = None
+    query_pre_attn_scalar: int | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_base_freq: float | None = None
@@ -157,7 +157,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             layer_types=tuple(layer_types),
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+            query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar") or 256),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None),
             final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
             rope_local_base_freq=None if gemma2 else float(local.get("rope_theta") or 10000.0),

@@ -350,7 +350,7 @@ def _gguf_config(meta: dict, has_output: bool) -> ModelConfig:
         gemma = dict(
             sliding_window=g("attention.sliding_window"),
             layer_types=tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)),
-            query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+            query_pre_attn_scalar=hidden // heads if big else head_dim,
             attn_logit_softcapping=g("attn_logit_softcapping"),
             final_logit_softcapping=g("final_logit_softcapping"),
             rope_local_base_freq=10000.0 if arch == "gemma3" else None,
