@@ -22,7 +22,9 @@ from batchjob.model.llama import LlamaModel
 
 
 def _one_plus(weight: torch.Tensor) -> torch.Tensor:
-    """Gemma's norm weight w as the factor (1 + w) that the ops' RMSNorm multiplies by, added in fp32 as HF does."""
+    """Gemma's norm weight w as the factor (1 + w) that the ops' RMSNorm multiplies by, added in fp32 as HF does. In
+    float32 this is HF's norm exactly; in bf16 the factor and the normalised row are each rounded before their product
+    (Llama's order, which the ops share), where HF's Gemma rounds once after it: last-bit differences."""
     return (1.0 + weight.float()).to(weight.dtype)
 
 

@@ -29,11 +29,12 @@ def torch_reference(case, **options):
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 5), (4, 4, 32, 1)]
+    ("heads", "kv_heads", "head_dim", "page"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 1, 256, 16), (6, 2, 16, 5), (4, 4, 32, 1)],
 )
 def test_native_op_matches_the_torch_path(step, heads, kv_heads, head_dim, page):
-    """SmolLM2's GQA shape, a Llama-3 one (head_dim 128, 4 query heads per KV head), shapes that take the generic
-    loops; unwritten slots hold NaN, so any read outside a sequence's context shows."""
+    """SmolLM2's GQA shape, a Llama-3 one (head_dim 128, 4 query heads per KV head), Gemma 3 270M's (head_dim 256),
+    shapes that take the generic loops; unwritten slots hold NaN, so any read outside a sequence's context shows."""
     case = make_attention_case(STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page)
     assert cpu_native.native_ops() is not None
     out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -167,7 +168,8 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (9, 3, 64, 5), (6, 2, 16, 5)]
+    ("heads", "kv_heads", "head_dim", "page"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 1, 256, 16), (9, 3, 64, 5), (6, 2, 16, 5)],
 )
 def test_native_op_reads_a_bf16_cache(step, heads, kv_heads, head_dim, page):
     """bf16 q and KV cache (decodes, prefills, chunks over cached context, the register-blocked and the generic
@@ -181,6 +183,22 @@ def test_native_op_reads_a_bf16_cache(step, heads, kv_heads, head_dim, page):
     assert out.dtype == torch.bfloat16 and not case.meta.plan_cache  # the native op ran
     k, v = (torch.nan_to_num(c.float()) for c in (case.k_cache, case.v_cache))
     ref = ops.paged_attention(case.q.float(), k, v, case.meta, case.scale)
+    torch.testing.assert_close(out.float(), ref, **BF16_TOL)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize(("window", "cap"), [(7, None), (40, 2.0)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page"), [(4, 1, 256, 16), (8, 2, 64, 16)])
+def test_native_op_serves_windows_and_soft_caps_on_a_bf16_cache(step, window, cap, heads, kv_heads, head_dim, page):
+    """The options on the bf16 register-blocked prefill tiles (key pairs with AVX512_BF16) and decode loops."""
+    case = make_attention_case(
+        STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16
+    )
+    options = dict(sliding_window=window, logits_soft_cap=cap)
+    out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, 4 * case.scale, **options)
+    assert out.dtype == torch.bfloat16 and not case.meta.plan_cache  # the native op ran
+    k, v = (torch.nan_to_num(c.float()) for c in (case.k_cache, case.v_cache))
+    ref = ops.paged_attention(case.q.float(), k, v, case.meta, 4 * case.scale, **options)
     torch.testing.assert_close(out.float(), ref, **BF16_TOL)
 
 
