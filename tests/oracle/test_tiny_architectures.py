@@ -283,6 +283,80 @@ def test_tiny_gemma_matches_transformers(case, tmp_path, tokenizer_json):
     assert_engine_matches_generate(hf, tmp_path, case)
 
 
+def test_tiny_gemma3_gguf_matches_transformers(tmp_path, tokenizer_json, monkeypatch):
+    """A tiny Gemma 3 written as llama.cpp writes one (its tensor names, norms stored as 1 + w, no window pattern,
+    local rope base or attention scale in the file: the model follows llama.cpp's), loaded from the GGUF: every
+    position's logits equal transformers' on the HF model it came from."""
+    gguf = pytest.importorskip("gguf")
+    case = "gemma3-llamacpp-conventions"
+    six = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp: one global layer in six
+    extra = dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=6, sliding_window=8, layer_types=six)
+    extra |= dict(query_pre_attn_scalar=16, rope_parameters={"full_attention": {"rope_theta": 1e6}})
+    monkeypatch.setitem(CASES, case, ("Gemma3TextConfig", extra, {}))
+    hf = build(case, tmp_path / "hf", tokenizer_json)
+    tok = HFTokenizer.from_str(tokenizer_json)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "gemma3")
+    w.add_block_count(6)
+    w.add_context_length(COMMON["max_position_embeddings"])
+    w.add_embedding_length(COMMON["hidden_size"])
+    w.add_feed_forward_length(COMMON["intermediate_size"])
+    w.add_head_count(COMMON["num_attention_heads"])
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_layer_norm_rms_eps(COMMON["rms_norm_eps"])
+    w.add_rope_freq_base(1e6)
+    w.add_sliding_window(8)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges([" ".join(m) for m in json.loads(tokenizer_json)["model"]["merges"]])
+    gguf_names = {
+        "model.embed_tokens": "token_embd",
+        "model.norm": "output_norm",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied
+            continue
+        base = name.removesuffix(".weight")
+        if base.startswith("model.layers."):
+            layer, rest = base.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{gguf_names[rest]}"
+        else:
+            gname = gguf_names[base]
+        value = t.float().numpy()
+        w.add_tensor(gname + ".weight", value + 1 if gname.endswith("norm") else value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    loaded = load_model(str(tmp_path / "tiny.gguf"))
+    c = loaded.config
+    assert (c.architecture, c.layer_types, c.sliding_window) == ("Gemma3ForCausalLM", tuple(six), 8)
+    assert (c.query_pre_attn_scalar, c.rope_theta, c.rope_local_base_freq) == (16, 1e6, 1e4)
+    ours = GemmaModel(c, dict(loaded.weights), ops)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    diff = (forward_logits(ours, ids, last_only=False, block_size=4) - ref).abs().max().item()
+    assert diff <= 1e-4, f"some position's logits differ by {diff}"
+
+
 def assert_engine_matches_generate(hf, folder, case: str, **engine_options) -> None:
     """Our engine on the folder (chunked prefill beside decodes, a pool small enough to preempt) against `generate`
     one prompt at a time: the same greedy tokens, and their logprobs within 1e-4."""
