@@ -51,8 +51,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return native.silu_and_mul(x)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return torch_ops.gelu_tanh_and_mul(x)
+gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # Gemma's MLP: torch's GELU kernel, no C++ form of its own
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
