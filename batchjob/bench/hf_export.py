@@ -9,12 +9,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from batchjob.model.config import ModelConfig
+from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from batchjob.model.loader import LoadedModel, cache_dir, load_model
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 _MODEL_TYPES |= {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 _MODEL_TYPES |= {"Phi3ForCausalLM": "phi3"}
+_MODEL_TYPES |= {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 
 
 def hf_config(c: ModelConfig) -> dict:
@@ -32,33 +33,51 @@ def hf_config(c: ModelConfig) -> dict:
     elif c.architecture == "MixtralForCausalLM":
         moe = {"num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok}
     rope = c.rope_scaling if (c.rope_scaling or {}).get("rope_type") == "longrope" else None
-    return moe | {
-        "architectures": [c.architecture],
-        "model_type": _MODEL_TYPES[c.architecture],
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": c.attention_bias,
-        "sliding_window": c.sliding_window,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
-        "torch_dtype": "float32",
-        # none: Phi3Config's default (32000) need not lie in the vocabulary, and inference pads nothing
-        "pad_token_id": None,
-        "partial_rotary_factor": c.partial_rotary_factor,
-        # Phi-3's transformers config reads the pretraining length here (not from rope_scaling), 4096 when absent
-        **({"original_max_position_embeddings": rope["original_max_position_embeddings"]} if rope else {}),
+    return (
+        moe
+        | {
+            "architectures": [c.architecture],
+            "model_type": _MODEL_TYPES[c.architecture],
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling,
+            "max_position_embeddings": c.max_position_embeddings,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "attention_bias": c.attention_bias,
+            "sliding_window": c.sliding_window,
+            "bos_token_id": c.bos_token_id,
+            "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
+            "torch_dtype": "float32",
+            # none: Phi3Config's default (32000) need not lie in the vocabulary, and inference pads nothing
+            "pad_token_id": None,
+            "partial_rotary_factor": c.partial_rotary_factor,
+            # Phi-3's transformers config reads the pretraining length here (not from rope_scaling), 4096 when absent
+            **({"original_max_position_embeddings": rope["original_max_position_embeddings"]} if rope else {}),
+        }
+        | (_gemma_config(c) if c.architecture in GEMMA_ARCHITECTURES else {})
+    )
+
+
+def _gemma_config(c: ModelConfig) -> dict:
+    """Gemma's keys as transformers reads them (older configs' rope_local_base_freq included)."""
+    extra = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": list(c.layer_types),
+        "query_pre_attn_scalar": c.query_pre_attn_scalar,
+        "attn_logit_softcapping": c.attn_logit_softcapping,
+        "final_logit_softcapping": c.final_logit_softcapping,
     }
+    if c.rope_local_base_freq is not None:
+        extra["rope_local_base_freq"] = c.rope_local_base_freq
+    return extra
 
 
 def export_hf(loaded: LoadedModel, folder: Path) -> Path:

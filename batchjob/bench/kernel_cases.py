@@ -26,9 +26,10 @@ class AttentionCase:
     def scales(self) -> tuple:
         return () if self.k_scale is None else (self.k_scale, self.v_scale)
 
-    def reference(self) -> torch.Tensor:
-        """batchjob.model.ops.paged_attention on copies of the caches with the NaN fill of unwritten slots zeroed: the
-        torch form reads whole padded blocks (and masks them), so NaNs there would reach its output as 0 * NaN."""
+    def reference(self, **options) -> torch.Tensor:
+        """batchjob.model.ops.paged_attention (with `options`: sliding_window, logits_soft_cap) on copies of the caches
+        with the NaN fill of unwritten slots zeroed: the torch form reads whole padded blocks (and masks them), so NaNs
+        there would reach its output as 0 * NaN."""
 
         def clean(c):
             if c is None:
@@ -40,7 +41,8 @@ class AttentionCase:
             return torch.nan_to_num(c, nan=0.0)
 
         scales = () if self.k_scale is None else (clean(self.k_scale), clean(self.v_scale))
-        return ref.paged_attention(self.q, clean(self.k_cache), clean(self.v_cache), self.meta, self.scale, *scales)
+        k, v = clean(self.k_cache), clean(self.v_cache)
+        return ref.paged_attention(self.q, k, v, self.meta, self.scale, *scales, **options)
 
 
 def make_attention_case(

@@ -57,7 +57,7 @@ class Engine:
         self.max_model_len = min(
             self.config.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
-            loaded.config.sliding_window or 1 << 30,
+            loaded.config.context_window or 1 << 30,
         )
         auto = self.config.max_num_batched_tokens == "auto"
         # With "auto" the runner leaves activation memory for the largest budget the tuner may pick.

@@ -24,7 +24,7 @@ from batchjob.model.backend import OpsBackend
 from batchjob.model.cpu_features import has_native_bf16
 from batchjob.model.cpu_native import native_ops_for
 from batchjob.model.fp8 import FP8_DTYPE
-from batchjob.model.llama import LlamaModel
+from batchjob.model.gemma import decoder_class
 from batchjob.model.loader import LoadedModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -82,7 +82,7 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = pick_dtype(config, self.device)
         self.ops_backend = pick_ops_backend(config, self.device)
-        self.model = LlamaModel(
+        self.model = decoder_class(loaded.config)(
             loaded.config,
             # Taken out of `loaded`: weights drawn on the GPU (load_format dummy) would otherwise stay there unfused
             # beside the fused copies while the KV pool is sized.

@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.kernels.common import INTERPRET, check_device, next_pow2
+from batchjob.kernels.common import INTERPRET, check_device, next_pow2, tanh
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.fp8 import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the same, inside the kernels
 SPLIT_SIZE = 512  # keys per split of the decode kernel: fixed, so that a row's result is batch-independent
 DECODE_BLOCK_N = 64
 VARLEN_BLOCK_M = 64
@@ -76,6 +77,8 @@ def _attend_tile(
     kv_end,
     qpos,
     scale_log2,
+    window,
+    softcap,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -89,8 +92,11 @@ def _attend_tile(
     FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """One online-softmax step over keys start .. start + BLOCK_N (those < kv_end and, if CAUSAL, <= qpos)."""
+    """One online-softmax step over keys start .. start + BLOCK_N (those < kv_end and, if CAUSAL, <= qpos; if
+    WINDOWED, > qpos - window). With SOFTCAP the scaled scores s become softcap * tanh(s / softcap)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     n_ok = offs_n < kv_end
@@ -109,11 +115,16 @@ def _attend_tile(
     s = _dot(q, k.to(DOT_DTYPE), IEEE)  # [BLOCK_M, BLOCK_N], fp32
     if FP8:
         s = s * k_scale[None, :]
-    s = s * scale_log2
+    if SOFTCAP:
+        s = softcap * tanh(s * scale_log2 / softcap) * LOG2E_C  # scale_log2 is the plain scale here
+    else:
+        s = s * scale_log2
     if CAUSAL:
         keep = offs_n[None, :] <= qpos[:, None]
     else:
         keep = n_ok[None, :] & (qpos >= 0)[:, None]
+    if WINDOWED:
+        keep = keep & (offs_n[None, :] > qpos[:, None] - window)
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing to see yet stay finite
@@ -138,6 +149,8 @@ def _varlen_kernel(
     seq_lens_ptr,
     bt_ptr,
     scale_log2,
+    window,
+    softcap,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -160,6 +173,8 @@ def _varlen_kernel(
     FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -193,7 +208,10 @@ def _varlen_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    lo = 0
+    if WINDOWED:  # the tile's first row sees no key before its window: skip the tiles wholly before it
+        lo = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc,
             m_i,
@@ -209,6 +227,8 @@ def _varlen_kernel(
             kv_end,
             qpos,
             scale_log2,
+            window,
+            softcap,
             stride_cb,
             stride_cs,
             stride_ch,
@@ -222,6 +242,8 @@ def _varlen_kernel(
             FP8,
             DOT_DTYPE,
             IEEE,
+            WINDOWED,
+            SOFTCAP,
         )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -245,6 +267,8 @@ def _decode_kernel(
     seq_lens_ptr,
     bt_ptr,
     scale_log2,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -271,6 +295,8 @@ def _decode_kernel(
     FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -296,11 +322,14 @@ def _decode_kernel(
 
     kv_start = split * SPLIT_SIZE
     kv_end = tl.minimum(kv_start + SPLIT_SIZE, seq_len)
+    lo = kv_start
+    if WINDOWED:  # a split wholly before the window runs no tile: its partial (m -inf, l 0) weighs nothing
+        lo = tl.maximum(lo, tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(kv_start, kv_end, BLOCK_N):
+    for start in range(lo, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc,
             m_i,
@@ -316,6 +345,8 @@ def _decode_kernel(
             kv_end,
             qpos,
             scale_log2,
+            window,
+            softcap,
             stride_cb,
             stride_cs,
             stride_ch,
@@ -329,6 +360,8 @@ def _decode_kernel(
             FP8,
             DOT_DTYPE,
             IEEE,
+            WINDOWED,
+            SOFTCAP,
         )
     mask = row_ok[:, None] & d_ok[None, :]
     if n_splits == 1:
@@ -411,6 +444,8 @@ def paged_attention_impl(
     k_scale_cache=None,
     v_scale_cache=None,
     *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     split_decodes: bool = True,
     split_size: int = SPLIT_SIZE,
 ) -> torch.Tensor:
@@ -446,6 +481,8 @@ def paged_attention_impl(
         FP8=fp8,
         DOT_DTYPE=_dot_dtype(q.dtype),
         IEEE=q.dtype == torch.float32,
+        WINDOWED=sliding_window is not None,
+        SOFTCAP=logits_soft_cap is not None,
     )
     strides = (
         q.stride(0),
@@ -459,7 +496,9 @@ def paged_attention_impl(
         stride_ss,
         bt.stride(0),
     )
-    scale_log2 = float(scale) * LOG2E
+    # soft-capping needs the plain scaled score before its tanh; the kernel then moves to the exp2 domain itself
+    scale_log2 = float(scale) * (LOG2E if logits_soft_cap is None else 1.0)
+    options = (int(sliding_window or 0), float(logits_soft_cap or 1.0))
     qlens = meta.query_lens_host
 
     decode_lens = [s for n, s in zip(qlens, meta.seq_lens_host) if n == 1] if split_decodes else []
@@ -478,6 +517,7 @@ def paged_attention_impl(
             seq_lens,
             bt,
             scale_log2,
+            *options,
             num_seqs,
             *strides,
             BLOCK_M=block_m,
@@ -515,6 +555,7 @@ def paged_attention_impl(
             seq_lens,
             bt,
             scale_log2,
+            *options,
             *strides,
             *pstrides,
             BLOCK_M=max(16, next_pow2(group)),
@@ -542,8 +583,22 @@ def paged_attention_impl(
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale_cache=None,
+    v_scale_cache=None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's query rows q [T, H, D] over each sequence's cached context, read through its
-    block table. Prefill chunks run in the varlen kernel, decodes in the split-KV decode kernel."""
-    return paged_attention_impl(q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache)
+    block table. Prefill chunks run in the varlen kernel, decodes in the split-KV decode kernel. `sliding_window`
+    limits a query at position p to the keys in (p - window, p]; `logits_soft_cap` caps the scaled scores s to
+    cap * tanh(s / cap). Tiles and splits wholly before a window are skipped, not read."""
+    return paged_attention_impl(
+        q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+    )  # fmt: skip

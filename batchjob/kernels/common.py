@@ -27,6 +27,14 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 @triton.jit
+def tanh(x):
+    """tanh in fp32 from exp(-2|x|), which neither overflows nor cancels near 0."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def fp32_to_e4m3_bits(x):
     """fp32 -> float8_e4m3fn bit pattern (uint8), round to nearest even, saturating at +-448 as torch does.
     Used in the interpreter, whose own fp8 cast does not carry a mantissa round-up into the exponent."""

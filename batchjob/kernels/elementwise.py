@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.kernels.common import check_device, next_pow2
+from batchjob.kernels.common import check_device, next_pow2, tanh
 
 
 # ---------------------------------------------------------------------------------------------------------- RMSNorm
@@ -238,6 +238,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows and n:
         block = min(1024, next_pow2(n))
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4
+        )
+    return out
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (x + 0.044715 x^3)
+    # rounded to the activation dtype before the product, as F.gelu(gate, approximate="tanh") * up does
+    gelu = (0.5 * g * (1.0 + tanh(inner))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (gelu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] holds gate then up; returns gelu_tanh(gate) * up (Gemma's MLP)."""
+    check_device(x)
+    n = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, n)
+    rows = x2.shape[0]
+    if rows and n:
+        block = min(1024, next_pow2(n))
+        _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(n, block))](
             x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4
         )
     return out

@@ -6,11 +6,20 @@ FP8 caches (float8_e4m3fn, per-(slot, head) scales) need sm_89 or newer (H100/H2
 from __future__ import annotations
 
 from batchjob.kernels.attention import paged_attention
-from batchjob.kernels.elementwise import rms_norm, rotary, silu_and_mul
+from batchjob.kernels.elementwise import gelu_tanh_and_mul, rms_norm, rotary, silu_and_mul
 from batchjob.kernels.kv_cache import store_kv
 from batchjob.model.fp8 import FP8_DTYPE  # either ops module names the fp8 cache dtype it writes
 
 # The wrappers size every launch from host values and never read a device tensor: a CUDA graph can capture a step.
 CAPTURABLE = True
 
-__all__ = ["rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "FP8_DTYPE", "CAPTURABLE"]
+__all__ = [
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "store_kv",
+    "paged_attention",
+    "FP8_DTYPE",
+    "CAPTURABLE",
+]

@@ -26,6 +26,8 @@ class OpsBackend(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None: ...
 
     def paged_attention(
@@ -37,4 +39,7 @@ class OpsBackend(Protocol):
         scale: float,
         k_scale_cache=None,
         v_scale_cache=None,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...

@@ -7,17 +7,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# Gemma 2 and 3 run in gemma.py (GemmaModel); the rest in llama.py.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", *GEMMA_ARCHITECTURES)
 SUPPORTED_ARCHITECTURES += ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES += ("Phi3ForCausalLM",)
 # GGUF's general.architecture -> HF's name. Mistral GGUFs say "llama" (Mixtral's too: "llama" with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+GGUF_ARCHITECTURES |= {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 GGUF_ARCHITECTURES |= {"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 GGUF_ARCHITECTURES |= {"phi3": "Phi3ForCausalLM"}
-# q/k RMSNorm per head before rotary (HF's q_norm/k_norm)
+# q/k RMSNorm per head before rotary (HF's q_norm/k_norm; Gemma 3's are gemma.py's)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3): the fused matmuls as they are.
 FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+# Every how many layers a Gemma layer is global (full attention) when the config gives no layer_types: HF's defaults.
+_GEMMA_SLIDING_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict | None = None
-    sliding_window: int | None = None  # Mistral v0.1, Phi-3-mini-4k; the engine caps the context to it
+    # Mistral v0.1 and Phi-3-mini-4k (no layer_types): every layer's window, and the engine caps the context to it.
+    # With layer_types: the window of the "sliding_attention" layers, served by the attention (a query at p sees keys
+    # in (p - w, p]).
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Sparse MoE MLPs (Qwen3-MoE, Mixtral): num_experts 0 is a dense model. Which layers are sparse: HF's
@@ -48,10 +56,22 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * this dims of each head (Phi-4-mini: 0.75)
+    # Gemma 2 and 3, with HF's names: each layer's "sliding_attention" or "full_attention"; the attention scale
+    # query_pre_attn_scalar**-0.5; tanh soft-capping of attention scores and of the logits; Gemma 3's rope theta of the
+    # sliding layers (rope_theta and rope_scaling are the full layers').
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_base_freq: float | None = None
 
     def __post_init__(self):
         # a config read back from JSON (the GGUF conversion cache) holds lists
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_hidden_layers or not self.sliding_window:
+                raise ValueError("layer_types needs one entry a layer and a sliding_window")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
@@ -63,9 +83,22 @@ class ModelConfig:
         if self.rope_scaling:
             self.inv_freq()  # an unsupported or incomplete rope_scaling fails with the config, not at the first step
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer whose attention applies one (None: full causal attention)."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def context_window(self) -> int | None:
+        """A window every layer shares (Mistral v0.1): the engine caps the context to it, which keeps results exact."""
+        return self.sliding_window if self.layer_types is None else None
+
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["?"])[0]
+        if arch in GEMMA_ARCHITECTURES:
+            return cls._from_hf_gemma(arch, cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -104,6 +137,60 @@ class ModelConfig:
                 cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
             ),
             **_moe_fields(arch, cfg),
+        )
+
+    @classmethod
+    def _from_hf_gemma(cls, arch: str, cfg: dict) -> ModelConfig:
+        """Gemma's rope comes per layer type (transformers 5: rope_parameters[layer type]; older configs: rope_theta,
+        rope_scaling and rope_local_base_freq), its window pattern as layer_types or sliding_window_pattern."""
+        n = cfg["num_hidden_layers"]
+        rope = cfg.get("rope_parameters") or {}
+        gemma2 = arch == "Gemma2ForCausalLM"
+        if "full_attention" in rope:
+            full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+        else:  # one rope for all layers (Gemma 2), or an older config's keys
+            full = rope or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
+            local = {"rope_theta": cfg.get("rope_local_base_freq")}
+        if full.get("rope_theta") is None:  # HF's defaults
+            full = {**full, "rope_theta": 10000.0 if gemma2 else 1e6}
+        if full.get("rope_type", full.get("type")) in (None, "default"):
+            rope_scaling = None
+        else:
+            rope_scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+        pattern = pattern or _GEMMA_SLIDING_PATTERN[arch]
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+        ]
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"hidden_activation {act!r} is not supported for {arch} (gelu_pytorch_tanh is)")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        eos = cfg.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(full.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            rope_scaling=rope_scaling,
+            sliding_window=cfg.get("sliding_window") or 4096,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            layer_types=tuple(layer_types),
+            query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar") or 256),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+            final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
+            rope_local_base_freq=None if gemma2 else float(local.get("rope_theta") or 10000.0),
         )
 
     @property
@@ -237,4 +324,8 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
         if c.attention_bias:
             shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
+        if c.architecture in GEMMA_ARCHITECTURES:  # the norms before and after the MLP ("sandwich")
+            shapes |= {p + f"{n}_feedforward_layernorm.weight": (h,) for n in ("pre", "post")}
+        if c.architecture == "Gemma3ForCausalLM":
+            shapes |= {p + f"self_attn.{n}_norm.weight": (c.head_dim,) for n in "qk"}
     return shapes

@@ -52,6 +52,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return native.silu_and_mul(x)
 
 
+gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # Gemma's MLP: torch's GELU kernel, no C++ form of its own
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
     native = native_ops_for(k.device, k.dtype, v.dtype, k_cache.dtype)
     if native is None:  # an fp8 cache, or other dtypes
@@ -60,11 +63,26 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_c
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale_cache=None,
+    v_scale_cache=None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """ops.paged_attention; float32 or bfloat16 (q and cache alike) goes to the C++ kernel, one call for all
     sequences, reading blocks in place."""
     native = native_ops_for(q.device, q.dtype, k_cache.dtype)
     if native is None:
-        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache)
-    return native.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        return torch_ops.paged_attention(
+            q, k_cache, v_cache, meta, scale, k_scale_cache, v_scale_cache,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
+    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    if sliding_window is None and logits_soft_cap is None:
+        return native.paged_attention(*args)
+    return native.paged_attention(*args, sliding_window or 0, logits_soft_cap or 0.0)

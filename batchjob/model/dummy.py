@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from batchjob.model.builtin import DEFAULT_MODEL
-from batchjob.model.config import ModelConfig, weight_shapes
+from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig, weight_shapes
 from batchjob.model.errors import ModelError, ModelNotFoundError
 from batchjob.model.loader import LoadedModel, load_model, reading_model
 from batchjob.model.tokenizer import Tokenizer
@@ -50,8 +50,9 @@ def dummy_weights(
     g = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(c).items():
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w: zeros there, as transformers draws them
+            fill = torch.zeros if c.architecture in GEMMA_ARCHITECTURES else torch.ones
+            weights[name] = fill(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):
             weights[name] = torch.zeros(shape, dtype=dtype, device=device)
         else:

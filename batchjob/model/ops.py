@@ -46,6 +46,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] holds gate then up; returns gelu_tanh(gate) * up (Gemma's MLP, HF's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:
     """Write the step's K/V rows into the paged cache [num_blocks, block_size, KVH, D] at slot_mapping
     (slots < 0 are skipped). An fp8 cache also stores per-(slot, head) scales [num_blocks, block_size, KVH]."""
@@ -107,10 +113,11 @@ def size_buckets(sizes: list[int]) -> list[list[int]]:
     return buckets
 
 
-def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
+def _plan(meta: AttentionMetadata, block_size: int, g: int, sliding_window: int | None = None) -> list[_Group]:
     """Built at the first layer and kept on `meta`: indexes and masks cost as much as the attention itself when
-    every layer rebuilds them. Decodes and prefill chunks go to separate calls, each bucketed by padded size."""
-    key = (block_size, g)
+    every layer rebuilds them. Decodes and prefill chunks go to separate calls, each bucketed by padded size. With a
+    sliding window, a query at position p sees the keys in (p - window, p]."""
+    key = (block_size, g, sliding_window)
     if key in meta.plan_cache:
         return meta.plan_cache[key]
     device = meta.seq_lens.device
@@ -134,6 +141,8 @@ def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
             qpos = (seq_lens - q_lens).unsqueeze(1) + j.unsqueeze(0)
             mask = pos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [B, max_q, C]
             mask &= pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+            if sliding_window is not None:
+                mask &= pos.view(1, 1, -1) > qpos.unsqueeze(-1) - sliding_window
             mask[:, :, 0] |= ~valid_q  # padding rows see one key so that softmax stays finite; they are dropped
             groups.append(
                 _Group(
@@ -148,17 +157,35 @@ def _plan(meta: AttentionMetadata, block_size: int, g: int) -> list[_Group]:
     return groups
 
 
+def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """SDPA with the scores soft-capped before the mask, as HF's Gemma 2 does: cap * tanh(scores / cap)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
 def paged_attention(
-    q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale_cache=None, v_scale_cache=None
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale_cache=None,
+    v_scale_cache=None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's query rows q [T, H, D] over each sequence's cached context, read through its
     block table, in a few batched calls (see _plan): each call gathers its blocks, then SDPA. The G query heads that
-    share a KV head are folded into query rows, so K/V are never expanded to H heads."""
+    share a KV head are folded into query rows, so K/V are never expanded to H heads. `sliding_window` limits a query
+    at position p to the keys in (p - window, p]; `logits_soft_cap` maps the scaled scores s to cap * tanh(s / cap)."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     g = h // kvh
     out = torch.empty_like(q)
-    for grp in _plan(meta, k_cache.shape[1], g):
+    for grp in _plan(meta, k_cache.shape[1], g, sliding_window):
         b, max_q = grp.blocks.shape[0], grp.max_q
         k = _gather(k_cache, k_scale_cache, grp.blocks, q.dtype)  # [B, KVH, C, D]
         v = _gather(v_cache, v_scale_cache, grp.blocks, q.dtype)
@@ -169,7 +196,10 @@ def paged_attention(
             qb[grp.valid_q] = q[grp.rows]
         # [B, max_q, KVH, G, D] -> [B, KVH, max_q * G, D]: rows of one KV head are (query row, head in group).
         qb = qb.view(b, max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, max_q * g, d)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=grp.mask, scale=scale)
+        if logits_soft_cap is None:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=grp.mask, scale=scale)
+        else:
+            o = _softcapped_attention(qb, k, v, grp.mask, scale, logits_soft_cap)
         o = o.view(b, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, max_q, h, d)
         out[grp.rows] = o[grp.valid_q]
     return out

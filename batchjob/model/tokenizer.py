@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from batchjob.model.chat_shape import Chat, ChatShape, splits_at_added_tokens, template_inserts_content_verbatim
@@ -29,7 +29,9 @@ _QWEN2_SPLIT = (
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 # Pre-tokenizers that split every digit before GPT-2's regex (llama.cpp's "smollm", "starcoder", ...).
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell"}
-_CONTROL = 3  # llama.cpp token type
+_CONTROL = 3  # llama.cpp token types
+_USER_DEFINED = 4
+_GEMMA_GGUF = {"gemma", "gemma2", "gemma3"}  # architectures whose "llama" (SentencePiece) vocabulary is Gemma's
 MAX_CHAT_SHAPES = 4096  # kept between calls; past this many the cache starts over
 
 
@@ -203,14 +205,24 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader, meta: dict) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
+        field = lambda name: reader.fields[name].contents()  # noqa: E731
+        types = field("tokenizer.ggml.token_type") if "tokenizer.ggml.token_type" in reader.fields else []
+        tok = lambda key: tokens[meta[key]] if key in meta else None  # noqa: E731
+        if kind == "llama" and meta.get("general.architecture") in _GEMMA_GGUF:
+            tokens = field("tokenizer.ggml.tokens")
+            return cls(
+                _gemma_backend(tokens, types, tokens[meta.get("tokenizer.ggml.unknown_token_id", 3)]),
+                bos_token=tok("tokenizer.ggml.bos_token_id"),
+                eos_token=tok("tokenizer.ggml.eos_token_id"),
+                chat_template=meta.get("tokenizer.chat_template"),
+                add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+            )
         if kind != "gpt2":
             raise ValueError(
-                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is); "
-                "use the model's Hugging Face folder with tokenizer.json instead"
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is, and Gemma's "
+                "SentencePiece); use the model's Hugging Face folder with tokenizer.json instead"
             )
-        field = lambda name: reader.fields[name].contents()  # noqa: E731
         tokens, merges = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.merges")
-        types = field("tokenizer.ggml.token_type") if "tokenizer.ggml.token_type" in reader.fields else []
         backend = HFTokenizer(
             models.BPE(
                 vocab={t: i for i, t in enumerate(tokens)},
@@ -232,7 +244,6 @@ class Tokenizer:
         backend.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
         )
-        tok = lambda key: tokens[meta[key]] if key in meta else None  # noqa: E731
         return cls(
             backend,
             bos_token=tok("tokenizer.ggml.bos_token_id"),
@@ -259,6 +270,41 @@ class Tokenizer:
             eos_token=token(cfg.get("eos_token")),
             chat_template=template,
         )
+
+
+def _gemma_backend(tokens: list[str], types: list[int], unk: str) -> HFTokenizer:
+    """Gemma's SentencePiece vocabulary (BPE with byte fallback) from a GGUF, as transformers' GGUF loader and its
+    GemmaTokenizer build it: a GGUF spells a token of several spaces with real spaces (the vocabulary with U+2581) and
+    lists no merges, which are rebuilt from the vocabulary, earlier tokens first (the file's order is Gemma's merge
+    order; its scores are not). Control tokens are special; user-defined ones (llama.cpp's type 4) are matched
+    whole."""
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    rank = {t: -i for i, t in enumerate(tokens)}
+    merges = []  # transformers' generate_merges with these ranks
+    for token, score in rank.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        merges += [(a, b, score) for a, b in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for a, b, _ in merges],
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    )
+    return backend
 
 
 def _compile(source: str) -> jinja2.Template:

@@ -111,6 +111,24 @@ def test_default_split_size(device):
     _check(case, kops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale), torch.float32)
 
 
+@pytest.mark.parametrize("window,cap", [(5, None), (16, None), (64, None), (None, 2.0), (19, 1.5)])
+@pytest.mark.parametrize("split_decodes", [True, False])
+def test_sliding_window_and_soft_cap(device, window, cap, split_decodes):
+    """Gemma's options: windows shorter than a page, a page and a tile, and past several decode splits (split size 64,
+    so whole splits fall before the window); soft-capping alone and with a window."""
+    case = make_attention_case(
+        MIXED + [(150, 1), (90, 9)], heads=8, kv_heads=2, head_dim=32, page=16, device=device, seed=window or 9
+    )
+    options = dict(sliding_window=window, logits_soft_cap=cap)
+    kwargs = dict(split_decodes=split_decodes, split_size=DECODE_BLOCK_N)
+    out = paged_attention_impl(case.q, case.k_cache, case.v_cache, case.meta, 4 * case.scale, **options, **kwargs)
+    case.scale *= 4  # scores large enough that a cap bends them
+    ref_out = case.reference(**options)
+    assert not torch.allclose(ref_out, case.reference(), atol=1e-3), "the options change nothing here"
+    assert out.shape == case.q.shape and not out.isnan().any()
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+
+
 def test_varlen_kernel_serves_decodes(device):
     """With the split path off, the varlen kernel alone serves the whole mixed step."""
     case = make_attention_case(MIXED, heads=9, kv_heads=3, head_dim=64, page=16, device=device, seed=7)

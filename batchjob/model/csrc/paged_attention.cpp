@@ -11,6 +11,10 @@
 // With AVX512_BF16, bf16 dot products run in vdpbf16ps (float32 sums of bf16 products): a decode's scores, and both
 // GEMMs of a prefill tile, whose probabilities are then rounded to bf16 (`python scripts/cpu_ops_ab.py attention`
 // with DTYPE=bfloat16: 1.6-1.8x the widening loops' prefill rate).
+// Gemma's options, a sliding window (a query at p sees keys in (p - window, p]) and soft-capped scores
+// (cap * tanh(s / cap)): prefill tiles take them in the register-blocked path (which then starts at the tile's first
+// window, masks the rest and caps the scores before the softmax), decodes in the generic loops (each row from its
+// window's first key). Head size 256 (Gemma's) has the register-blocked prefill tiles and the generic decode loops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,8 +51,29 @@ struct Tile {
   const int32_t* table;
   int64_t rows, first_pos, ctx, h, kvh, d, bs, row_stride, block_stride, q_row;
   float scale;
-  float* scores;  // [rows, H, ctx]
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
+  float* scores;   // [rows, H, ctx]
 };
+
+// The first key row j sees: 0, or the start of its window.
+template <typename T>
+inline int64_t row_lo(const Tile<T>& t, int64_t j) {
+  return t.window ? std::max<int64_t>(0, t.first_pos + j - t.window + 1) : 0;
+}
+
+// The first key a register-blocked tile computes: its first row's window start, rounded down to 16 keys (whole steps
+// of the score GEMM and whole bf16 pairs; the keys before a row's window are masked).
+template <typename T>
+inline int64_t tile_lo(const Tile<T>& t) {
+  return row_lo(t, 0) / 16 * 16;
+}
+
+// One past the last row that sees the key at pos: all rows, or those whose window still holds pos.
+template <typename T>
+inline int64_t rows_hi(int64_t pos, const Tile<T>& t) {
+  return t.window ? std::min(t.rows, pos - t.first_pos + t.window) : t.rows;
+}
 
 template <typename T>
 inline int64_t first_row(int64_t pos, const Tile<T>& t) { return std::max<int64_t>(0, pos - t.first_pos); }
@@ -62,20 +87,21 @@ inline const T* cache_row(const Tile<T>& t, const T* cache, int64_t pos) {
 template <typename T>
 void softmax_rows(const Tile<T>& t) {
   for (int64_t j = 0; j < t.rows; ++j) {
-    const int64_t n = t.first_pos + j + 1;  // keys row j sees; the unseen tail stays 0 and adds nothing to the sum
+    // keys row j sees: [lo, n); the unseen entries stay 0 and add nothing to the weighted sum
+    const int64_t lo = row_lo(t, j), n = t.first_pos + j + 1;
     for (int64_t hq = 0; hq < t.h; ++hq) {
       float* s = t.scores + (j * t.h + hq) * t.ctx;
-      float mx = s[0];
-      for (int64_t i = 1; i < n; ++i) mx = std::max(mx, s[i]);
+      float mx = s[lo];
+      for (int64_t i = lo + 1; i < n; ++i) mx = std::max(mx, s[i]);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
+      for (int64_t i = lo; i < n; ++i) {
         s[i] = std::exp(s[i] - mx);
         sum += s[i];
       }
       const float inv = 1.f / sum;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+      for (int64_t i = lo; i < n; ++i) s[i] *= inv;
     }
   }
 }
@@ -253,12 +279,12 @@ inline void tile_scores(const float* qt, int64_t m_pad, const T* const* k, float
 // back to back at o. The R x NV accumulators stay in registers over the whole context, block after block (per-block
 // calls that loaded and stored them took a quarter of the P V time), while V rows come from L2 once per R vectors.
 template <int NV, int R, typename T>
-inline void context_values(const Tile<T>& t, int64_t kh, const float* s, int64_t m_pad, float* o) {
+inline void context_values(const Tile<T>& t, int64_t kh, const float* s, int64_t m_pad, float* o, int64_t lo) {
   v16 acc[R][NV] = {};
-  for (int64_t p0 = 0; p0 < t.ctx; p0 += t.bs) {
+  for (int64_t p0 = lo / t.bs * t.bs; p0 < t.ctx; p0 += t.bs) {
     const T* vb = cache_row(t, t.v, p0) + kh * NV * 16;
     const int64_t n = std::min(t.bs, t.ctx - p0);
-    for (int64_t p = 0; p < n; ++p) {
+    for (int64_t p = std::max<int64_t>(0, lo - p0); p < n; ++p) {
       const T* vr = vb + p * t.row_stride;
       v16 vv[NV];
       for (int i = 0; i < NV; ++i) vv[i] = load16(vr + i * 16);
@@ -374,8 +400,8 @@ inline void tile_scores(const uint32_t* qt2, int64_t m_pad, const bf16* const* k
 
 // p2[p / 2][m] = the probabilities of keys p and p + 1 (0 past the context) for query vector m, rounded to bf16 and
 // packed into one word, key p in the low half: the word vdpbf16ps pairs with the two keys' V values.
-inline void pack_probability_pairs(const float* s, int64_t ctx, int64_t m_pad, uint32_t* p2) {
-  for (int64_t p = 0; p < ctx; p += 2)
+inline void pack_probability_pairs(const float* s, int64_t lo, int64_t ctx, int64_t m_pad, uint32_t* p2) {
+  for (int64_t p = lo; p < ctx; p += 2)
     for (int64_t i = 0; i < m_pad; i += 16) {
       const vuint16 lo = reinterpret_cast<vuint16>(load16(s + p * m_pad + i));
       const vuint16 hi = p + 1 < ctx ? reinterpret_cast<vuint16>(load16(s + (p + 1) * m_pad + i)) : vuint16{};
@@ -388,16 +414,18 @@ inline void pack_probability_pairs(const float* s, int64_t ctx, int64_t m_pad, u
 // p + 1 are interleaved by 16-bit unpacks, which work within 128-bit lanes: accumulator lanes hold the output's
 // elements in the order (0-3, 8-11, 16-19, 24-27) and (4-7, 12-15, 20-23, 28-31) per 32, put back at the end.
 template <int NV, int R>
-inline void context_values_pairs(const Tile<bf16>& t, int64_t kh, const uint32_t* p2, int64_t m_pad, float* o) {
+inline void context_values_pairs(const Tile<bf16>& t, int64_t kh, const uint32_t* p2, int64_t m_pad, float* o,
+                                 int64_t lo) {
   static_assert(NV % 2 == 0, "whole 32-element halves of a row");
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t p0 = 0; p0 < t.ctx; p0 += t.bs) {  // blocks hold an even number of keys: a pair never straddles two
+  // blocks hold an even number of keys: a pair never straddles two; lo is even too
+  for (int64_t p0 = lo / t.bs * t.bs; p0 < t.ctx; p0 += t.bs) {
     const bf16* vb = cache_row(t, t.v, p0) + kh * NV * 16;
     const int64_t n = std::min(t.bs, t.ctx - p0);
-    for (int64_t p = 0; p < n; p += 2) {
+    for (int64_t p = std::max<int64_t>(0, lo - p0); p < n; p += 2) {
       const bf16* v0 = vb + p * t.row_stride;
       __m512bh vv[NV];
       for (int j = 0; j < NV / 2; ++j) {
@@ -429,7 +457,7 @@ inline void context_values_pairs(const Tile<bf16>& t, int64_t kh, const uint32_t
 template <int D, int MV, typename T, typename Q>
 void scores_run(const Tile<T>& t, const Q* qt, int64_t m0, int64_t m_pad, int64_t kh, float* s) {
   auto key = [&](int64_t p) { return cache_row(t, t.k, p) + kh * D; };
-  int64_t p = 0;
+  int64_t p = tile_lo(t);
   for (; p + kKeysPerStep <= t.ctx; p += kKeysPerStep) {
     const T* k[kKeysPerStep];
     for (int i = 0; i < kKeysPerStep; ++i) k[i] = key(p + i);
@@ -444,7 +472,7 @@ void scores_run(const Tile<T>& t, const Q* qt, int64_t m0, int64_t m_pad, int64_
 template <int NV, int G, typename T>
 void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
   constexpr int64_t D = NV * 16;
-  constexpr int R = NV == 4 ? 6 : 2;  // query vectors per P V step: R x NV accumulators fit the registers
+  constexpr int R = NV == 4 ? 6 : NV == 8 ? 2 : 1;  // query vectors per P V step: R x NV accumulators fit the registers
 #ifdef __AVX512BF16__
   constexpr bool kPairs = std::is_same_v<T, bf16>;  // both GEMMs in vdpbf16ps (above), where blocks hold whole pairs
 #else
@@ -459,6 +487,7 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
   float* inv_sum = mx + m_pad;       // [m_pad]: sums of the probabilities
   float* o = inv_sum + m_pad;        // [m_pad][D]: unnormalised outputs
   [[maybe_unused]] uint32_t* p2 = reinterpret_cast<uint32_t*>(o + m_pad * D);  // [ctx / 2][m_pad]: bf16 pairs of P
+  const int64_t lo = tile_lo(t);  // keys before it: outside every row's window, neither computed nor read
   for (int64_t kh = 0; kh < t.kvh; ++kh) {
     int64_t m0 = 0;
     if (pairs) {
@@ -477,20 +506,27 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
       if (m_pad - m0 == 32) scores_run<D, 2>(t, qt, m0, m_pad, kh, s);
       if (m_pad - m0 == 16) scores_run<D, 1>(t, qt, m0, m_pad, kh, s);
     }
+    if (t.softcap)
+      for (int64_t p = lo; p < t.ctx; ++p)
+        for (int64_t i = 0; i < m; ++i) s[p * m_pad + i] = t.softcap * std::tanh(s[p * m_pad + i] / t.softcap);
     // Causal mask: query row j sees keys up to first_pos + j; only the tile's own rows' keys are cut.
     for (int64_t p = t.first_pos + 1; p < t.ctx; ++p)
       for (int64_t i = 0; i < std::min(m, (p - t.first_pos) * G); ++i) s[p * m_pad + i] = -1e30f;
+    // Window: row j sees no key p <= first_pos + j - window, that is rows j >= p - first_pos + window.
+    if (t.window)
+      for (int64_t p = lo; p < t.ctx; ++p)
+        for (int64_t i = std::max<int64_t>(0, (p - t.first_pos + t.window) * G); i < m; ++i) s[p * m_pad + i] = -1e30f;
     // Maxima, then probabilities (unnormalised) and their sums, 16 query vectors at a time down the keys, so that the
     // running maximum and sum stay in a register (with the loop over keys outside, every key stored and reloaded
     // them: 2-3 % of a prefill's attention time).
     for (int64_t i = 0; i < m_pad; i += 16) {
       v16 hi = v16{} - 1e30f;
-      for (int64_t p = 0; p < t.ctx; ++p) {
+      for (int64_t p = lo; p < t.ctx; ++p) {
         const v16 row = load16(s + p * m_pad + i);
         hi = row > hi ? row : hi;
       }
       v16 total = {};
-      for (int64_t p = 0; p < t.ctx; ++p) {
+      for (int64_t p = lo; p < t.ctx; ++p) {
         v16* row = reinterpret_cast<v16*>(s + p * m_pad + i);
         *row = exp16(*row - hi);
         total += *row;
@@ -501,14 +537,14 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
     if (pairs) {
 #ifdef __AVX512BF16__
       if constexpr (kPairs) {
-        pack_probability_pairs(s, t.ctx, m_pad, p2);
-        for (m0 = 0; m0 + R <= m; m0 += R) context_values_pairs<NV, R>(t, kh, p2 + m0, m_pad, o + m0 * D);
-        for (; m0 < m; ++m0) context_values_pairs<NV, 1>(t, kh, p2 + m0, m_pad, o + m0 * D);
+        pack_probability_pairs(s, lo, t.ctx, m_pad, p2);
+        for (m0 = 0; m0 + R <= m; m0 += R) context_values_pairs<NV, R>(t, kh, p2 + m0, m_pad, o + m0 * D, lo);
+        for (; m0 < m; ++m0) context_values_pairs<NV, 1>(t, kh, p2 + m0, m_pad, o + m0 * D, lo);
       }
 #endif
     } else {
-      for (m0 = 0; m0 + R <= m; m0 += R) context_values<NV, R>(t, kh, s + m0, m_pad, o + m0 * D);
-      for (; m0 < m; ++m0) context_values<NV, 1>(t, kh, s + m0, m_pad, o + m0 * D);
+      for (m0 = 0; m0 + R <= m; m0 += R) context_values<NV, R>(t, kh, s + m0, m_pad, o + m0 * D, lo);
+      for (; m0 < m; ++m0) context_values<NV, 1>(t, kh, s + m0, m_pad, o + m0 * D, lo);
     }
     for (int64_t i = 0; i < m; ++i) {
       float* dst = t.out + (i / G * t.h + kh * G + i % G) * D;
@@ -520,10 +556,10 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
 
 template <typename T>
 void attend_generic(const Tile<T>& t) {
-  const int64_t g = t.h / t.kvh, d = t.d;
-  for (int64_t pos = 0; pos < t.ctx; ++pos) {
+  const int64_t g = t.h / t.kvh, d = t.d, lo = row_lo(t, 0);
+  for (int64_t pos = lo; pos < t.ctx; ++pos) {
     const T* krow = cache_row(t, t.k, pos);
-    for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
+    for (int64_t j = first_row(pos, t), j1 = rows_hi(pos, t); j < j1; ++j) {
       const T* qrow = t.q + j * t.q_row;
       for (int64_t hq = 0; hq < t.h; ++hq) {
         const T* a = qrow + hq * d;
@@ -531,15 +567,17 @@ void attend_generic(const Tile<T>& t) {
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < d; ++i) s += to_f32(a[i]) * to_f32(b[i]);
-        t.scores[(j * t.h + hq) * t.ctx + pos] = s * t.scale;
+        s *= t.scale;
+        if (t.softcap) s = t.softcap * std::tanh(s / t.softcap);
+        t.scores[(j * t.h + hq) * t.ctx + pos] = s;
       }
     }
   }
   softmax_rows(t);
   std::fill(t.out, t.out + t.rows * t.h * d, 0.f);
-  for (int64_t pos = 0; pos < t.ctx; ++pos) {
+  for (int64_t pos = lo; pos < t.ctx; ++pos) {
     const T* vrow = cache_row(t, t.v, pos);
-    for (int64_t j = first_row(pos, t); j < t.rows; ++j) {
+    for (int64_t j = first_row(pos, t), j1 = rows_hi(pos, t); j < j1; ++j) {
       for (int64_t hq = 0; hq < t.h; ++hq) {
         const float w = t.scores[(j * t.h + hq) * t.ctx + pos];
         float* o = t.out + (j * t.h + hq) * d;
@@ -573,19 +611,35 @@ Kernels<T> pick_g(int64_t g) {
   }
 }
 
+// Head size 256: a row's G queries (G x 16 vectors) do not fit the registers of the per-row path, so decodes take the
+// generic loops; prefill tiles the register-blocked GEMMs, one query vector per P V step.
+template <typename T>
+Kernels<T> pick_wide(int64_t g) {
+  switch (g) {
+    case 1: return {attend_generic<T>, attend_tiled<16, 1, T>};
+    case 2: return {attend_generic<T>, attend_tiled<16, 2, T>};
+    case 4: return {attend_generic<T>, attend_tiled<16, 4, T>};
+    case 8: return {attend_generic<T>, attend_tiled<16, 8, T>};
+    default: return {attend_generic<T>, nullptr};
+  }
+}
+
 template <typename T>
 Kernels<T> pick(int64_t d, int64_t g) {
   if (d == 64) return pick_g<4, T>(g);
   if (d == 128) return pick_g<8, T>(g);
+  if (d == 256) return pick_wide<T>(g);
   return {attend_generic<T>, nullptr};
 }
 
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, int64_t window,
+                double softcap, at::Tensor& out) {
   const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
   const int64_t num_seqs = seq_lens.size(0), max_blocks = tables.size(1);
-  const Kernels<T> kernels = pick<T>(d, h / kvh);
+  Kernels<T> kernels = pick<T>(d, h / kvh);
+  if (window || softcap) kernels.rows = attend_generic<T>;  // the per-row registers path knows neither option
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -594,7 +648,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t r = qsl[s]; r < qsl[s + 1]; r += kQueryTile) {
       const int64_t r1 = std::min<int64_t>(r + kQueryTile, qsl[s + 1]);
-      items.push_back({s, r, r1, (r1 - r) * lens[s]});
+      items.push_back({s, r, r1, (r1 - r) * (window ? std::min<int64_t>(lens[s], window + r1 - r) : lens[s])});
     }
   }
   // Largest first, so that the dynamic schedule ends with small items on every thread.
@@ -620,6 +674,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       t.h = h, t.kvh = kvh, t.d = d, t.bs = bs, t.row_stride = kvh * d, t.block_stride = bs * kvh * d;
       t.q_row = q.stride(0);
       t.scale = static_cast<float>(scale);
+      t.window = window;
+      t.softcap = static_cast<float>(softcap);
       if constexpr (std::is_same_v<T, float>) {
         t.out = dst;
       } else {
@@ -640,7 +696,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& query_start_loc, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
@@ -654,12 +710,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   const int64_t h = q.size(1), d = q.size(2), kvh = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "head_dim or head counts do not match");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: 0 (none) or positive");
   at::Tensor out = at::empty({q.size(0), h, d}, q.options());
   const at::Tensor tables = block_tables.contiguous();
   if (dtype == at::kFloat)
-    attend_all<float>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out);
+    attend_all<float>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, window, softcap, out);
   else
-    attend_all<bf16>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, out);
+    attend_all<bf16>(qc, k_cache, v_cache, tables, seq_lens, query_start_loc, scale, window, softcap, out);
   return out;
 }
 
@@ -667,6 +724,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(batchjob_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale) -> Tensor");
+        "Tensor query_start_loc, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }

