@@ -96,6 +96,7 @@ def trace_launches(quick: bool = False):
                 elementwise.rms_norm(x, w, 1e-5)
                 elementwise.rms_norm(x, w, 1e-5, x)
                 elementwise.silu_and_mul(torch.randn(4, 128, dtype=dt))
+                elementwise.gelu_tanh_and_mul(torch.randn(4, 128, dtype=dt))  # Gemma
                 q, k = torch.randn(4, H, D, dtype=dt), torch.randn(4, KVH, D, dtype=dt)
                 elementwise.rotary(q, k, torch.arange(4), torch.randn(8, D))
                 elementwise.rotary(q, k, torch.arange(4), torch.randn(8, D * 3 // 4))  # partial (Phi-4-mini)

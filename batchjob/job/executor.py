@@ -93,7 +93,7 @@ class LocalExecutor:
         if pending.job.task == "embed":
             self.embed(pending, self.engine)
             return
-        planner = job_planner(pending.job, self.engine, pending.row_failed)
+        planner = job_planner(pending.job, self.engine, pending.row_failed, pending.progress.message)
         pending.model_known(model_identity(self.engine))
         if pending.stopper.stopping:  # stopped during the model load: nothing started, nothing to commit
             return

@@ -121,11 +121,18 @@ class EmbeddingPlanner:
         return (ids[-limit:] if self.side == "left" else ids[:limit]), True
 
 
-def job_planner(job: JobSpec, engine: JobEngine, on_error: Callable[[Row, str], None]) -> Planner:
-    """The job's planner for this engine's tokenizer, context and block size; JobFileError at once when the job asks
-    for a chat template that the model lacks."""
+def job_planner(
+    job: JobSpec,
+    engine: JobEngine,
+    on_error: Callable[[Row, str], None],
+    on_note: Callable[[str], None] = lambda note: None,
+) -> Planner:
+    """The job's planner for this engine's tokenizer, context and block size; JobFileError at once when the job's
+    chat messages need a chat template that the model lacks; `on_note` hears how prompts are built where the job
+    file leaves it to the model (a base model's plain-text prompts)."""
     builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
-    builder.check()
+    if note := builder.check():
+        on_note(note)
     return Planner(
         builder,
         job.sampling,

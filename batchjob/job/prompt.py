@@ -149,19 +149,20 @@ class PromptBuilder:
         except Exception as e:  # the template is the model's code: some refuse some message orders, for one
             raise _template_refused(e) from None
 
-    def check(self) -> None:
-        """Fail before any work when every prompt would need a chat template that the model does not have. An OpenAI
-        Batch file may hold /v1/completions lines only, which need none: there each chat line fails alone. (A
-        template that refuses some messages fails those rows, not the job.)"""
+    def check(self) -> str | None:
+        """Fail before any work when every prompt is chat messages and the model has no chat template. A model
+        without one (a base model) takes a text prompt as it is instead: the returned note says so. An OpenAI Batch
+        file may hold /v1/completions lines only, which need none: there each chat line fails alone. (A template that
+        refuses some messages fails those rows, not the job.)"""
         if not self.chat or self.tokenizer.chat_template is not None or self.format == "openai-batch":
-            return
+            return None
         if self.messages_column:
             raise JobFileError("input.messages_column: chat messages need a chat template, and this model has none")
-        if self.prompt.chat_template:
-            raise JobFileError(
-                "prompt.chat_template: this model has no chat template; "
-                "set prompt.chat_template: false to send the prompt text as it is"
-            )
+        self.chat = False
+        return (
+            "this model has no chat template (a base model): each prompt goes to it as plain text, the system text "
+            "and the filled template (prompt.chat_template: false says so and silences this)"
+        )
 
 
 def _template_refused(e: Exception) -> RowError:

@@ -215,59 +215,43 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
 
 # ------------------------------------------------------------------------------------------------------ SiLU-and-mul
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
-    # silu is rounded to the activation dtype before the product, as F.silu(gate) * up does
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+    if GELU_TANH:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (x + 0.044715 x^3)
+        act = 0.5 * g * (1.0 + tanh(inner))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    # the activation is rounded to the activation dtype before the product, as F.silu(gate) * up (or F.gelu's) does
+    act = act.to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    check_device(x)
+    n = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, n)
+    rows = x2.shape[0]
+    if rows and n:
+        block = min(1024, next_pow2(n))
+        _act_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            x2, o2, n, x2.stride(0), o2.stride(0), GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4
+        )
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] holds gate then up; returns silu(gate) * up."""
-    check_device(x)
-    n = x.shape[-1] // 2
-    x2 = _rows(x)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    o2 = out.view(-1, n)
-    rows = x2.shape[0]
-    if rows and n:
-        block = min(1024, next_pow2(n))
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-            x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4
-        )
-    return out
-
-
-@triton.jit
-def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
-    g = gate.to(tl.float32)
-    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (x + 0.044715 x^3)
-    # rounded to the activation dtype before the product, as F.gelu(gate, approximate="tanh") * up does
-    gelu = (0.5 * g * (1.0 + tanh(inner))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (gelu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+    return _act_and_mul(x, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] holds gate then up; returns gelu_tanh(gate) * up (Gemma's MLP)."""
-    check_device(x)
-    n = x.shape[-1] // 2
-    x2 = _rows(x)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    o2 = out.view(-1, n)
-    rows = x2.shape[0]
-    if rows and n:
-        block = min(1024, next_pow2(n))
-        _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(n, block))](
-            x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4
-        )
-    return out
+    return _act_and_mul(x, gelu_tanh=True)

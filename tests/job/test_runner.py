@@ -16,7 +16,7 @@ from batchjob.job.output.state import OutputDir, StateError
 from batchjob.job.reader import InputError
 from batchjob.job.runner import run_job
 from batchjob.job.spec import JobFileError
-from tests.helpers import SAMPLE_DATA, documents, fake_factory, make_job, write_jsonl, write_parquet
+from tests.helpers import SAMPLE_DATA, Messages, documents, fake_factory, make_job, write_jsonl, write_parquet
 
 
 def reversed_words(text: str, max_tokens: int = 64) -> str:
@@ -314,16 +314,27 @@ def no_chat_template(job):
     return engine
 
 
-def test_a_model_without_a_chat_template_fails_before_any_work(tmp_path, docs, progress):
-    with pytest.raises(JobFileError, match="prompt.chat_template: this model has no chat template; set prompt.chat"):
-        run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=no_chat_template)
-    assert not list((tmp_path / "out" / "data").iterdir())
+def test_a_base_model_takes_text_prompts_as_they_are_and_chat_messages_fail_before_any_work(tmp_path, docs, progress):
+    """A model without a chat template (a base model) gets the filled template as plain text, with one message
+    that says so; a job of chat messages cannot run on it and fails before any work."""
+    prompt = {"system": "Be brief.", "template": "Sum up: {text}"}
+    job = make_job(docs, tmp_path / "out", prompt=prompt)
+    engine = no_chat_template(job)
+    assert run_job(job, progress, engine_factory=lambda job: engine) == EXIT_OK
+    assert any("no chat template (a base model)" in m for m in progress.messages)
+    prompts = [bytes(ids).decode() for ids in engine.prompts_seen]
+    assert prompts and all(p.startswith("Be brief.\n\nSum up: ") for p in prompts)
+    plain = make_job(
+        docs, tmp_path / "out3", prompt={"system": "Be brief.", "template": "Sum up: {text}", "chat_template": False}
+    )
+    other = no_chat_template(plain)
+    assert run_job(plain, Messages(), engine_factory=lambda job: other) == EXIT_OK
+    assert other.prompts_seen == engine.prompts_seen  # the same prompts as the explicit setting
     messages = write_jsonl(tmp_path / "chats.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
     job = make_job(messages, tmp_path / "out2", input={"messages_column": "messages"})
     with pytest.raises(JobFileError, match="input.messages_column: chat messages need a chat template"):
         run_job(job, progress, engine_factory=no_chat_template)
-    job = make_job(docs, tmp_path / "out3", prompt={"chat_template": False})  # the advice holds
-    assert run_job(job, progress, engine_factory=no_chat_template) == EXIT_OK
+    assert not list((tmp_path / "out2" / "data").iterdir())
 
 
 def test_an_openai_batch_of_completions_runs_on_a_model_without_a_chat_template(tmp_path, progress):
