@@ -23,7 +23,7 @@ from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
 from batchjob.model.errors import ModelNotFoundError
-from batchjob.model.loader import file_digest, locate_model
+from batchjob.model.loader import folder_digest, locate_model
 
 __all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
 
@@ -62,8 +62,8 @@ class Embedder:
         self._prompt_length = self.encoder.prompt_length(self.prompt) if self.prompt else 0
         self._request_counter = itertools.count()
         self._left_tokenizer: HFTokenizer | None = None
-        # What decides the numbers, for a job's fingerprint: every file of the folder, and how it is computed.
-        self.model_digest = file_digest([p for p in path.rglob("*") if p.is_file()])
+        # What decides the numbers, for a job's fingerprint: every file of the folder, by name, and how it is computed.
+        self.model_digest = folder_digest(path, [p for p in path.rglob("*") if p.is_file()])
         self.model_revision = location.revision
         self.numerics = {"device": "cpu", "dtype": str(self.dtype).removeprefix("torch."), "task": "embed"}
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
