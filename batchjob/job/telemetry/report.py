@@ -42,7 +42,8 @@ def render(folder: Path, out_dir: Path | None = None) -> list[Path]:
     """Writes OUT/report/*.png and report.html (or into `out_dir`); returns the paths written."""
     folder = Path(folder)
     out_dir = Path(out_dir) if out_dir else folder / "report"
-    if ((_read_json(folder / JOB_FILE) or {}).get("fingerprint") or {}).get("task") == "embed":
+    meta = _read_json(folder / JOB_FILE) or {}
+    if (meta.get("fingerprint") or {}).get("task") == "embed":
         raise StateError(
             f"{folder} holds an embedding job (task: embed): `batchjob report` draws a generation job's steps, "
             "latencies and lengths; `batchjob status` shows an embedding job's progress"
@@ -54,7 +55,6 @@ def render(folder: Path, out_dir: Path | None = None) -> list[Path]:
             f"{folder}: neither {TIMELINE} nor result parts in {DATA}/: not a job's output "
             "folder, or no run has got to generate yet"
         )
-    meta = _read_json(folder / JOB_FILE) or {}
     engine = EngineConfig.model_validate(meta.get("job", {}).get("engine", {}))
     charts = []
     if timeline.num_rows:
