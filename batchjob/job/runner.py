@@ -76,7 +76,10 @@ def run_job(
     with out.lock() as lock, Stopper(grace) as stopper:
         if lock.stale and lock.stale.get("pid"):
             progress.message(f"took over the lock of a run that is gone ({describe(lock.stale)})")
-        return JobRun(job, out, progress, stopper, executor, allow_numerics_change).run(source, restart)
+        try:
+            return JobRun(job, out, progress, stopper, executor, allow_numerics_change).run(source, restart)
+        finally:
+            out.discard_unused(lock)
 
 
 class JobRun:

@@ -185,6 +185,49 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path):
         assert lock.stale["pid"] == pid
 
 
+def test_a_lock_file_discarded_between_open_and_flock_is_not_taken(tmp_path, monkeypatch):
+    """A run that opened the lock file just before its holder discarded it must lock the file now at the path, or
+    it and a run that made the new file would both hold the lock."""
+    import fcntl
+
+    import batchjob.job.output.lock as lock_module
+
+    path = tmp_path / LOCK
+    path.write_text("")
+    real_flock, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        if not calls:  # the holder discards the file and another run makes a new one in between
+            path.unlink()
+            path.write_text("")
+        calls.append(op)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", flock)
+    with OutputLock(path) as lock:
+        assert os.path.samestat(os.fstat(lock.fd), os.stat(path)) and len(calls) == 2
+
+
+def test_a_run_that_fails_before_its_first_record_leaves_no_folder_it_made(tmp_path):
+    from batchjob.job.runner import run_job
+    from tests.helpers import Messages, documents, make_job, write_parquet
+
+    def no_model(job):
+        raise StateError("the model does not load")
+
+    data = write_parquet(tmp_path / "in.parquet", documents(3))
+    for out in (tmp_path / "out", tmp_path / "mine"):
+        if out.name == "mine":
+            out.mkdir()
+            (out / "notes.txt").write_text("the user's")
+        with pytest.raises(StateError, match="does not load"):
+            run_job(make_job(data, out), Messages(), engine_factory=no_model)
+    assert not (tmp_path / "out").exists()
+    assert {p.name for p in (tmp_path / "mine").iterdir()} == {"notes.txt", "data", LOCK}  # a folder it found stays
+    with OutputDir(tmp_path / "mine").lock():  # and its lock still works
+        pass
+
+
 def test_fingerprint_changes_are_refused_naming_what_changed(tmp_path):
     out = OutputDir(tmp_path)
     out.recover()

@@ -1,8 +1,10 @@
 """One run per output folder, by an flock on `_lock` that names its holder.
 
 The kernel drops an flock when its process dies, kill -9 included, so a dead run's lock is free to take over with no
-pid guessing and no race between two runs taking it at once. The file is never deleted, only emptied: deleting it
-would let a run that opened the old file and a run that made a new one both hold "the" lock."""
+pid guessing and no race between two runs taking it at once. The file is emptied on release, and deleted only by a
+run that leaves nothing else behind (`discard`): a run that takes the lock checks that the file it locked is still the
+one at the path, so that a run that opened a file deleted since and a run that made a new one never both hold "the"
+lock."""
 
 from __future__ import annotations
 
@@ -50,6 +52,13 @@ def _open(path: Path, flags: int) -> int:
     return fd
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+    except FileNotFoundError:
+        return False
+
+
 def lock_is_held(path: Path) -> bool:
     """Whether a run holds the lock now: asks the kernel's flock, so a dead holder whose pid was reused reads free."""
     try:
@@ -72,12 +81,16 @@ class OutputLock:
         self.stale: dict | None = None  # a dead run's record, found and replaced on acquire
 
     def __enter__(self) -> OutputLock:
-        fd = _open(self.path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LockHeld(self.path, read_holder(self.path)) from None
+        while True:
+            fd = _open(self.path, os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise LockHeld(self.path, read_holder(self.path)) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder discarded it between our open and our flock: lock the file there now
         self.fd = fd
         self.stale = read_holder(self.path)
         me = {
@@ -89,6 +102,10 @@ class OutputLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
         return self
+
+    def discard(self) -> None:
+        """Delete the lock file, still holding it (its folder is to go too); the release then only unlocks."""
+        os.unlink(self.path)
 
     def __exit__(self, *exc) -> None:
         os.ftruncate(self.fd, 0)

@@ -16,6 +16,7 @@ never touched."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -87,6 +88,7 @@ class OutputDir:
         self.data, self.staging = self.path / DATA, self.path / STAGING
         self.lease_seconds = lease_seconds
         self.held: LeaseLock | None = None
+        self.created = False  # whether lock() made the (local) folder
 
     def lock(self) -> OutputLock | LeaseLock:
         if is_remote(self.path):
@@ -97,6 +99,7 @@ class OutputDir:
             return self.held
         if self.path.exists() and not self.path.is_dir():
             raise StateError(f"output.path: {self.path} is a file; give it a folder (batchjob writes parts into it)")
+        self.created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         lock = self.path / LOCK
         if lock.is_symlink() or (lock.exists() and not lock.is_file()):  # OutputLock refuses these too, less clearly
@@ -105,6 +108,23 @@ class OutputDir:
         if lock.exists() and lock.stat().st_size and read_holder(lock) is None:
             raise StateError(f"{lock} is not batchjob's lock file; move it away or choose another output.path")
         return OutputLock(lock)
+
+    def discard_unused(self, lock: OutputLock | LeaseLock) -> None:
+        """Delete the folder lock() made when this run left nothing in it but its lock and an empty data/ (a run that
+        failed before its first record, at a model that does not load, say). Called holding the lock: a run that
+        opened the lock file meanwhile finds it gone once it locks it (OutputLock), and does not run."""
+        if not (self.created and isinstance(lock, OutputLock)):
+            return
+        # OSError: a cleanup that fails must not hide why the run ended; a run may have made its lock there since
+        with contextlib.suppress(OSError):
+            entries = {p.name: p for p in self.path.iterdir()}
+            data = entries.get(DATA)
+            if set(entries) - {LOCK, DATA} or (data and (data.is_symlink() or any(data.iterdir()))):
+                return
+            if data:
+                data.rmdir()
+            lock.discard()
+            self.path.rmdir()
 
     @property
     def run_tag(self) -> str:
