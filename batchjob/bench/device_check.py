@@ -12,8 +12,9 @@ run cut short still leaves what it measured:
               generate at a fixed batch, on a fixed-length and a mixed-length workload, per model shape, with achieved
               FLOP/s and HBM bytes/s against measured peaks;
   sampling    the sampler on the device against the same sampler on the host (seeded rows of every kind draw the
-              same tokens), JSON-constrained outputs that parse, and the engine's tokens/s on sampled (temperature
-              0.7, top_p 0.95, top 5 logprobs) and JSON-constrained workloads as a share of greedy's;
+              same tokens), its draw without a host synchronisation, JSON-constrained outputs that parse, and the
+              engine's tokens/s on sampled (temperature 0.7, top_p 0.95, top 5 logprobs), JSON-constrained and
+              sampled-and-constrained workloads as a share of greedy's;
   host_sync   the engine (Triton ops) stepping with every host synchronisation inside a step raising;
   kv_sizing   torch's peak memory against kv_cache_memory_fraction of device memory, with CUDA graphs captured up to
               max_num_seqs and a step at the largest token budget.
@@ -405,6 +406,7 @@ class Check:
     def sampling(self, deadline: float) -> None:
         from batchjob.bench.systems import run_engine
         from batchjob.bench.workloads import synthetic
+        from batchjob.engine.host_sync import forbid_host_sync
         from batchjob.engine.outputs import Request
         from batchjob.engine.sampler import Sampler
         from batchjob.engine.sampling_params import SamplingParams
@@ -427,6 +429,16 @@ class Check:
         self.row(
             "sampling", "device sampler == host sampler (seeded rows)", same >= 0.99 * total, equal=f"{same}/{total}"
         )
+        # a CPU's top-p takes a partial sort and asks which rows it missed (on a GPU every row is sorted whole)
+        kinds = [r for r in SAMPLED_ROWS if self.device.type == "cuda" or "top_p" not in r]
+        seqs = [Sequence(Request(str(i), [5, 6, 7, 7], SamplingParams(**r)), i) for i, r in enumerate(kinds)]
+        try:
+            with forbid_host_sync(self.device):
+                Sampler(0).draw(logits[: len(kinds)].to(self.device), seqs)
+            waited = None
+        except RuntimeError as e:  # torch's sync debug mode on a GPU, HostSync on a CPU
+            waited = str(e).splitlines()[0]
+        self.row("sampling", "the draw never waits for the device", waited is None, rows=len(kinds), error=waited)
         self._within(deadline, "sampled and constrained throughput")
         w = self.plan.workloads[0]
         base = synthetic(vocab, w.prompts, w.input_len, w.output_len, seed=3)
@@ -436,6 +448,7 @@ class Check:
             "sampled": dict(temperature=0.7, top_p=0.95, logprobs=True, top_logprobs=5),
             "json": dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
         }
+        kinds["sampled+json"] = kinds["sampled"] | kinds["json"]
         rates = {}
         for kind, extra in kinds.items():
             # a JSON row stops where its object closes; the others run to their length, as greedy's
@@ -459,7 +472,7 @@ class Check:
         self.row(
             "sampling", "JSON-constrained outputs parse", parsed == len(outputs), parsed=f"{parsed}/{len(outputs)}"
         )
-        for kind in ("sampled", "json"):
+        for kind in ("sampled", "json", "sampled+json"):
             self.row("sampling", f"{kind} tokens/s vs greedy", None, share=rates[kind] / rates["greedy"], **rates)
 
     def host_sync(self, deadline: float) -> None:

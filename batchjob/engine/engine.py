@@ -13,6 +13,7 @@ import torch
 from batchjob.engine.block_manager import BlockManager
 from batchjob.engine.config import PROFILES, EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
+from batchjob.engine.host_sync import device_index
 from batchjob.engine.memory_profile import MemoryProfile
 from batchjob.engine.model_runner import ModelRunner, pick_device, pick_dtype
 from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, StepMetrics
@@ -308,11 +309,15 @@ class Engine:
             result = self.runner.execute(sched, argmax=argmax)  # the rows' tokens with `argmax`, else their logits
             seqs, rows = self._fork(self.scheduler.advance(sched))
             if len(rows) > result.shape[0]:  # new samples draw their first token from their root's row
-                result = result[rows]
+                result = result[device_index(rows, result.device)]
             if argmax:
                 tokens, logprobs = result.tolist(), [None] * len(seqs)
+            elif seqs:
+                # the grammars' masks are filled on the host while a GPU still runs the step
+                mask = self.structured.fill(seqs, result.device)
+                tokens, logprobs = self.sampler(result, seqs, mask)
             else:
-                tokens, logprobs = self.sampler(result, seqs, self.structured.apply) if seqs else ([], [])
+                tokens, logprobs = [], []
             self.structured.accept(seqs, tokens)
             now = time.time()
             for seq, token, logprob in zip(seqs, tokens, logprobs):

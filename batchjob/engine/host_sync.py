@@ -57,3 +57,14 @@ def forbid_host_sync(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(before)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: copied from pinned memory, not blocking (a
+    blocking copy to a GPU first waits for all the work queued before it, the step's forward pass among it)."""
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on `device`, for indexing a device tensor without a wait (a Python list would be copied blocking)."""
+    return to_device(torch.tensor(rows, dtype=torch.long), device)

@@ -1,6 +1,7 @@
 """Constrained decoding with xgrammar, as vLLM integrates it: a grammar per distinct constraint, compiled once
 against the tokenizer and cached; a matcher per sequence; each step a token bitmask filled only for the rows that
-are constrained (by xgrammar's thread pool when there are several) and applied to the logits on the CPU.
+are constrained (by xgrammar's thread pool when there are several) while the device runs the step's forward pass, then
+applied to the logits on their device.
 
 JSON is generated compact (no free whitespace): small models otherwise tend to spend their tokens on blank lines."""
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchjob.engine.grammar import GrammarKey, build_grammar
+from batchjob.engine.sampler import LogitsMask
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.sequence import Sequence
 
@@ -72,27 +74,36 @@ class StructuredOutput:
             self._batch = xgr.BatchGrammarMatcher()
         return self._compiler
 
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask in place the logits of the constrained rows (row i is seqs[i]) to the tokens their grammar allows."""
+    def fill(self, seqs: list[Sequence], device: torch.device) -> LogitsMask | None:
+        """The bitmask of the tokens each constrained row's grammar allows next (row i is seqs[i]), filled on the host
+        now (while a GPU still runs the step: call it before anything waits for the step), as the mask that the
+        sampler applies in place to the step's logits on `device`. None when no row is constrained."""
         rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
-            return
+            return None
         import xgrammar as xgr
 
         t0 = time.perf_counter()
         n = len(seqs)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = xgr.allocate_token_bitmask(max(n, 64), self.vocab_size)
+            if device.type == "cuda":  # copied without blocking; the step's read ends the copy before a refill
+                self._bitmask = self._bitmask.pin_memory()
         bitmask = self._bitmask[:n]
         matchers = [seqs[i].matcher for i in rows]
         if len(rows) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         else:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        # on the logits' device (xgrammar's kernel on a GPU): the matchers fill the mask on the host
-        device_mask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size, indices=rows)
+        device_mask = bitmask.to(device, non_blocking=True)  # xgrammar's kernel applies it on a GPU
         self.seconds += time.perf_counter() - t0
+
+        def apply(logits: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size, indices=rows)
+            self.seconds += time.perf_counter() - t0
+
+        return apply
 
     def accept(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Advance the constrained rows' matchers by their sampled tokens."""

@@ -36,6 +36,9 @@ SPLIT_SIZE = 512  # keys per split of the decode kernel: fixed, so that a row's 
 DECODE_BLOCK_N = 64
 VARLEN_BLOCK_M = 64
 VARLEN_BLOCK_N = 64
+# Bytes of the varlen kernel's Q, K, V and accumulator tiles that stay in registers at 4 warps: 64 x 64 tiles in bf16
+# at head dim 128. Twice that (fp32 at head dim 128) spilled: fp32 prefill ran 16x slower than torch's.
+VARLEN_TILE_BYTES = 2 * (VARLEN_BLOCK_M + VARLEN_BLOCK_N) * 128 * 2
 
 
 @triton.jit
@@ -435,6 +438,18 @@ def _dot_dtype(dtype: torch.dtype):
     raise TypeError(f"unsupported query dtype for paged_attention: {dtype}")
 
 
+def varlen_tiles(itemsize: int, d_pad: int, group: int) -> tuple[int, int]:
+    """BLOCK_M and BLOCK_N of the varlen kernel for dot inputs of `itemsize` bytes at a padded head dim: halved
+    (N first) until the tiles fit VARLEN_TILE_BYTES; BLOCK_M holds at least one token's GROUP query heads."""
+    block_m, block_n = VARLEN_BLOCK_M, VARLEN_BLOCK_N
+    while 2 * (block_m + block_n) * d_pad * itemsize > VARLEN_TILE_BYTES and max(block_m, block_n) > 16:
+        if block_n >= block_m:
+            block_n //= 2
+        else:
+            block_m //= 2
+    return max(block_m, next_pow2(group)), block_n
+
+
 def paged_attention_impl(
     q: torch.Tensor,
     k_cache,
@@ -503,7 +518,8 @@ def paged_attention_impl(
 
     decode_lens = [s for n, s in zip(qlens, meta.seq_lens_host) if n == 1] if split_decodes else []
     if any(n > 1 for n in qlens) or (not split_decodes and any(n == 1 for n in qlens)):
-        block_m = max(VARLEN_BLOCK_M, next_pow2(group))
+        # by the query's dtype, not the dot's: the interpreter (whose dots are all fp32) runs the GPU's tiles
+        block_m, block_n = varlen_tiles(q.element_size(), common["D_PAD"], group)
         block_q = block_m // group
         grid = (T // block_q + num_seqs, KVH)
         _varlen_kernel[grid](
@@ -522,7 +538,7 @@ def paged_attention_impl(
             *strides,
             BLOCK_M=block_m,
             BLOCK_Q=block_q,
-            BLOCK_N=VARLEN_BLOCK_N,
+            BLOCK_N=block_n,
             SKIP_DECODES=split_decodes,
             **common,
             num_warps=4,

@@ -228,3 +228,32 @@ def test_every_kind_of_row_samples_its_filtered_distribution_in_one_batch():
         expected = reference_filter(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
         assert torch.allclose(counts[i] / steps, expected, atol=0.03), (i, counts[i] / steps, expected)
         assert counts[i][expected == 0].sum() == 0, i  # a filtered-out token never comes out
+
+
+def test_drawing_never_waits_for_the_device_and_the_host_reads_once():
+    """Every kind of row but top-p (whose partial sort on a CPU asks which rows it missed; a GPU sorts whole) draws
+    under the guard that raises where a GPU would make the host wait; the tokens and logprobs then come back in one
+    read, equal to what the same draw gives through __call__."""
+    from batchjob.engine.host_sync import forbid_host_sync
+
+    kinds = [
+        SamplingParams(),
+        SamplingParams(logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=1.3, top_k=5, seed=2),
+        SamplingParams(temperature=0.8, min_p=0.1, logprobs=True, seed=3),
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, seed=4),
+        SamplingParams(temperature=0.9, logit_bias={3: 5.0, 7: -100.0}, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    ]
+
+    def rows():
+        return seqs(*kinds, prompt=(1, 2, 3, 3, 9))
+
+    lg = logits(len(kinds), 64, seed=9)
+    with forbid_host_sync(torch.device("cpu")):
+        drawn = Sampler(seed=4).draw(lg.clone(), rows())
+    tokens, logprobs = drawn.read(rows())
+    assert (tokens, logprobs) == Sampler(seed=4)(lg.clone(), rows())
+    assert [len(lp.top) if lp else None for lp in logprobs] == [None, 3, None, 0, None, 2, None]
+    raw = lg.log_softmax(-1)
+    assert logprobs[1].logprob == pytest.approx(raw[1, tokens[1]].item()) and tokens[1] == int(lg[1].argmax())

@@ -36,6 +36,8 @@ def _check(case, out, dtype):
         (9, 3, 64, 16, torch.float16),
         (4, 4, 64, 8, torch.float32),  # group 1 (MHA), small pages
         (8, 2, 128, 16, torch.float16),  # group 4, head dim 128
+        (8, 2, 128, 16, torch.float32),  # fp32 at head dim 128: smaller tiles (varlen_tiles)
+        (4, 1, 256, 16, torch.float16),  # head dim 256 (Gemma 3), group 4: smaller tiles too
         (16, 2, 64, 32, torch.float32),  # group 8
         (6, 2, 48, 16, torch.float32),  # group 3, head dim not a power of two
     ],
