@@ -234,6 +234,7 @@ class Check:
                     max_abs_err=r.get("max_abs_err"),
                     triton_ms=r.get("triton_ms"),
                     torch_ms=r.get("torch_ms"),
+                    kv_read_tb_per_s=r.get("kv_read_tb_per_s"),
                     error=r.get("error"),
                 )
 

@@ -295,6 +295,11 @@ def run_selftest(
                     reps,
                 )
             )
+            if rows[-1]["triton_ms"] and case_name.startswith("decode"):
+                # what a decode must read, the whole context's K and V (and fp8 scales): against the copy rate
+                per_token = 2 * KVH * (D * c.k_cache.element_size() + (4 if cache_dtype is not None else 0))
+                kv_bytes = per_token * sum(p + n for p, n in specs)
+                rows[-1]["kv_read_tb_per_s"] = kv_bytes / (rows[-1]["triton_ms"] / 1000) / 1e12
             del c
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()

@@ -145,13 +145,14 @@ def format_selftest(rows: list[dict]) -> str:
     """The kernels' self-test rows, then each error and a pass count."""
     cols = [("kernel", "kernel"), ("case", "case"), ("dtype", "dtype"), ("shape", "shape")]
     cols += [("max_abs_err", "max err"), ("tol", "tol"), ("passed", "ok"), ("triton_ms", "triton ms")]
-    cols += [("torch_ms", "torch ms"), ("speedup", "speedup")]
+    cols += [("torch_ms", "torch ms"), ("speedup", "speedup"), ("kv_read_tb_per_s", "KV read TB/s")]
     formats = {
         "passed": lambda v: "PASS" if v else "FAIL",
         "max_abs_err": lambda v: f"{v:.2e}",
         "triton_ms": lambda v: f"{v:.3f}",
         "torch_ms": lambda v: f"{v:.3f}",
         "speedup": lambda v: f"{v:.2f}x",
+        "kv_read_tb_per_s": lambda v: f"{v:.3g}",
     }
     table = [["-" if r.get(k) is None else formats.get(k, str)(r[k]) for k, _ in cols] for r in rows]
     notes = [f"error in {r.get('kernel')} / {r.get('case')}: {r['error']}" for r in rows if r.get("error")]
