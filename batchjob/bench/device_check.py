@@ -3,7 +3,9 @@
 Parts, each guarded (a part that raises is recorded as failed with its error, and the next one runs) and each under
 a time cap (what is left when the cap is reached is recorded as skipped), the JSON rewritten after every part so a
 run cut short still leaves what it measured:
-  kernels     every Triton kernel against the torch reference, per activation dtype, fp8 KV among the cases;
+  kernels     every Triton kernel against the torch reference, per activation dtype, fp8 KV among the cases, decodes
+              with the KV bytes read per second; then the attention kernel's tuning sweep (decode split size, key
+              tile and warps in bf16; fp32 prefill tiles at head dim 128), each configuration checked and timed;
   equality    the engine on dummy weights, Triton ops against torch ops on the same device, greedy, fp32, mixed-length
               prompts, chunked prefill and preemption forced (both are counted, and the check fails without them);
   graphs      decode steps through CUDA graphs against the same engine with enforce_eager: greedy tokens equal, and
@@ -222,11 +224,18 @@ class Check:
 
     # -- parts ------------------------------------------------------------------------------------------------
     def kernels(self, deadline: float) -> None:
-        from batchjob.bench.kernel_selftest import run_selftest
+        """Every kernel per dtype, then the attention kernel's tuning sweep (last: the cap cuts it first)."""
+        from batchjob.bench.kernel_selftest import run_selftest, run_tuning
 
-        for dtype in self.plan.kernel_dtypes:
-            self._within(deadline, f"kernels in {dtype} and after")
-            for r in run_selftest(str(self.device), small=self.small, dtype=dtype, reps=0 if self.small else 10):
+        device, reps = str(self.device), 0 if self.small else 10
+        runs = [
+            (f"kernels in {d} and after", lambda d=d: run_selftest(device, self.small, d, reps))
+            for d in self.plan.kernel_dtypes
+        ]
+        runs.append(("the tuning sweep", lambda: run_tuning(device, self.small, reps)))
+        for what, run in runs:
+            self._within(deadline, what)
+            for r in run():
                 self.row(
                     "kernels",
                     f"{r['kernel']} {r['case']} {r.get('dtype', '')}",

@@ -82,6 +82,15 @@ def _row(
     return row
 
 
+def _add_kv_read_rate(row: dict, case, specs: list[tuple[int, int]], fp8: bool) -> None:
+    """A timed decode row's KV read rate: what a decode must read, the whole context's K and V (and their fp8
+    scales), per second, to set against the device's copy rate."""
+    if row["triton_ms"]:
+        _, _, kv_heads, head_dim = case.k_cache.shape
+        per_token = 2 * kv_heads * (head_dim * case.k_cache.element_size() + (4 if fp8 else 0))
+        row["kv_read_tb_per_s"] = per_token * sum(p + n for p, n in specs) / (row["triton_ms"] / 1000) / 1e12
+
+
 def run_selftest(
     device: str = "cuda", small: bool = False, dtype: torch.dtype | None = None, reps: int | None = None
 ) -> list[dict]:
@@ -295,12 +304,80 @@ def run_selftest(
                     reps,
                 )
             )
-            if rows[-1]["triton_ms"] and case_name.startswith("decode"):
-                # what a decode must read, the whole context's K and V (and fp8 scales): against the copy rate
-                per_token = 2 * KVH * (D * c.k_cache.element_size() + (4 if cache_dtype is not None else 0))
-                kv_bytes = per_token * sum(p + n for p, n in specs)
-                rows[-1]["kv_read_tb_per_s"] = kv_bytes / (rows[-1]["triton_ms"] / 1000) / 1e12
+            if case_name.startswith("decode"):
+                _add_kv_read_rate(rows[-1], c, specs, fp8=cache_dtype is not None)
             del c
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+    return rows
+
+
+# The tuning sweep's configurations (issue 29: decode attention near the copy rate, fp32 prefill at head dim 128).
+DECODE_SWEEP = [(split, block_n, warps) for split in (256, 512, 1024) for block_n in (32, 64, 128) for warps in (4, 8)]
+FP32_PREFILL_SWEEP = [(m, n, w) for m, n in ((64, 64), (64, 32), (32, 64), (32, 32), (16, 32)) for w in (4, 8)]
+
+
+def run_tuning(device: str = "cuda", small: bool = False, reps: int | None = None) -> list[dict]:
+    """The paged attention kernel's knobs swept on the largest shape, each configuration checked against the torch
+    reference and timed: decode in bf16 (split size, key tile, warps; with the KV bytes read per second) and prefill
+    in fp32 at head dim 128 (varlen tiles, warps). Rows as run_selftest's, the configuration in `case`; the default
+    configuration is marked. What a device run of it says is what the defaults should be."""
+    if device == "cpu":
+        env.use_triton_interpreter()
+    from batchjob.bench.kernel_cases import make_attention_case
+    from batchjob.kernels.attention import DECODE_BLOCK_N, SPLIT_SIZE, paged_attention_impl, varlen_tiles
+    from batchjob.model import ops as ref
+
+    if reps is None:
+        reps = 1 if device == "cpu" else 10
+    name, H, KVH, D, _, _ = (SMALL_CONFIGS if small else CONFIGS)[-1]
+    gen = torch.Generator().manual_seed(3)
+    if small:
+        decode = [(int(torch.randint(10, 700, (1,), generator=gen)), 1) for _ in range(4)]
+        prefill = [(0, 16), (24, 16)]
+        decode_sweep, prefill_sweep = [(256, 32, 4), (SPLIT_SIZE, DECODE_BLOCK_N, 4)], [(32, 32, 4)]
+    else:
+        decode = [(int(torch.randint(1792, 2304, (1,), generator=gen)), 1) for _ in range(256)]
+        prefill = [(0 if i % 2 == 0 else 512, 256) for i in range(16)]
+        decode_sweep, prefill_sweep = DECODE_SWEEP, FP32_PREFILL_SWEEP
+    rows: list[dict] = []
+    for dtype, specs, sweep in ((torch.bfloat16, decode, decode_sweep), (torch.float32, prefill, prefill_sweep)):
+        dtype = dtype if not small else torch.float32  # the interpreter's half-precision dots are not reliable
+        rtol, atol = TOLS[dtype]
+        c = make_attention_case(specs, heads=H, kv_heads=KVH, head_dim=D, page=16, dtype=dtype, device=device)
+        shape = f"{len(specs)} seqs, ctx<={max(p + n for p, n in specs)}, H={H}/KVH={KVH}/D={D}"
+        for config in sweep:
+            if specs is decode:
+                split, block_n, warps = config
+                knobs = dict(split_size=split, decode_block_n=block_n, decode_warps=warps)
+                default = config == (SPLIT_SIZE, DECODE_BLOCK_N, 4)
+                case = f"{name} decode split={split} block_n={block_n} warps={warps}"
+            else:
+                block_m, block_n, warps = config
+                knobs = dict(varlen_block=(block_m, block_n), varlen_warps=warps)
+                default = (block_m, block_n) == varlen_tiles(4, D, H // KVH) and warps == 4
+                case = f"{name} prefill tiles={block_m}x{block_n} warps={warps}"
+
+            def attend(c=c, knobs=knobs):
+                return paged_attention_impl(c.q, c.k_cache, c.v_cache, c.meta, c.scale, **knobs)
+
+            rows.append(
+                _row(
+                    "paged_attention tuning",
+                    case + (" (default)" if default else ""),
+                    dtype,
+                    shape,
+                    lambda attend=attend, c=c: _err(attend(), c.reference(), rtol, atol),
+                    attend,
+                    lambda c=c: ref.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, c.scale),
+                    f"rtol={rtol:g} atol={atol:g}",
+                    device,
+                    reps,
+                )
+            )
+            if specs is decode:
+                _add_kv_read_rate(rows[-1], c, specs, fp8=False)
+        del c
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows

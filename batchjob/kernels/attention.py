@@ -463,15 +463,21 @@ def paged_attention_impl(
     logits_soft_cap: float | None = None,
     split_decodes: bool = True,
     split_size: int = SPLIT_SIZE,
+    decode_block_n: int = DECODE_BLOCK_N,
+    decode_warps: int = 4,
+    varlen_block: tuple[int, int] | None = None,
+    varlen_warps: int = 4,
 ) -> torch.Tensor:
-    """paged_attention with the knobs exposed for tests: split_decodes=False sends every row through the varlen
-    kernel; split_size (a multiple of DECODE_BLOCK_N) sets the decode split length."""
+    """paged_attention with the knobs exposed for tests and the device check's tuning sweep: split_decodes=False
+    sends every row through the varlen kernel; split_size (a multiple of decode_block_n) sets the decode split
+    length; decode_block_n and decode_warps the decode kernel's key tile and warps; varlen_block (BLOCK_M, BLOCK_N)
+    and varlen_warps the varlen kernel's (default: varlen_tiles)."""
     check_device(q, k_cache, v_cache)
     T, H, D = q.shape
     _, page, KVH, Dc = k_cache.shape
     assert Dc == D and H % KVH == 0, f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "K/V caches need one layout, unit D"
-    assert split_size % DECODE_BLOCK_N == 0
+    assert split_size % decode_block_n == 0
     group = H // KVH
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -519,7 +525,8 @@ def paged_attention_impl(
     decode_lens = [s for n, s in zip(qlens, meta.seq_lens_host) if n == 1] if split_decodes else []
     if any(n > 1 for n in qlens) or (not split_decodes and any(n == 1 for n in qlens)):
         # by the query's dtype, not the dot's: the interpreter (whose dots are all fp32) runs the GPU's tiles
-        block_m, block_n = varlen_tiles(q.element_size(), common["D_PAD"], group)
+        block_m, block_n = varlen_block or varlen_tiles(q.element_size(), common["D_PAD"], group)
+        assert block_m >= group, "BLOCK_M holds at least one token's query heads"
         block_q = block_m // group
         grid = (T // block_q + num_seqs, KVH)
         _varlen_kernel[grid](
@@ -541,7 +548,7 @@ def paged_attention_impl(
             BLOCK_N=block_n,
             SKIP_DECODES=split_decodes,
             **common,
-            num_warps=4,
+            num_warps=varlen_warps,
         )
     if decode_lens:
         max_splits = max(triton.cdiv(s, split_size) for s in decode_lens)
@@ -575,10 +582,10 @@ def paged_attention_impl(
             *strides,
             *pstrides,
             BLOCK_M=max(16, next_pow2(group)),
-            BLOCK_N=DECODE_BLOCK_N,
+            BLOCK_N=decode_block_n,
             SPLIT_SIZE=split_size,
             **common,
-            num_warps=4,
+            num_warps=decode_warps,
         )
         if max_splits > 1:
             _combine_kernel[(num_seqs, H)](
