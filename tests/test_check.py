@@ -124,8 +124,8 @@ def test_a_model_not_here_is_a_skipped_row_and_a_broken_one_a_failed_row(tmp_pat
     check = Check("cpu", None, small=False, models=(str(broken),))
     check.real_model(deadline=float("inf"))
     rows = {r["check"]: r for r in check.rows}
-    assert rows.keys() == {"broken.gguf engine vs transformers", "smollm2-135m-instruct", "gemma3-270m"}
-    assert rows["broken.gguf engine vs transformers"]["ok"] is False
+    assert rows.keys() == {"broken.gguf vs transformers", "smollm2-135m-instruct", "gemma3-270m"}
+    assert rows["broken.gguf vs transformers"]["ok"] is False
     for name in ("smollm2-135m-instruct", "gemma3-270m"):
         assert rows[name]["ok"] is None and "--model PATH" in rows[name]["skipped"]
     assert "SKIP" in format_check({"device": {"device": "cpu", "torch": "x"}, "rows": check.rows, "parts": {}})

@@ -648,7 +648,7 @@ class Check:
                     raise
                 except Exception as e:  # one model's failure (a transformers too old for it) is its row's
                     error = f"{type(e).__name__}: {e}"[:500]
-                    self.row("real_model", f"{label} engine vs transformers", False, error=error)
+                    self.row("real_model", f"{label} vs transformers", False, error=error)
                 _free(self.device)
 
     def _real_models(self) -> list[tuple[str, Path | None, str | None]]:
@@ -706,7 +706,9 @@ class Check:
             if not self.small:
                 run_engine(engine, wl)  # warm-up: Triton's compiles for this model's shapes, decode graphs captured
             ours = run_engine(engine, wl, "engine")
-            hf = (hf or load_hf_model(engine, folder)).to(engine.dtype)  # loaded once, cast for each dtype
+            if hf is None:  # loaded once, cast for each dtype
+                hf = load_hf_model(engine, folder)
+            hf.to(engine.dtype)
             synchronize(self.device)
             t0 = time.perf_counter()
             theirs = hf_greedy(wl, len(wl.requests), hf, engine.eos_token_ids)
@@ -721,7 +723,7 @@ class Check:
             floors = AGREEMENT_FLOORS[dtype]
             self.row(
                 "real_model",
-                f"{label} {dtype} engine vs transformers, greedy ({n} prompts, {shape.new_tokens} tokens)",
+                f"{label} {dtype} greedy vs transformers ({n} x {shape.new_tokens} tokens)",
                 first >= floors[0] * n and prefix >= floors[1] and equal >= floors[2] * n,
                 sequences_equal=f"{equal}/{n}",
                 first_token_equal=f"{first}/{n}",
