@@ -14,13 +14,13 @@ run cut short still leaves what it measured:
   sampling    the sampler on the device against the same sampler on the host (seeded rows of every kind draw the
               same tokens), JSON-constrained outputs that parse, and the engine's tokens/s on sampled (temperature
               0.7, top_p 0.95, top 5 logprobs) and JSON-constrained workloads as a share of greedy's;
+  host_sync   the engine (Triton ops) stepping with every host synchronisation inside a step raising;
+  kv_sizing   torch's peak memory against kv_cache_memory_fraction of device memory, with CUDA graphs captured up to
+              max_num_seqs and a step at the largest token budget;
   real_model  real weights (each built-in model found here without downloading, and each --model path): the engine
               (Triton ops) against transformers on the device, greedy on fixed chat prompts, in fp32 (near-total
               equality) and bf16 (agreement reported against a floor), with both systems' tokens/s; a model not
-              found is a skipped row saying how to bring it;
-  host_sync   the engine (Triton ops) stepping with every host synchronisation inside a step raising;
-  kv_sizing   torch's peak memory against kv_cache_memory_fraction of device memory, with CUDA graphs captured up to
-              max_num_seqs and a step at the largest token budget.
+              found is a skipped row saying how to bring it. Last, so that loading real weights holds up no other.
 On a CPU the same parts run on tiny shapes in Triton's interpreter (the tiny-llama config; real_model on its dummy
 weights exported as an HF folder, fp32 only, plus any --model path)."""
 
