@@ -388,10 +388,18 @@ def report(folder, output_dir) -> None:
 @click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]))
 @click.option("--load-format", default="dummy", show_default=True, type=click.Choice(["auto", "dummy"]))
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write every figure as JSON")
-def selftest(device, load_format, json_path) -> None:
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    type=click.Path(exists=True),
+    help="A GGUF file or HF model folder for the real-model part, besides the built-in models found here (repeatable).",
+)
+def selftest(device, load_format, json_path, models) -> None:
     """The device check: Triton kernels against torch, Triton-vs-torch greedy equality of the engine, decode
     through CUDA graphs against eager, throughput against torch ops and HF generate with a roofline, steps without a
-    host synchronisation, and KV pool sizing with graphs captured; each part guarded and time-capped.
+    host synchronisation, KV pool sizing with graphs captured, and real weights' greedy tokens against transformers
+    (the built-in models found here and each --model; never downloaded); each part guarded and time-capped.
     `--device cpu` runs the same parts on tiny shapes in Triton's interpreter. Exit code 1 unless all passed."""
     import torch
 
@@ -400,7 +408,7 @@ def selftest(device, load_format, json_path) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         _fail("--device cuda: torch sees no CUDA device here (use --device cpu for the CPU form)", EXIT_USAGE)
     with _failures():
-        report = run_check(device, json_path, load_format, click.echo)
+        report = run_check(device, json_path, load_format, click.echo, models)
     sys.exit(EXIT_OK if report["passed"] else EXIT_CHECKS_FAILED)
 
 

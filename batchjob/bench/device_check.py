@@ -19,8 +19,13 @@ run cut short still leaves what it measured:
               sampled-and-constrained workloads as a share of greedy's;
   host_sync   the engine (Triton ops) stepping with every host synchronisation inside a step raising;
   kv_sizing   torch's peak memory against kv_cache_memory_fraction of device memory, with CUDA graphs captured up to
-              max_num_seqs and a step at the largest token budget.
-On a CPU the same parts run on tiny shapes in Triton's interpreter (the tiny-llama config)."""
+              max_num_seqs and a step at the largest token budget;
+  real_model  real weights (each built-in model found here without downloading, and each --model path): the engine
+              (Triton ops) against transformers on the device, greedy on fixed chat prompts, in fp32 (near-total
+              equality) and bf16 (agreement reported against a floor), with both systems' tokens/s; a model not
+              found is a skipped row saying how to bring it. Last, so that loading real weights holds up no other.
+On a CPU the same parts run on tiny shapes in Triton's interpreter (the tiny-llama config; real_model on its dummy
+weights exported as an HF folder, fp32 only, plus any --model path)."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -81,6 +87,15 @@ class GraphsShape:
 
 
 @dataclass(frozen=True)
+class RealShape:
+    """The real-model run: the first `prompts` of CHAT_PROMPTS, greedy, `new_tokens` each, in each dtype."""
+
+    prompts: int
+    new_tokens: int
+    dtypes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     models: tuple[str, ...]  # model shapes, dummy weights by default
     kernel_dtypes: tuple[torch.dtype, ...]
@@ -88,6 +103,7 @@ class Plan:
     batch: int  # the HF baseline's fixed batch
     stress: StressShape
     graphs: GraphsShape
+    real: RealShape
 
 
 PLANS = {
@@ -98,6 +114,7 @@ PLANS = {
         64,
         StressShape(8, 120, 32, 64, 16, 24),
         GraphsShape(48, 32, 96),
+        RealShape(16, 64, ("float32", "bfloat16")),
     ),
     "cpu": Plan(
         ("tiny-llama",),
@@ -106,17 +123,55 @@ PLANS = {
         2,
         StressShape(3, 30, 6, 16, 4, 14),
         GraphsShape(3, 6, 4),
+        RealShape(3, 6, ("float32",)),  # bf16 tl.dot is wrong in the interpreter
     ),
 }
-# seconds per part, 505 in all: inside device_check.sh's 540 s with start-up (each part ran far under its cap)
+# seconds per part, 505 in all: inside device_check.sh's 540 s with start-up. Each part ran far under its cap on the
+# last device run (kernels 55 s, equality 15 s, throughput 99 s, host_sync 3 s, kv_sizing 4 s), which pays for
+# real_model's: two models' first GGUF conversions (7 s and 21 s on a 2-core CPU), exports and transformers' loads.
 CAPS = {
-    "kernels": 140,
-    "equality": 60,
-    "throughput": 170,
+    "kernels": 100,
+    "equality": 45,
+    "throughput": 150,
     "graphs": 40,
     "sampling": 45,
-    "host_sync": 15,
-    "kv_sizing": 35,
+    "host_sync": 10,
+    "kv_sizing": 25,
+    "real_model": 90,
+}
+# The real-model part's built-in models, each run where it is here already (never downloaded there).
+REAL_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
+# Its prompts: short, fixed chat turns of several kinds (facts, code, lists, arithmetic, translation, prose).
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "List three primary colors.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a one-sentence summary of the water cycle.",
+    "Why is the sky blue?",
+    "Name the planets of the solar system in order.",
+    "Write a haiku about autumn leaves.",
+    "What does HTTP stand for?",
+    "Explain recursion to a child.",
+    "How many days are there in a leap year?",
+    "Suggest a name for a friendly robot.",
+    "What is the boiling point of water in Fahrenheit?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Describe a cat in five words.",
+)
+# The real-model part's pass floors, per dtype, as shares of the prompts: (first tokens equal, mean share of each
+# sequence equal up to its first divergence, sequences equal throughout).
+AGREEMENT_FLOORS = {
+    # fp32 is the exact mode: the two systems differ by summation order only, so a greedy path parts only at a
+    # near-tie of two logits. On the CPU (the dry run's tiny model in the interpreter, and this part's 16 x 64 run
+    # of both built-in models on the CPU ops) every sequence was equal; one near-tie in 16 is allowed, not two.
+    "float32": (1.0, 0.95, 0.9),
+    # bf16 rounds each system's matmuls differently; a near-tie flips and a parted greedy path never rejoins. The
+    # same CPU run in bf16: SmolLM2 15/16 first tokens and a prefix share of 0.56, Gemma 3 270M 16/16 and 0.78. The
+    # floors leave room under those for the device's other rounding; a broken bf16 path, wrong from its first
+    # tokens, lands far below them.
+    "bfloat16": (0.85, 0.4, 0.0),
 }
 # The sampling part's row settings: one of each kind, each seeded so that the device and the host draw alike.
 SAMPLED_ROWS = (
@@ -153,13 +208,21 @@ def device_peaks(device: torch.device) -> dict:
 
 
 class Check:
-    def __init__(self, device: str, json_path: str | None, load_format: str = "dummy", small: bool | None = None):
+    def __init__(
+        self,
+        device: str,
+        json_path: str | None,
+        load_format: str = "dummy",
+        small: bool | None = None,
+        models: tuple[str, ...] = (),  # real_model's model paths, besides the built-in models found here
+    ):
         if device == "cpu":
             env.use_triton_interpreter()  # before anything imports the kernels
         self.device = torch.device(device)
         self.small = device == "cpu" if small is None else small
         self.plan = PLANS["cpu" if self.small else "cuda"]
         self.load_format = load_format
+        self.models = models
         self.json_path = json_path
         self.rows: list[dict] = []
         self.report: dict = {"device": self._describe(), "parts": {}, "rows": self.rows}
@@ -196,6 +259,7 @@ class Check:
             ("sampling", self.sampling),
             ("host_sync", self.host_sync),
             ("kv_sizing", self.kv_sizing),
+            ("real_model", self.real_model),
         ):
             t0 = time.perf_counter()
             deadline = t0 + CAPS[part]
@@ -250,7 +314,8 @@ class Check:
     def _engine(self, model: str, ops: str, **config):
         from batchjob.engine.engine import Engine
 
-        return Engine(model, device=self.device.type, ops_backend=ops, load_format=self.load_format, **config)
+        config = {"load_format": self.load_format, **config}  # real weights where a part asks for them
+        return Engine(model, device=self.device.type, ops_backend=ops, **config)
 
     def equality(self, deadline: float) -> None:
         from batchjob.bench.workloads import synthetic
@@ -579,9 +644,130 @@ class Check:
             del engine, graphs
             _free(self.device)
 
+    def real_model(self, deadline: float) -> None:
+        """Real weights: the engine (Triton ops, as users run it) against transformers on the same device, greedy on
+        the plan's chat prompts in each of its dtypes, per model: each --model path, then each built-in model found
+        here without downloading (a skipped row, saying how to bring it, for one that is not). On a CPU the tiny
+        config's dummy weights exported as an HF folder stand in for the built-in models (in the interpreter those
+        take minutes; the oracle tests hold them to transformers on the CPU ops)."""
+        import tempfile
 
-def run_check(device: str, json_path: str | None, load_format: str = "dummy", log: Callable[[str], None] = print):
-    check = Check(device, json_path, load_format)
+        from batchjob.bench.hf_export import export_hf
+        from batchjob.model.dummy import load_dummy
+
+        with tempfile.TemporaryDirectory() as tmp:
+            found = self._real_models()
+            if self.small:
+                tiny = self.plan.models[0]
+                found.insert(0, (f"{tiny} (dummy weights)", export_hf(load_dummy(tiny), Path(tmp) / tiny), None))
+            for label, path, missing in found:
+                if path is None:
+                    self.row("real_model", label, None, skipped=missing)
+                    continue
+                self._within(deadline, f"{label} and after")
+                try:
+                    self._real_model(label, path, deadline)
+                except TimeCap:
+                    raise
+                except Exception as e:  # one model's failure (a transformers too old for it) is its row's
+                    error = f"{type(e).__name__}: {e}"[:500]
+                    self.row("real_model", f"{label} vs transformers", False, error=error)
+                _free(self.device)
+
+    def _real_models(self) -> list[tuple[str, Path | None, str | None]]:
+        """(label, path, why not found) of each --model path (labelled as the built-in model whose pinned GGUF it
+        is, if it is one) and, on a GPU, of each built-in model not given, resolved from this machine only: its
+        installed package, the cache's GGUF or its cached wheels, never pip or the Hub."""
+        from batchjob.model.builtin import BUILTIN_MODELS
+        from batchjob.model.errors import CacheDirError, ModelError
+        from batchjob.model.loader import file_digest, locate_model
+
+        found: list[tuple[str, Path | None, str | None]] = []
+        for given in map(Path, self.models):
+            digest = file_digest([given]) if given.is_file() else None
+            name = next((n for n in REAL_MODELS if BUILTIN_MODELS[n].sha256 == digest), given.name)
+            found.append((name, given, None))
+        if self.small:
+            return found
+        for name in REAL_MODELS:
+            if any(label == name for label, _, _ in found):
+                continue
+            try:
+                found.append((name, locate_model(name, download=False).path, None))
+            except (ModelError, CacheDirError):
+                why = f"not on this machine; bring {BUILTIN_MODELS[name].filename} (docs/gpu.md) and pass --model PATH"
+                found.append((name, None, why))
+        return found
+
+    def _real_model(self, label: str, path: Path, deadline: float) -> None:
+        from batchjob.bench.hf_export import hf_folder
+        from batchjob.bench.measure import first_difference
+        from batchjob.bench.systems import hf_greedy, load_hf_model, run_engine
+        from batchjob.bench.workloads import Workload as Requests
+        from batchjob.engine.outputs import Request
+        from batchjob.engine.sampling_params import SamplingParams
+
+        shape = self.plan.real
+        folder = hf_folder(str(path))  # transformers reads the loader's weights, exported once as an HF folder
+        hf = None
+        for dtype in shape.dtypes:
+            self._within(deadline, f"{label} in {dtype} and after")
+            # a pool for every prompt (each under 256 tokens) and its output at once: no preemption, and the rest
+            # of the device left to transformers
+            blocks = shape.prompts * -(-(256 + shape.new_tokens) // 16) + 1
+            engine = self._engine(
+                str(path), "triton", load_format="auto", dtype=dtype, max_num_seqs=shape.prompts, num_kv_blocks=blocks
+            )
+            tok = engine.tokenizer
+            # the pretrained Gemma 3 270M has no chat template: its prompts are the plain texts
+            prompts = [
+                tok.encode_chat([{"role": "user", "content": text}]) if tok.chat_template else tok.encode(text)
+                for text in CHAT_PROMPTS[: shape.prompts]
+            ]
+            params = SamplingParams(max_tokens=shape.new_tokens)
+            wl = Requests([Request(str(i), ids, params) for i, ids in enumerate(prompts)], f"{label} chat prompts")
+            if not self.small:
+                run_engine(engine, wl)  # warm-up: Triton's compiles for this model's shapes, decode graphs captured
+            ours = run_engine(engine, wl, "engine")
+            if hf is None:  # loaded once, cast for each dtype
+                hf = load_hf_model(engine, folder)
+            hf.to(engine.dtype)
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            theirs = hf_greedy(wl, len(wl.requests), hf, engine.eos_token_ids)
+            synchronize(self.device)
+            hf_seconds = time.perf_counter() - t0
+            parted = {k: first_difference(v, theirs[k]) for k, v in ours.outputs.items()}
+            n = len(parted)
+            equal = sum(at is None for at in parted.values())
+            first = sum(at != 0 for at in parted.values())
+            longer = {k: max(len(v), len(theirs[k])) for k, v in ours.outputs.items()}
+            prefix = sum(1.0 if at is None else at / longer[k] for k, at in parted.items()) / n
+            floors = AGREEMENT_FLOORS[dtype]
+            self.row(
+                "real_model",
+                f"{label} {dtype} greedy vs transformers ({n} x {shape.new_tokens} tokens)",
+                first >= floors[0] * n and prefix >= floors[1] and equal >= floors[2] * n,
+                sequences_equal=f"{equal}/{n}",
+                first_token_equal=f"{first}/{n}",
+                prefix_share=prefix,
+                engine_tokens_per_s=ours.row()["output_tokens_per_s"],
+                hf_tokens_per_s=sum(map(len, theirs.values())) / hf_seconds,
+                floors="first {:g}, prefix {:g}, equal {:g}".format(*floors),
+            )
+            del engine
+            _free(self.device)
+        del hf
+
+
+def run_check(
+    device: str,
+    json_path: str | None,
+    load_format: str = "dummy",
+    log: Callable[[str], None] = print,
+    models: tuple[str, ...] = (),
+):
+    check = Check(device, json_path, load_format, models=models)
     report = check.run()
     log(format_check(report))
     return report

