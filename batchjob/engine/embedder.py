@@ -22,6 +22,8 @@ from batchjob.engine.host_memory import keep_freed_memory
 from batchjob.engine.model_runner import device_numerics, load_ops, pick_device, pick_dtype, pick_ops_backend
 from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
+from batchjob.model.cpu_native import native_ops_for
+from batchjob.model.decoder_embedding import DecoderEmbeddingModel
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
 from batchjob.model.errors import ModelNotFoundError
 from batchjob.model.loader import folder_digest, locate_model
@@ -69,10 +71,14 @@ class Embedder:
         # What decides the numbers, for a job's fingerprint: every file of the folder, by name, and how it is computed.
         self.model_digest = folder_digest(path, [p for p in path.rglob("*") if p.is_file()])
         self.model_revision = location.revision
+        ops = self.ops_backend
+        decoder = isinstance(self.encoder.model, DecoderEmbeddingModel)  # BERT's ops have no C++ form
+        if ops == "torch" and decoder and native_ops_for(self.device, self.dtype) is not None:
+            ops += "+cpp"  # as the generation engine names it: the C++ kernels sum in other orders than torch's
         self.numerics = {
             "device": device_numerics(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "ops_backend": self.ops_backend,
+            "ops_backend": ops,
             "task": "embed",
         }
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
