@@ -113,7 +113,7 @@ def varlen_attention(
     num_seqs = cu_seqlens.numel() - 1
     if T == 0 or num_seqs <= 0:
         return out
-    d_pad = next_pow2(D)
+    d_pad = max(16, next_pow2(D))  # tl.dot's least K on a GPU
     _varlen_kernel[(T // BLOCK_M + num_seqs, H)](
         out,
         q,
@@ -133,10 +133,12 @@ def varlen_attention(
         HEAD_DIM=D,
         D_PAD=d_pad,
         BLOCK_M=BLOCK_M,
-        # the [BLOCK_M, D_PAD] accumulator and a K and a V tile held at once: narrower key tiles past D 64
+        # the [BLOCK_M, D_PAD] accumulator and a K and a V tile held at once: narrower key tiles past D 64, and
+        # past D 128 two pipeline stages, not three (an fp32 K and V tile of 256 x 32 are 64 KiB of shared memory)
         BLOCK_N=64 if d_pad <= 64 else 32,
         DOT_DTYPE=dot_dtype(q.dtype),
         IEEE=q.dtype == torch.float32,
         num_warps=4,
+        num_stages=3 if d_pad <= 128 else 2,
     )
     return out

@@ -36,6 +36,7 @@ def fused_qkv(lengths: list[int], heads: int, head_dim: int, dtype, device, seed
         (4, 64, torch.float16),
         (3, 48, torch.float32),  # not a power of two: padded to 64
         (2, 80, torch.float16),  # padded to 128: the narrower key tiles
+        (2, 8, torch.float32),  # padded to 16, the least K of tl.dot
         (2, 256, torch.float32),  # the largest head dim taken
     ],
 )
