@@ -4,6 +4,7 @@ BertModel, on packed batches of texts from 1 to 160 tokens (past two of the kern
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers", reason="the tiny model is made by transformers (test extra)")
 
 from batchjob.engine.embedder import Embedder  # noqa: E402
+from batchjob.engine.host_sync import HostSync, forbid_host_sync  # noqa: E402
+from batchjob.model.packed import PackedBatch  # noqa: E402
 from tests.oracle.test_tiny_architectures import VOCAB, tiny_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -79,3 +82,19 @@ def test_triton_embedder_equals_torch_embedder_and_transformers(tiny_bert, embed
     with torch.no_grad():
         expected = torch.stack([hf(torch.tensor([ids])).last_hidden_state[0].mean(0) for ids in inputs])
     torch.testing.assert_close(ours, F.normalize(expected, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ops_backend", ["triton", "torch"])
+def test_the_triton_path_reads_no_device_value_between_copy_in_and_read_out(tiny_bert, embed_texts, ops_backend):
+    """Between the one copy of a batch's inputs to the device and the one read of its pooled embeddings, the Triton
+    path (attention kernel, pooling) makes no op whose result the host must wait for; the torch reference, whose
+    padding is sized from the lengths, does."""
+    embedder = Embedder(str(tiny_bert), dtype="float32", device="cpu", ops_backend=ops_backend)
+    ids = [t.token_ids for t in embedder.tokenize(embed_texts[:4])]
+    packed = PackedBatch.build(ids, embedder.device)
+    encoder = embedder.encoder
+    with contextlib.ExitStack() as stack:
+        if ops_backend == "torch":
+            stack.enter_context(pytest.raises(HostSync))
+        with forbid_host_sync(embedder.device):
+            encoder.pooling(encoder.model(packed), packed.cu_seqlens, packed.prompt_lengths)
