@@ -1,6 +1,7 @@
 """A BERT encoder through the Triton kernels (in the interpreter on a CPU): the Embedder with ops_backend triton on a
 tiny random BERT (head dim 24, not a power of two) gives the embeddings of ops_backend torch and of transformers'
-BertModel, on packed batches of texts from 1 to 160 tokens (past two of the kernel's query tiles)."""
+BertModel, on packed batches of texts from 1 to 160 tokens (past two of the kernel's query tiles); and it makes no
+host synchronisation between a batch's copy to the device and the read of its embeddings."""
 
 from __future__ import annotations
 
