@@ -200,7 +200,8 @@ def run_embed_bench(
     the same tokens: the texts' as the Embedder's tokenizer gives them, cut at max_seq_length."""
     skipped = {k: v for k, v in peer_status().items() if k in systems and v}
     tokens = sum(len(t.token_ids) for t in embedder.encoder.tokenize(texts))
-    st_model = load_sentence_transformer(folder) if "st" in systems and "st" not in skipped else None
+    wanted = "st" in systems and "st" not in skipped
+    st_model = load_sentence_transformer(folder, embedder.device.type) if wanted else None
     runners = {}
     if "embedder" in systems:
         runners["embedder"] = lambda: run_embedder(embedder, texts, tokens)

@@ -72,18 +72,19 @@ def _signature(fn, args, kwargs):
 def trace_launches(quick: bool = False):
     """(kernel, args, kwargs) of every launch the wrappers make for the model shapes, dtypes and cache kinds."""
     from batchjob.bench.kernel_cases import make_attention_case
-    from batchjob.kernels import attention, elementwise, kv_cache
+    from batchjob.kernels import attention, elementwise, encoder_attention, kv_cache
     from batchjob.model import ops as ref
 
     calls = []
     patched = []
-    for mod in (attention, elementwise, kv_cache):
+    modules = (attention, elementwise, encoder_attention, kv_cache)
+    for mod in modules:
         for name in dir(mod):
             obj = getattr(mod, name)
             if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 patched.append((mod, name, obj))
                 setattr(mod, name, _Recorder(obj, calls))
-    checks = [(mod, mod.check_device) for mod in (attention, elementwise, kv_cache)]
+    checks = [(mod, mod.check_device) for mod in modules]
     try:
         for mod, _ in checks:
             mod.check_device = lambda *a: None  # CPU tensors stand in for CUDA ones: nothing is launched
@@ -112,6 +113,11 @@ def trace_launches(quick: bool = False):
                     attention.paged_attention_impl(
                         c.q, c.k_cache, c.v_cache, c.meta, c.scale, *c.scales, split_decodes=False
                     )
+            # encoders: MiniLM's head dim, BERT-base's, and the largest taken (its narrower tiles, two stages)
+            for D in [32] if quick else [32, 64, 256]:
+                for dt in dtypes:
+                    q = torch.randn(10, H, D, dtype=dt)
+                    encoder_attention.varlen_attention(q, q, q, torch.tensor([0, 3, 10], dtype=torch.int32), 0.1)
     finally:
         for mod, check in checks:
             mod.check_device = check

@@ -13,6 +13,7 @@ torch_ms, speedup (torch_ms / triton_ms), and error (a message when the kernel r
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 
@@ -28,6 +29,9 @@ SMALL_CONFIGS = [
     ("h9-kv3-d64", 9, 3, 64, 96, 80),
     ("h8-kv2-d128", 8, 2, 128, 128, 72),
 ]
+# encoders' attention (varlen_attention): (name, heads, head_dim)
+ENCODER_CONFIGS = [("all-minilm-l6-v2", 12, 32), ("bert-base", 12, 64)]
+SMALL_ENCODER_CONFIGS = [("h4-d32", 4, 32), ("h2-d48", 2, 48)]
 
 # allclose-style: |a - b| <= atol + rtol * |b|
 TOLS = {
@@ -309,6 +313,30 @@ def run_selftest(
             del c
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+
+    # encoder attention: bidirectional over packed sequences of mixed lengths (one token to past a query tile; up to
+    # 512 at full size, BERT's limit), q/k/v views of one fused qkv as BERT passes them
+    gen = torch.Generator().manual_seed(3)
+    for name, H, D in SMALL_ENCODER_CONFIGS if small else ENCODER_CONFIGS:
+        lengths = [1, 70, 9, 33] if small else [1, 512, *torch.randint(2, 512, (62,), generator=gen).tolist()]
+        T = sum(lengths)
+        q, k, v = randn(T, 3 * H * D).view(T, 3, H, D).unbind(1)
+        cu_seqlens = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
+        args = (q, k, v, cu_seqlens, D**-0.5)
+        rows.append(
+            _row(
+                "varlen_attention",
+                name,
+                dtype,
+                f"{len(lengths)} seqs, {T} rows, len<={max(lengths)}, H={H}/D={D}",
+                lambda a=args: _err(kops.varlen_attention(*a), ref.varlen_attention(*a), rtol, atol),
+                lambda a=args: kops.varlen_attention(*a),
+                lambda a=args: ref.varlen_attention(*a),
+                tol,
+                device,
+                reps,
+            )
+        )
     return rows
 
 

@@ -76,7 +76,9 @@ class EmbedderConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    ops_backend: Literal["auto", "torch", "triton"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_num_batched_tokens: int = Field(
         8192, ge=16, description="tokens of one packed forward pass; a longer sequence runs alone"
     )

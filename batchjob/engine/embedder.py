@@ -1,8 +1,9 @@
 """The embedding API: Embedder(folder, **config).embed(texts), as vLLM's LLM(model, task="embed").embed(prompts).
 
 Inputs are sorted by length and packed into forward passes of up to max_num_batched_tokens tokens, so that a batch
-holds texts of near lengths (a BERT encoder's attention pads to the longest; a decoder's paged attention reads each
-sequence alone); results come back in input order. On the CPU."""
+holds texts of near lengths (a BERT encoder's attention pads to the longest on a CPU; a decoder's paged attention
+reads each sequence alone); results come back in input order. On a CPU (torch ops) or a CUDA device (Triton
+kernels), as the generation engine picks them (model_runner.pick_device, pick_ops_backend, pick_dtype)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from batchjob.engine.config import EmbedderConfig
 from batchjob.engine.host_memory import keep_freed_memory
-from batchjob.engine.model_runner import load_ops, pick_dtype
+from batchjob.engine.model_runner import device_numerics, load_ops, pick_device, pick_dtype, pick_ops_backend
 from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
+from batchjob.model.cpu_native import native_ops_for
+from batchjob.model.decoder_embedding import DecoderEmbeddingModel
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
 from batchjob.model.errors import ModelNotFoundError
 from batchjob.model.loader import folder_digest, locate_model
@@ -47,16 +50,19 @@ class Embedder:
 
     def __init__(self, model: str, **config):
         self.config = EmbedderConfig(**config)
-        configure_threads(self.config.num_threads or os.cpu_count() or 1)
-        keep_freed_memory()
-        self.dtype = pick_dtype(self.config, torch.device("cpu"))
+        self.device = pick_device(self.config)
+        if self.device.type == "cpu":
+            configure_threads(self.config.num_threads or os.cpu_count() or 1)
+            keep_freed_memory()
+        self.dtype = pick_dtype(self.config, self.device)
+        self.ops_backend = pick_ops_backend(self.config, self.device)
         location = locate_model(model)  # a folder, a built-in name or a Hub id
         path = self.model_path = location.path
         if not path.is_dir():
             raise ModelNotFoundError(
                 f"model {model!r} is not a sentence-transformers folder ({path}): an Embedder takes one"
             )
-        self.encoder: Encoder = load_encoder(path, self.dtype, load_ops("torch"))
+        self.encoder: Encoder = load_encoder(path, self.dtype, load_ops(self.ops_backend), self.device)
         self.prompt = self._resolve_prompt()
         # the tokens of each text that pooling may leave out (the folder's include_prompt)
         self._prompt_length = self.encoder.prompt_length(self.prompt) if self.prompt else 0
@@ -65,7 +71,16 @@ class Embedder:
         # What decides the numbers, for a job's fingerprint: every file of the folder, by name, and how it is computed.
         self.model_digest = folder_digest(path, [p for p in path.rglob("*") if p.is_file()])
         self.model_revision = location.revision
-        self.numerics = {"device": "cpu", "dtype": str(self.dtype).removeprefix("torch."), "task": "embed"}
+        ops = self.ops_backend
+        decoder = isinstance(self.encoder.model, DecoderEmbeddingModel)  # BERT's ops have no C++ form
+        if ops == "torch" and decoder and native_ops_for(self.device, self.dtype) is not None:
+            ops += "+cpp"  # as the generation engine names it: the C++ kernels sum in other orders than torch's
+        self.numerics = {
+            "device": device_numerics(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "ops_backend": ops,
+            "task": "embed",
+        }
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         self._matryoshka = config.get("is_matryoshka") or config.get("matryoshka_dimensions")
 

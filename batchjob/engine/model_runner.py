@@ -31,7 +31,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DEFAULT_CPU_KV_GB = 2.0
 
 
-def pick_device(config: EngineConfig) -> torch.device:
+def pick_device(config: EngineConfig | EmbedderConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if config.device == "cuda" and not torch.cuda.is_available():
@@ -39,7 +39,7 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def pick_ops_backend(config: EngineConfig, device: torch.device) -> str:
+def pick_ops_backend(config: EngineConfig | EmbedderConfig, device: torch.device) -> str:
     """Triton kernels on a CUDA device (or when asked for, e.g. under TRITON_INTERPRET=1); torch otherwise."""
     if config.ops_backend == "triton":
         if not importlib.util.find_spec("triton"):
@@ -52,6 +52,12 @@ def pick_ops_backend(config: EngineConfig, device: torch.device) -> str:
     if config.ops_backend != "auto":
         return config.ops_backend
     return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+
+
+def device_numerics(device: torch.device) -> str:
+    """The device as the numerics name it: a GPU by its model, whose kernels (and their reduction orders) are tuned
+    per model."""
+    return f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
 
 
 def load_ops(backend: str) -> OpsBackend:
@@ -136,9 +142,7 @@ class ModelRunner:
         """What decides the numbers beyond the weights, as resolved (dtype `auto` is bfloat16 on a GPU and on a CPU
         with native bf16, else float32; see pick_dtype): results computed under two of these differ in their last
         bits, and so in some greedy tokens."""
-        device = self.device.type
-        if device == "cuda":  # kernels (and their reduction orders) are tuned per GPU model
-            device += f":{torch.cuda.get_device_name(self.device)}"
+        device = device_numerics(self.device)
         ops = self.ops_backend
         if ops == "torch" and native_ops_for(self.device, self.dtype, self.kv_dtype) is not None:
             ops += "+cpp"  # the C++ kernels sum in other orders than torch's

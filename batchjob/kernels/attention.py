@@ -26,11 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from batchjob.kernels.common import INTERPRET, check_device, next_pow2, tanh
+from batchjob.kernels.common import LOG2E, check_device, dot, dot_dtype, find_seq, next_pow2, tanh
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.fp8 import FP8_DTYPE
 
-LOG2E = 1.4426950408889634
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the same, inside the kernels
 SPLIT_SIZE = 512  # keys per split of the decode kernel: fixed, so that a row's result is batch-independent
 DECODE_BLOCK_N = 64
@@ -39,29 +38,6 @@ VARLEN_BLOCK_N = 64
 # Bytes of the varlen kernel's Q, K, V and accumulator tiles that stay in registers at 4 warps: 64 x 64 tiles in bf16
 # at head dim 128. Twice that (fp32 at head dim 128) spilled: fp32 prefill ran 16x slower than torch's.
 VARLEN_TILE_BYTES = 2 * (VARLEN_BLOCK_M + VARLEN_BLOCK_N) * 128 * 2
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _find_seq(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last sequence i whose first q block, query_start_loc[i] // BLOCK_Q + i, is <= target."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first <= target:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @triton.jit
@@ -115,7 +91,7 @@ def _attend_tile(
         sc_off = blk * stride_sb + page_off * stride_ss + kvh
         k_scale = tl.load(ks_ptr + sc_off, mask=n_ok, other=0.0)
         v_scale = tl.load(vs_ptr + sc_off, mask=n_ok, other=0.0)
-    s = _dot(q, k.to(DOT_DTYPE), IEEE)  # [BLOCK_M, BLOCK_N], fp32
+    s = dot(q, k.to(DOT_DTYPE), IEEE)  # [BLOCK_M, BLOCK_N], fp32
     if FP8:
         s = s * k_scale[None, :]
     if SOFTCAP:
@@ -136,7 +112,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if FP8:
         p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), IEEE)
+    acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), IEEE)
     return acc, m_new, l_i
 
 
@@ -181,7 +157,7 @@ def _varlen_kernel(
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    seq = find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + seq)
@@ -428,16 +404,6 @@ def _combine_kernel(
     )
 
 
-def _dot_dtype(dtype: torch.dtype):
-    if INTERPRET or dtype == torch.float32:
-        return tl.float32  # the interpreter's fp16/bf16 tl.dot is not reliable
-    if dtype == torch.float16:
-        return tl.float16
-    if dtype == torch.bfloat16:
-        return tl.bfloat16
-    raise TypeError(f"unsupported query dtype for paged_attention: {dtype}")
-
-
 def varlen_tiles(itemsize: int, d_pad: int, group: int) -> tuple[int, int]:
     """BLOCK_M and BLOCK_N of the varlen kernel for dot inputs of `itemsize` bytes at a padded head dim: halved
     (N first) until the tiles fit VARLEN_TILE_BYTES; BLOCK_M holds at least one token's GROUP query heads."""
@@ -500,7 +466,7 @@ def paged_attention_impl(
         HEAD_DIM=D,
         D_PAD=next_pow2(D),
         FP8=fp8,
-        DOT_DTYPE=_dot_dtype(q.dtype),
+        DOT_DTYPE=dot_dtype(q.dtype),
         IEEE=q.dtype == torch.float32,
         WINDOWED=sliding_window is not None,
         SOFTCAP=logits_soft_cap is not None,

@@ -10,6 +10,7 @@ from batchjob import env
 
 # triton.jit picks the interpreter when the function is defined, from this variable: read it the same way, once.
 INTERPRET = env.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634  # the attention kernels' softmax runs in the exp2 domain: scores times scale * LOG2E
 
 
 def next_pow2(n: int) -> int:
@@ -24,6 +25,43 @@ def check_device(*tensors: torch.Tensor) -> None:
                 "batchjob.kernels.ops got CPU tensors but the Triton interpreter is off: set TRITON_INTERPRET=1 "
                 "before importing batchjob.kernels.ops, or use batchjob.model.ops on a CPU"
             )
+
+
+def dot_dtype(dtype: torch.dtype):
+    """The dtype an attention kernel's tl.dot takes for activations of `dtype`."""
+    if INTERPRET or dtype == torch.float32:
+        return tl.float32  # the interpreter's fp16/bf16 tl.dot is not reliable
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16:
+        return tl.bfloat16
+    raise TypeError(f"unsupported activation dtype for the attention kernels: {dtype}")
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """tl.dot; IEEE (fp32 activations) keeps full fp32 products rather than TF32's."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def find_seq(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence i whose first q block, query_start_loc[i] // BLOCK_Q + i, is <= target: a launch of
+    total_rows // BLOCK_Q + num_seqs programs covers every sequence's q blocks, and program `target` finds its own
+    without a host-side plan (a program past its sequence's last block has nothing to do)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
 
 
 @triton.jit

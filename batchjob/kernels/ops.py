@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from batchjob.kernels.attention import paged_attention
 from batchjob.kernels.elementwise import gelu_tanh_and_mul, rms_norm, rotary, silu_and_mul
+from batchjob.kernels.encoder_attention import varlen_attention
 from batchjob.kernels.kv_cache import store_kv
 from batchjob.model.fp8 import FP8_DTYPE  # either ops module names the fp8 cache dtype it writes
 
@@ -20,6 +21,7 @@ __all__ = [
     "gelu_tanh_and_mul",
     "store_kv",
     "paged_attention",
+    "varlen_attention",
     "FP8_DTYPE",
     "CAPTURABLE",
 ]

@@ -43,3 +43,7 @@ class OpsBackend(Protocol):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...
+
+    def varlen_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...

@@ -2,18 +2,21 @@
 
 A batch of sequences is one [T, hidden] tensor of their tokens laid end to end, no padding: every matmul and
 elementwise op runs on all T rows at once, and only attention looks at the sequences one by one (`cu_seqlens`, the
-row where each starts, and the end)."""
+row where each starts, and the end), through the ops backend's varlen_attention: torch's SDPA on a CPU, the Triton
+kernel on a GPU."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
+from batchjob.model.backend import OpsBackend
 from batchjob.model.errors import ModelLoadError
 from batchjob.model.linear import Linear
+from batchjob.model.packed import PackedBatch
 
 # transformers' names of the activations (ACT2FN): "gelu" is the exact erf form, the others its tanh approximation.
 _GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -73,11 +76,14 @@ class _Layer:
 
 
 class BertModel:
-    def __init__(self, config: BertConfig, weights: dict[str, torch.Tensor]):
+    def __init__(
+        self, config: BertConfig, weights: dict[str, torch.Tensor], ops: OpsBackend, device: torch.device | str = "cpu"
+    ):
         """`weights` by transformers' BertModel names (a leading `bert.`, as BertFor* heads save them, is dropped),
-        already in the dtype to compute in."""
-        self.config = config
-        w = {k.removeprefix("bert."): v for k, v in weights.items()}
+        already in the dtype to compute in; moved to `device`."""
+        self.config, self.ops = config, ops
+        self.scale = 1 / math.sqrt(config.hidden_size // config.num_attention_heads)
+        w = {k.removeprefix("bert."): v.to(device) for k, v in weights.items()}
         try:
             self.word_embeddings = w["embeddings.word_embeddings.weight"]
             self.position_embeddings = w["embeddings.position_embeddings.weight"]
@@ -110,30 +116,21 @@ class BertModel:
     def dtype(self) -> torch.dtype:
         return self.word_embeddings.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.word_embeddings.device
+
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        """The last hidden states [T, hidden] of the packed token ids [T]; sequence i is rows
-        cu_seqlens[i]:cu_seqlens[i + 1]."""
-        positions = torch.cat([torch.arange(end - start) for start, end in pairwise(cu_seqlens)])
-        x = self.word_embeddings[input_ids] + self.position_embeddings[positions] + self.token_type_embedding
-        x = self.embedding_norm(x)
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        """The last hidden states [T, hidden] of the packed batch (on the model's device)."""
+        x = self.word_embeddings[batch.input_ids] + self.position_embeddings[batch.positions]
+        x = self.embedding_norm(x + self.token_type_embedding)
         for layer in self.layers:
-            x = layer.attention_norm(x + layer.attention_out(self._attention(layer.qkv(x), cu_seqlens)))
+            x = layer.attention_norm(x + layer.attention_out(self._attention(layer.qkv(x), batch.cu_seqlens)))
             x = layer.output_norm(x + layer.down(F.gelu(layer.up(x), approximate=self._gelu)))
         return x
 
-    def _attention(self, qkv: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        # Bidirectional attention within each sequence, as one SDPA call on the sequences padded to the longest
-        # (batches hold texts of near lengths: the embedder sorts them), the padding masked out of the keys. Measured
-        # on a 2-core host (200 documents of up to 256 tokens, 8,192-token batches, fp32 and bf16): 3-5x the
-        # throughput of SDPA on each sequence's slice in a loop (a call per sequence and layer), and a block-diagonal
-        # mask over the packed rows was slower still (its T x T scores grow with the batch, not the sequence).
-        rows, heads = qkv.shape[0], self.config.num_attention_heads
-        starts = torch.tensor(cu_seqlens[:-1])
-        lengths = torch.tensor(cu_seqlens[1:]) - starts
-        offsets = torch.arange(int(lengths.max()))
-        valid = offsets < lengths[:, None]  # [sequences, longest]
-        index = (starts[:, None] + offsets).clamp(max=rows - 1)  # a padding slot reads some real row, masked out
-        q, k, v = qkv[index].view(*index.shape, 3, heads, -1).permute(2, 0, 3, 1, 4)  # [sequences, heads, longest, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
-        return out.transpose(1, 2).reshape(*index.shape, -1)[valid]
+    def _attention(self, qkv: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        rows = qkv.shape[0]
+        q, k, v = qkv.view(rows, 3, self.config.num_attention_heads, -1).unbind(1)  # views [T, heads, d]
+        return self.ops.varlen_attention(q, k, v, cu_seqlens, self.scale).reshape(rows, -1)

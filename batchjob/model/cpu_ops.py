@@ -53,6 +53,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # Gemma's MLP: torch's GELU kernel, no C++ form of its own
+varlen_attention = torch_ops.varlen_attention  # an encoder's attention: torch's SDPA on the padded sequences
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:

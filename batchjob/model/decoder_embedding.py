@@ -13,6 +13,7 @@ import torch
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.config import ModelConfig
 from batchjob.model.llama import LlamaModel
+from batchjob.model.packed import PackedBatch
 
 BLOCK_SIZE = 16  # the engine's default block size, which every attention backend takes
 
@@ -35,25 +36,24 @@ class DecoderEmbeddingModel:
         return self.model.embed.device
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        """The last (final-normed) hidden states [T, hidden] of the packed token ids [T]; sequence i is rows
-        cu_seqlens[i]:cu_seqlens[i + 1], at positions 0 onwards. Sequence i's K/V go to blocks of its own, so that
-        each starts a block as the paged kernels read it."""
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        """The last (final-normed) hidden states [T, hidden] of the packed batch (on the model's device). Sequence
+        i's K/V go to blocks of its own, so that each starts a block as the paged kernels read it."""
         bs = self.block_size
-        starts = torch.tensor(cu_seqlens[:-1])
-        lengths = torch.tensor(cu_seqlens[1:]) - starts
+        lens = batch.seq_lens
+        lengths = torch.tensor(lens)
+        starts = torch.cumsum(lengths, 0) - lengths
         blocks = -(-lengths // bs)
         first_block = torch.cumsum(blocks, 0) - blocks
         columns = torch.arange(int(blocks.max()))
         tables = torch.where(columns < blocks[:, None], first_block[:, None] + columns, -1)
-        positions = torch.arange(cu_seqlens[-1]) - torch.repeat_interleave(starts, lengths)
+        # the block tables and slots are built on the host, as AttentionMetadata takes them
+        positions = torch.arange(sum(lens)) - torch.repeat_interleave(starts, lengths)
         slots = torch.repeat_interleave(first_block * bs, lengths) + positions
-        lens = lengths.tolist()
         meta = AttentionMetadata.build(lens, lens, tables, slots, self.device)
         cache = self._scratch(int(blocks.sum()))
         caches = [cache] * self.config.num_hidden_layers
-        device = self.device
-        return self.model.forward(input_ids.to(device), positions.to(device), meta, caches)
+        return self.model.forward(batch.input_ids, batch.positions, meta, caches)
 
     def _scratch(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is None or self._cache[0].shape[0] < num_blocks:

@@ -22,6 +22,7 @@ from batchjob.model.decoder_embedding import DecoderEmbeddingModel
 from batchjob.model.errors import ModelLoadError, ModelNotFoundError
 from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import check_weights, reading_model
+from batchjob.model.packed import PackedBatch
 from batchjob.model.pooling import Pooling
 
 _MODULES = {"Transformer", "Pooling", "Normalize"}  # modules.json's types (by their last name) that are computed here
@@ -37,7 +38,7 @@ class Tokenized:
 
 @dataclass
 class Encoder:
-    model: BertModel | DecoderEmbeddingModel  # hidden states [T, hidden] of packed token ids and their cu_seqlens
+    model: BertModel | DecoderEmbeddingModel  # hidden states [T, hidden] of a PackedBatch, on the model's device
     tokenizer: HFTokenizer  # truncates to max_seq_length, special tokens included
     pooling: Pooling
     max_seq_length: int
@@ -55,21 +56,19 @@ class Encoder:
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1:] == [1] else 0)
 
     def embed(self, batch: list[list[int]], prompt_lengths: list[int] | None = None) -> torch.Tensor:
-        """The sentence embeddings [len(batch), hidden] (float32) of a batch of token-id lists, in one packed
-        forward pass. `prompt_lengths`: how many of each list's first tokens are a prompt's (pooling leaves them out
+        """The sentence embeddings [len(batch), hidden] (float32, on the host) of a batch of token-id lists, in one
+        packed forward pass on the model's device: the inputs go there in one copy, the pooled embeddings come back
+        in one read. `prompt_lengths`: how many of each list's first tokens are a prompt's (pooling leaves them out
         where its config says so)."""
-        cu_seqlens = [0]
-        for ids in batch:
-            cu_seqlens.append(cu_seqlens[-1] + len(ids))
-        input_ids = torch.tensor([t for ids in batch for t in ids])
-        return self.pooling(self.model(input_ids, cu_seqlens), cu_seqlens, prompt_lengths)
+        packed = PackedBatch.build(batch, self.model.device, prompt_lengths)
+        return self.pooling(self.model(packed), packed.cu_seqlens, packed.prompt_lengths).cpu()
 
 
 def load_encoder(
     path: Path, dtype: torch.dtype, ops: OpsBackend | None = None, device: torch.device | str = "cpu"
 ) -> Encoder:
-    """A BERT encoder (on the CPU), or a decoder (its config.json's model_type not bert) on `device` with `ops` (the
-    CPU's by default)."""
+    """A BERT encoder, or a decoder (its config.json's model_type not bert), on `device` with `ops` (the CPU's by
+    default)."""
     if not (path / "modules.json").is_file():
         raise ModelNotFoundError(f"{path} is not a sentence-transformers folder: it has no modules.json")
     with reading_model(path):
@@ -81,12 +80,12 @@ def load_encoder(
         root = path / next(m["path"] for m in modules if m["type"].endswith(".Transformer"))
         hf_config = json.loads((root / "config.json").read_text())
         _check_text_modality(root)
+        if ops is None:
+            from batchjob.model import cpu_ops as ops
         if hf_config.get("model_type") == "bert":
-            if torch.device(device).type != "cpu":
-                raise ValueError("BERT encoders run on the CPU")
             config = BertConfig.from_hf(hf_config)
             max_positions = config.max_position_embeddings
-            model = BertModel(config, _weights(root, dtype))
+            model = BertModel(config, _weights(root, dtype), ops, device)
         else:
             model = _decoder(root, hf_config, dtype, ops, device)
             max_positions = model.config.max_position_embeddings
@@ -145,12 +144,10 @@ def _weights(root: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _decoder(
-    root: Path, hf_config: dict, dtype: torch.dtype, ops: OpsBackend | None, device: torch.device | str
+    root: Path, hf_config: dict, dtype: torch.dtype, ops: OpsBackend, device: torch.device | str
 ) -> DecoderEmbeddingModel:
     """sentence-transformers saves the bare transformer (Qwen2Model: no LM head, tensor names without `model.`);
     a folder may also hold the whole *ForCausalLM. Either runs as its *ForCausalLM without the head."""
-    if ops is None:
-        from batchjob.model import cpu_ops as ops
     arch = (hf_config.get("architectures") or ["?"])[0]
     if arch.endswith("Model"):
         arch = arch.removesuffix("Model") + "ForCausalLM"

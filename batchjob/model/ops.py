@@ -203,3 +203,25 @@ def paged_attention(
         o = o.view(b, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, max_q, h, d)
         out[grp.rows] = o[grp.valid_q]
     return out
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention of packed sequences, an encoder's: q, k, v [T, H, D] hold the sequences' rows end to
+    end, sequence i in rows cu_seqlens[i]:cu_seqlens[i + 1] (int32, on q's device); each query attends to every key
+    of its own sequence (flash-attn's flash_attn_varlen_func without causal). Returns [T, H, D].
+
+    One SDPA call on the sequences padded to the longest, the padding masked out of the keys (the embedder sorts
+    texts by length, so a batch holds near lengths). Measured on a 2-core host (200 documents of up to 256 tokens,
+    8,192-token batches, fp32 and bf16): 3-5x the throughput of SDPA on each sequence's slice in a loop (a call per
+    sequence and layer), and a block-diagonal mask over the packed rows was slower still (its T x T scores grow with
+    the batch, not the sequence)."""
+    cu = cu_seqlens.to(torch.long)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    offsets = torch.arange(int(lengths.max()), device=q.device)
+    valid = offsets < lengths[:, None]  # [sequences, longest]
+    index = (starts[:, None] + offsets).clamp(max=q.shape[0] - 1)  # a padding slot reads some real row, masked out
+    padded = [x[index].transpose(1, 2) for x in (q, k, v)]  # [sequences, H, longest, D]
+    out = F.scaled_dot_product_attention(*padded, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.transpose(1, 2)[valid]

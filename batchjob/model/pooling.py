@@ -50,17 +50,24 @@ class Pooling:
         return cls.from_config(cfg, normalize="Normalize" in kinds)
 
     def __call__(
-        self, hidden: torch.Tensor, cu_seqlens: list[int], prompt_lengths: list[int] | None = None
+        self,
+        hidden: torch.Tensor,
+        cu_seqlens: torch.Tensor | list[int],
+        prompt_lengths: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor:
-        """[number of sequences, hidden] in float32 from the packed hidden states [T, hidden]; sequence i's first
-        prompt_lengths[i] rows are a prompt's."""
+        """[number of sequences, hidden] in float32 from the packed hidden states [T, hidden]; sequence i is rows
+        cu_seqlens[i]:cu_seqlens[i + 1], its first prompt_lengths[i] rows a prompt's. Computed where `hidden` is,
+        reading no device value on the host."""
         hidden = hidden.float()  # sums and norms in fp32 whatever the model computed in
-        starts, ends = torch.tensor(cu_seqlens[:-1]), torch.tensor(cu_seqlens[1:])
-        seq = torch.repeat_interleave(torch.arange(len(starts)), ends - starts)  # the sequence of each row
-        if not self.include_prompt and prompt_lengths and any(prompt_lengths):
+        device = hidden.device
+        cu = torch.as_tensor(cu_seqlens, device=device).long()
+        starts, ends = cu[:-1], cu[1:]
+        # the sequence of each row
+        seq = torch.repeat_interleave(torch.arange(len(starts), device=device), ends - starts, output_size=len(hidden))
+        if not self.include_prompt and prompt_lengths is not None:
             # masked as sentence-transformers masks them: a sequence all prompt pools to zeros
-            starts = torch.minimum(starts + torch.tensor(prompt_lengths), ends)
-            hidden = hidden * (torch.arange(len(hidden)) >= starts[seq]).unsqueeze(1)
+            starts = torch.minimum(starts + torch.as_tensor(prompt_lengths, device=device), ends)
+            hidden = hidden * (torch.arange(len(hidden), device=device) >= starts[seq]).unsqueeze(1)
         if self.mode == "cls":
             pooled = hidden[torch.minimum(starts, ends - 1)]
         elif self.mode == "lasttoken":

@@ -57,7 +57,8 @@ def cosines(rows: dict, embed_texts, reference) -> list[float]:
 def test_an_embedding_job_writes_sentence_transformers_embeddings(
     tmp_path, minilm, texts_file, embed_texts, st_embeddings, dtype, bound
 ):
-    engine = {"dtype": dtype} if dtype else {}
+    # the device and ops keys as a generation job takes them (a GPU's Triton path: tests/kernels/test_bert_triton.py)
+    engine = {"dtype": dtype, "device": "cpu", "ops_backend": "torch"} if dtype else {}
     job = write_job(
         tmp_path / "job.yaml", minilm, texts_file, tmp_path / "out", engine=engine, input={"passthrough": ["lang"]}
     )
@@ -68,6 +69,8 @@ def test_an_embedding_job_writes_sentence_transformers_embeddings(
     assert schema.field("embedding").type == pa.list_(pa.float32(), 384)
     rows = embeddings_by_id(tmp_path / "out")
     assert min(cosines(rows, embed_texts, st_embeddings.numpy())) >= bound
+    numerics = json.loads((tmp_path / "out" / "_job.json").read_text())["fingerprint"]["numerics"]
+    assert (numerics["device"], numerics["ops_backend"], numerics["task"]) == ("cpu", "torch", "embed")
     empty = rows[f"t{embed_texts.index('')}"]
     assert empty["embedding"] is None and "missing prompt: text is empty" in empty["error"]
 

@@ -14,7 +14,14 @@ pytestmark = pytest.mark.triton
 def test_selftest_small(device):
     rows = run_selftest(device, small=True, dtype=torch.float16, reps=0)
     table = format_selftest(rows)
-    assert {r["kernel"] for r in rows} == {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention"}
+    assert {r["kernel"] for r in rows} == {
+        "rms_norm",
+        "rotary",
+        "silu_and_mul",
+        "store_kv",
+        "paged_attention",
+        "varlen_attention",
+    }
     assert all(r["passed"] for r in rows), table
     assert table.splitlines()[-1] == f"{len(rows)}/{len(rows)} passed"
 

@@ -22,7 +22,8 @@ from batchjob.model.cpu_features import has_native_bf16  # noqa: E402
 from batchjob.model.decoder_embedding import DecoderEmbeddingModel  # noqa: E402
 from batchjob.model.encoder import load_encoder  # noqa: E402
 from batchjob.model.errors import ModelLoadError  # noqa: E402
-from tests.model.test_encoder import packed  # noqa: E402
+from batchjob.model.packed import PackedBatch  # noqa: E402
+from tests.model.test_encoder import cu_seqlens_of  # noqa: E402
 from tests.oracle.test_tiny_architectures import COMMON, _randomize, tiny_tokenizer  # noqa: E402
 
 QUERY = "Instruct: Given a question, find the passage that answers it\nQuery:"
@@ -135,10 +136,10 @@ def test_matches_sentence_transformers(name, request, texts):
 def test_packed_batch_equals_each_sequence_alone(qwen2, texts):
     encoder = load_encoder(qwen2, torch.float32)
     ids = [t.token_ids for t in encoder.tokenize(texts[::3])]
-    input_ids, cu_seqlens = packed(ids)
-    hidden = encoder.model(input_ids, cu_seqlens)
-    for row, (start, end) in zip(ids, pairwise(cu_seqlens)):
-        torch.testing.assert_close(hidden[start:end], encoder.model(*packed([row])), atol=1e-5, rtol=1e-5)
+    hidden = encoder.model(PackedBatch.build(ids))
+    for row, (start, end) in zip(ids, pairwise(cu_seqlens_of(ids))):
+        alone = encoder.model(PackedBatch.build([row]))
+        torch.testing.assert_close(hidden[start:end], alone, atol=1e-5, rtol=1e-5)
 
 
 def test_prompts_as_sentence_transformers(qwen2, llama_mean, texts):

@@ -5,7 +5,7 @@ them."""
 from __future__ import annotations
 
 import json
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from pathlib import Path
 
 import pytest
@@ -14,16 +14,14 @@ import torch.nn.functional as F
 
 from batchjob.model.encoder import load_encoder
 from batchjob.model.errors import ModelLoadError
+from batchjob.model.packed import PackedBatch
 from batchjob.model.pooling import Pooling
 
 MIN_COSINE = {torch.float32: 0.9999, torch.bfloat16: 0.999}
 
 
-def packed(ids: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-    cu_seqlens = [0]
-    for row in ids:
-        cu_seqlens.append(cu_seqlens[-1] + len(row))
-    return torch.tensor([t for row in ids for t in row]), cu_seqlens
+def cu_seqlens_of(ids: list[list[int]]) -> list[int]:
+    return [0, *accumulate(map(len, ids))]
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +40,16 @@ def test_matches_sentence_transformers(minilm, fp32_encoder, embed_texts, st_emb
 
 def test_packed_batch_equals_each_sequence_alone(fp32_encoder, embed_texts):
     ids = [t.token_ids for t in fp32_encoder.tokenize(embed_texts[::4])]
-    hidden = fp32_encoder.model(*packed(ids))
-    _, cu_seqlens = packed(ids)
-    for row, (start, end) in zip(ids, pairwise(cu_seqlens)):
-        alone = fp32_encoder.model(*packed([row]))
+    hidden = fp32_encoder.model(PackedBatch.build(ids))
+    for row, (start, end) in zip(ids, pairwise(cu_seqlens_of(ids))):
+        alone = fp32_encoder.model(PackedBatch.build([row]))
         torch.testing.assert_close(hidden[start:end], alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["mean", "cls", "lasttoken"])
 def test_pooling_against_each_sequence_in_torch(fp32_encoder, embed_texts, mode):
-    input_ids, cu_seqlens = packed([t.token_ids for t in fp32_encoder.tokenize(embed_texts[36:])])
-    hidden = fp32_encoder.model(input_ids, cu_seqlens)
+    ids = [t.token_ids for t in fp32_encoder.tokenize(embed_texts[36:])]
+    hidden, cu_seqlens = fp32_encoder.model(PackedBatch.build(ids)), cu_seqlens_of(ids)
     rows = {"mean": lambda h: h.mean(0), "cls": lambda h: h[0], "lasttoken": lambda h: h[-1]}[mode]
     reference = torch.stack([rows(hidden[s:e]) for s, e in pairwise(cu_seqlens)])
     torch.testing.assert_close(Pooling(mode, normalize=False)(hidden, cu_seqlens), reference)

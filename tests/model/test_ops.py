@@ -69,3 +69,19 @@ def test_buckets_bound_the_padding():
     for b in buckets:
         assert all(sizes[i] >= ops._BUCKET_FILL * max(sizes[j] for j in b) for i in b)
     assert buckets == [[0, 2, 3], [4], [5], [6, 1, 7]]
+
+
+def test_varlen_attention_matches_each_sequence_alone():
+    """The padded SDPA of packed sequences against plain bidirectional SDPA on each sequence's rows: q, k and v as
+    strided views of one fused qkv, as BERT passes them."""
+    torch.manual_seed(0)
+    lengths, heads, dim = [1, 30, 7, 64, 2], 3, 24
+    t = sum(lengths)
+    q, k, v = torch.randn(t, 3, heads, dim).unbind(1)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = ops.varlen_attention(q, k, v, cu_seqlens, 0.3)
+    starts = cu_seqlens.tolist()
+    for s, e in zip(starts, starts[1:]):
+        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+        alone = F.scaled_dot_product_attention(qs, ks, vs, scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(out[s:e], alone, atol=1e-6, rtol=1e-5)
