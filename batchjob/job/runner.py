@@ -164,6 +164,9 @@ class JobRun:
         if meta is None or not committed_rows:
             return None
         earlier = meta["fingerprint"].get("numerics")  # None: written by a batchjob that did not record them
+        if earlier and "ops_backend" not in earlier and earlier.get("device") == "cpu" == numerics.get("device"):
+            # an embedding job's record from before embedders ran anywhere but a CPU, whose ops are unchanged since
+            earlier = {**earlier, "ops_backend": numerics.get("ops_backend")}
         if earlier == numerics:
             return None
         was = earlier or {}
