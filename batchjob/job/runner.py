@@ -21,7 +21,7 @@ from batchjob.job.reader import InputSource, Scan
 from batchjob.job.spec import JobSpec
 from batchjob.job.stopper import Stopper
 from batchjob.job.telemetry.progress import Progress
-from batchjob.job.telemetry.prom import write_metrics
+from batchjob.job.telemetry.prom import metric_families, write_metrics
 
 MODEL_KEYS = ("model_digest", "model_revision", "numerics")  # the parts known once the model is loaded
 # Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in
@@ -244,8 +244,7 @@ class JobRun:
         if not self.out.own(METRICS):
             return code
         t, labels = self.executor.timeline, {"model_name": self.job.model, "output": display(self.out.path)}
-        write_metrics(
-            self.out.path / METRICS,
+        families = metric_families(
             labels,
             committed,
             total,
@@ -254,6 +253,7 @@ class JobRun:
             preemptions=t and t.preemptions,
             kv_cache_usage=t and t.kv_cache_usage_mean,
         )
+        write_metrics(self.out.path / METRICS, families)
         return code
 
     def _already_done(self) -> int:

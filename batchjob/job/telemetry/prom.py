@@ -17,8 +17,15 @@ from batchjob.job.output.state import Committed
 from batchjob.job.output.storage import write_atomic
 
 
-def write_metrics(
-    path: Path,
+def write_metrics(path: Path, families: list) -> None:
+    """`families` (metric_families') as one Prometheus text file, replaced atomically."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(families))
+    text = generate_latest(registry)
+    write_atomic(path, lambda f: f.write(text))
+
+
+def metric_families(
     labels: dict[str, str],
     committed: Committed,
     rows_total: int,
@@ -27,24 +34,8 @@ def write_metrics(
     last_success: float | None,
     preemptions: int | None,
     kv_cache_usage: float | None,
-) -> None:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        _Fixed(_families(labels, committed, rows_total, exit_code, last_success, preemptions, kv_cache_usage))
-    )
-    text = generate_latest(registry)
-    write_atomic(path, lambda f: f.write(text))
-
-
-def _families(
-    labels: dict[str, str],
-    committed: Committed,
-    rows_total: int,
-    exit_code: int,
-    last_success: float | None,
-    preemptions: int | None,
-    kv_cache_usage: float | None,
 ) -> list:
+    """The job's figures, each sample labelled with `labels`."""
     names, values = list(labels), list(labels.values())
 
     def family(kind, name: str, help_text: str, value: float) -> object:
