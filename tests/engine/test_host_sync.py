@@ -28,6 +28,7 @@ CPU = torch.device("cpu")
         lambda x: x.nonzero(),
         lambda x: torch.repeat_interleave(x.long().abs()),
         lambda x: torch.equal(x, x),
+        lambda x: torch.bincount(x.long().abs(), minlength=10),
     ],
 )
 @pytest.mark.parametrize("inference", [False, True])
