@@ -309,6 +309,47 @@ def run_selftest(
             del c
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+    rows += _fused_moe_rows(kops, ref, device, small, dtype, reps, randn)
+    return rows
+
+
+# (experts, top-k, hidden, expert intermediate, token counts): Qwen3-30B-A3B's sparse layer, at a decode batch and a
+# prefill chunk
+MOE_CONFIG = ("qwen3-30b-a3b", 128, 8, 2048, 768, (256, 4096))
+SMALL_MOE_CONFIG = ("e8-k2", 8, 2, 96, 80, (5, 40))
+
+
+def _fused_moe_rows(kops, ref, device: str, small: bool, dtype, reps: int, randn: Callable) -> list[dict]:
+    """The fused-MoE grouped GEMM (kernels/moe.py) against the per-expert matmuls of model/ops.py, the whole MLP:
+    routing drawn as a router's softmax top-k, weights scaled so that every stage stays near unit size."""
+    name, experts, top_k, hidden, inter, token_counts = SMALL_MOE_CONFIG if small else MOE_CONFIG
+    rtol, atol = TOLS[dtype]
+    gate, up = ([randn(inter, hidden, scale=hidden**-0.5) for _ in range(experts)] for _ in range(2))
+    down = [randn(hidden, inter, scale=inter**-0.5) for _ in range(experts)]
+    stacked, linears = kops.moe_experts(gate, up, down), ref.moe_experts(gate, up, down)
+    del gate, up, down
+    rows = []
+    for t in token_counts:
+        x = randn(t, hidden)
+        probs = torch.softmax(randn(t, experts).float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+        rows.append(
+            _row(
+                "fused_moe",
+                f"{name} T={t}",
+                dtype,
+                f"[{t}, {hidden}] E={experts} k={top_k} I={inter}",
+                lambda x=x, w=weights, i=ids: _err(
+                    kops.fused_moe(x, stacked, w, i), ref.fused_moe(x, linears, w, i), rtol, atol
+                ),
+                lambda x=x, w=weights, i=ids: kops.fused_moe(x, stacked, w, i),
+                lambda x=x, w=weights, i=ids: ref.fused_moe(x, linears, w, i),
+                f"rtol={rtol:g} atol={atol:g}",
+                device,
+                reps,
+            )
+        )
     return rows
 
 

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.triton
 def test_selftest_small(device):
     rows = run_selftest(device, small=True, dtype=torch.float16, reps=0)
     table = format_selftest(rows)
-    assert {r["kernel"] for r in rows} == {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention"}
+    kernels = {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "fused_moe"}
+    assert {r["kernel"] for r in rows} == kernels
     assert all(r["passed"] for r in rows), table
     assert table.splitlines()[-1] == f"{len(rows)}/{len(rows)} passed"
 
