@@ -350,7 +350,41 @@ def _fused_moe_rows(kops, ref, device: str, small: bool, dtype, reps: int, randn
                 reps,
             )
         )
+        if device.startswith("cuda") and t == token_counts[0]:
+            rows.append(
+                _row(
+                    "fused_moe",
+                    f"{name} T={t} CUDA graph",
+                    dtype,
+                    f"[{t}, {hidden}] captured, replayed on other inputs",
+                    lambda x=x, w=weights, i=ids: _graph_replay_err(kops, stacked, x, w, i),
+                    None,
+                    None,
+                    "exact",
+                    device,
+                    0,
+                )
+            )
     return rows
+
+
+def _graph_replay_err(kops, stacked, x, weights, ids) -> tuple[float, bool]:
+    """fused_moe captured in a CUDA graph (a capture fails at any host synchronisation) and replayed on other
+    inputs: the eager kernels' result on them, bit for bit."""
+    static = [x.clone(), weights.clone(), ids.clone()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        kops.fused_moe(static[0], stacked, static[1], static[2])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kops.fused_moe(static[0], stacked, static[1], static[2])
+    other = [x.flip(0), weights.flip(0), ids.flip(0)]
+    for dst, src in zip(static, other):
+        dst.copy_(src)
+    graph.replay()
+    return _err(out, kops.fused_moe(other[0], stacked, other[1], other[2]), 0.0, 0.0)
 
 
 # The tuning sweep's configurations (issue 29: decode attention near the copy rate, fp32 prefill at head dim 128).
