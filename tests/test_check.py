@@ -27,7 +27,15 @@ def test_selftest_cpu_runs_every_part_and_writes_one_json(tmp_path):
     )
     rows = report["rows"]
     kernels = {r["check"].split()[0] for r in rows if r["part"] == "kernels"}
-    assert kernels == {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "varlen_attention"}
+    assert kernels == {
+        "rms_norm",
+        "rotary",
+        "silu_and_mul",
+        "store_kv",
+        "paged_attention",
+        "varlen_attention",
+        "fused_moe",
+    }
     assert any("fp8" in r["check"] for r in rows if r["part"] == "kernels")
     tuning = [r for r in rows if r["part"] == "kernels" and "tuning" in r["check"]]
     assert len(tuning) >= 3 and all(r["ok"] for r in tuning) and any("(default)" in r["check"] for r in tuning)

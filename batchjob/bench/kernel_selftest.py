@@ -12,6 +12,7 @@ torch_ms, speedup (torch_ms / triton_ms), and error (a message when the kernel r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -337,7 +338,82 @@ def run_selftest(
                 reps,
             )
         )
+    rows += _fused_moe_rows(kops, ref, device, small, dtype, reps, randn)
     return rows
+
+
+# (experts, top-k, hidden, expert intermediate, token counts): Qwen3-30B-A3B's sparse layer, at a decode batch and a
+# prefill chunk
+MOE_CONFIG = ("qwen3-30b-a3b", 128, 8, 2048, 768, (256, 4096))
+SMALL_MOE_CONFIG = ("e8-k2", 8, 2, 96, 80, (5, 40))
+
+
+def _fused_moe_rows(kops, ref, device: str, small: bool, dtype, reps: int, randn: Callable) -> list[dict]:
+    """The fused-MoE grouped GEMM (kernels/moe.py) against the per-expert matmuls of model/ops.py, the whole MLP:
+    routing drawn as a router's softmax top-k, weights scaled so that every stage stays near unit size."""
+    name, experts, top_k, hidden, inter, token_counts = SMALL_MOE_CONFIG if small else MOE_CONFIG
+    rtol, atol = TOLS[dtype]
+    gate, up = ([randn(inter, hidden, scale=hidden**-0.5) for _ in range(experts)] for _ in range(2))
+    down = [randn(hidden, inter, scale=inter**-0.5) for _ in range(experts)]
+    stacked, linears = kops.moe_experts(gate, up, down), ref.moe_experts(gate, up, down)
+    del gate, up, down
+    rows = []
+    for t in token_counts:
+        x = randn(t, hidden)
+        probs = torch.softmax(randn(t, experts).float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+        rows.append(
+            _row(
+                "fused_moe",
+                f"{name} T={t}",
+                dtype,
+                f"[{t}, {hidden}] E={experts} k={top_k} I={inter}",
+                lambda x=x, w=weights, i=ids: _err(
+                    kops.fused_moe(x, stacked, w, i), ref.fused_moe(x, linears, w, i), rtol, atol
+                ),
+                lambda x=x, w=weights, i=ids: kops.fused_moe(x, stacked, w, i),
+                lambda x=x, w=weights, i=ids: ref.fused_moe(x, linears, w, i),
+                f"rtol={rtol:g} atol={atol:g}",
+                device,
+                reps,
+            )
+        )
+        if device.startswith("cuda") and t == token_counts[0]:
+            rows.append(
+                _row(
+                    "fused_moe",
+                    f"{name} T={t} CUDA graph",
+                    dtype,
+                    f"[{t}, {hidden}] captured, replayed on other inputs",
+                    lambda x=x, w=weights, i=ids: _graph_replay_err(kops, stacked, x, w, i),
+                    None,
+                    None,
+                    "exact",
+                    device,
+                    0,
+                )
+            )
+    return rows
+
+
+def _graph_replay_err(kops, stacked, x, weights, ids) -> tuple[float, bool]:
+    """fused_moe captured in a CUDA graph (a capture fails at any host synchronisation) and replayed on other
+    inputs: the eager kernels' result on them, bit for bit."""
+    static = [x.clone(), weights.clone(), ids.clone()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        kops.fused_moe(static[0], stacked, static[1], static[2])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kops.fused_moe(static[0], stacked, static[1], static[2])
+    other = [x.flip(0), weights.flip(0), ids.flip(0)]
+    for dst, src in zip(static, other):
+        dst.copy_(src)
+    graph.replay()
+    return _err(out, kops.fused_moe(other[0], stacked, other[1], other[2]), 0.0, 0.0)
 
 
 # The tuning sweep's configurations (issue 29: decode attention near the copy rate, fp32 prefill at head dim 128).
@@ -346,11 +422,14 @@ DECODE_SWEEP = [(split, block_n, warps) for split in (256, 512) for block_n in (
 FP32_PREFILL_SWEEP = [(64, 64, 4), (64, 32, 4), (32, 64, 4), (32, 32, 4), (32, 32, 8), (16, 32, 4)]
 
 
-def run_tuning(device: str = "cuda", small: bool = False, reps: int | None = None) -> list[dict]:
+def run_tuning(
+    device: str = "cuda", small: bool = False, reps: int | None = None, until: float | None = None
+) -> list[dict]:
     """The paged attention kernel's knobs swept on the largest shape, each configuration checked against the torch
     reference and timed: decode in bf16 (split size, key tile, warps; with the KV bytes read per second) and prefill
     in fp32 at head dim 128 (varlen tiles, warps). Rows as run_selftest's, the configuration in `case`; the default
-    configuration is marked. What a device run of it says is what the defaults should be."""
+    configuration is marked. What a device run of it says is what the defaults should be. Past `until` (a
+    perf_counter time) the configurations left are not run: a last row, not failed, counts them."""
     if device == "cpu":
         env.use_triton_interpreter()
     from batchjob.bench.kernel_cases import make_attention_case
@@ -370,12 +449,16 @@ def run_tuning(device: str = "cuda", small: bool = False, reps: int | None = Non
         prefill = [(0 if i % 2 == 0 else 512, 256) for i in range(16)]
         decode_sweep, prefill_sweep = DECODE_SWEEP, FP32_PREFILL_SWEEP
     rows: list[dict] = []
+    skipped = 0
     for dtype, specs, sweep in ((torch.bfloat16, decode, decode_sweep), (torch.float32, prefill, prefill_sweep)):
         dtype = dtype if not small else torch.float32  # the interpreter's half-precision dots are not reliable
         rtol, atol = TOLS[dtype]
         c = make_attention_case(specs, heads=H, kv_heads=KVH, head_dim=D, page=16, dtype=dtype, device=device)
         shape = f"{len(specs)} seqs, ctx<={max(p + n for p, n in specs)}, H={H}/KVH={KVH}/D={D}"
         for config in sweep:
+            if until is not None and time.perf_counter() > until:
+                skipped += 1
+                continue
             if specs is decode:
                 split, block_n, warps = config
                 knobs = dict(split_size=split, decode_block_n=block_n, decode_warps=warps)
@@ -409,4 +492,7 @@ def run_tuning(device: str = "cuda", small: bool = False, reps: int | None = Non
         del c
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    if skipped:
+        note = f"{skipped} of {len(decode_sweep) + len(prefill_sweep)} configurations not run: the time cap came first"
+        rows.append(dict(kernel="paged_attention tuning", case="sweep cut short", passed=None, error=note))
     return rows

@@ -23,6 +23,7 @@ _READS = {
     aten.repeat_interleave.Tensor,
     aten._unique2.default,
     aten.unique_consecutive.default,
+    aten.bincount.default,  # sized by the largest value
 }
 _INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 

@@ -105,7 +105,7 @@ class ModelRunner:
         if config.kv_cache_dtype == "fp8":
             per_slot += c.num_key_value_heads * 4  # the fp32 scale of each (slot, head)
         self.kv_bytes_per_token = 2 * c.num_hidden_layers * per_slot
-        # a sparse MoE layer sizes its expert matmuls on the host: its steps cannot be captured
+        # a sparse MoE layer on per-expert matmuls sizes them on the host: its steps cannot be captured
         graphs = use_cuda_graphs(config, self.device, self.model.ops) and self.model.capturable
         self.memory: MemoryProfile | None = None  # what the pool was sized against, on a GPU
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(graphs)

@@ -9,7 +9,9 @@ from batchjob.kernels.attention import paged_attention
 from batchjob.kernels.elementwise import gelu_tanh_and_mul, rms_norm, rotary, silu_and_mul
 from batchjob.kernels.encoder_attention import varlen_attention
 from batchjob.kernels.kv_cache import store_kv
+from batchjob.kernels.moe import fused_moe
 from batchjob.model.fp8 import FP8_DTYPE  # either ops module names the fp8 cache dtype it writes
+from batchjob.model.moe import StackedExperts as moe_experts  # the grouped GEMM's layout: [E, 2I, H] and [E, H, I]
 
 # The wrappers size every launch from host values and never read a device tensor: a CUDA graph can capture a step.
 CAPTURABLE = True
@@ -22,6 +24,8 @@ __all__ = [
     "store_kv",
     "paged_attention",
     "varlen_attention",
+    "moe_experts",
+    "fused_moe",
     "FP8_DTYPE",
     "CAPTURABLE",
 ]

@@ -5,7 +5,7 @@ and k in place: the model never reads them again."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,14 @@ class OpsBackend(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def moe_experts(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> Any:
+        """A sparse layer's experts (each expert's gate [I, H], up [I, H], down [H, I]) laid out for fused_moe, once
+        at load."""
+
+    def fused_moe(
+        self, x: torch.Tensor, experts: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor: ...
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None: ...
 

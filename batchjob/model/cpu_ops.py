@@ -52,6 +52,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return native.silu_and_mul(x)
 
 
+def fused_moe(x, experts, topk_weights, topk_ids) -> torch.Tensor:
+    """ops.fused_moe (each expert's packed Linears), with this module's silu_and_mul between the matmuls."""
+    return torch_ops.per_expert_moe(x, experts, topk_weights, topk_ids, silu_and_mul)
+
+
+moe_experts = torch_ops.moe_experts
 gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # Gemma's MLP: torch's GELU kernel, no C++ form of its own
 varlen_attention = torch_ops.varlen_attention  # an encoder's attention: torch's SDPA on the padded sequences
 

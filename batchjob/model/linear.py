@@ -40,10 +40,13 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 class Linear:
     """W [out_features, in_features] and an optional bias; callable on x [..., in_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False, pack: bool = True
+    ):
+        """Without `pack`, W is used as it is (a view into weights another layout owns)."""
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
-        if _packable(weight):
+        if pack and _packable(weight):
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
             tol = _PROBE_TOL[weight.dtype]
             try:

@@ -67,9 +67,8 @@ class LlamaModel:
             }
             if c.is_moe_layer(i):
                 router, names = moe_weight_names(c, i)
-                experts = [
-                    (Linear(torch.cat([w.pop(gate), w.pop(up)])), Linear(w.pop(down))) for gate, up, down in names
-                ]
+                gate, up, down = ([w.pop(expert[j]) for expert in names] for j in range(3))
+                experts = ops.moe_experts(gate, up, down)  # laid out for the backend's fused_moe
                 layer["moe"] = SparseMoeBlock(Linear(w.pop(router)), experts, c.num_experts_per_tok, c.norm_topk_prob)
             else:
                 gate_up = _fused(w, p + "mlp.", "gate_up_proj", ["gate_proj", "up_proj"])
@@ -90,8 +89,7 @@ class LlamaModel:
         w = self.layers[layer]
         if w["moe"] is None:
             return [w["qkv"], w["o"], w["gate_up"], w["down"]]
-        moe = w["moe"]
-        return [w["qkv"], w["o"], moe.router] + [lin for pair in moe.experts[: moe.top_k] for lin in pair]
+        return [w["qkv"], w["o"]] + w["moe"].linears(w["moe"].top_k)
 
     def all_linears(self) -> list[Linear]:
         """Every matmul of the model: each layer's (every expert's), then the LM head (where there is one)."""
@@ -102,8 +100,9 @@ class LlamaModel:
 
     @property
     def capturable(self) -> bool:
-        """No host read inside a step besides the ops' own: a sparse MoE layer reads its experts' row counts."""
-        return all(w["moe"] is None for w in self.layers)
+        """No host read inside a step besides the ops' own: a sparse MoE layer on the per-expert matmuls reads its
+        experts' row counts (moe.py); on the Triton backend's grouped GEMM it reads nothing."""
+        return all(w["moe"] is None or w["moe"].capturable for w in self.layers)
 
     def weight_bytes(self) -> int:
         """What a decode step reads of the weights: every layer's matmuls and norms, and the LM head (every expert:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.fp8 import FP8_DTYPE, quantize_fp8
+from batchjob.model.moe import ExpertLinears
 
 # store_kv and paged_attention's plan read device values on the host (masks, lengths): no CUDA graph can hold a step
 CAPTURABLE = False
@@ -50,6 +51,42 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] holds gate then up; returns gelu_tanh(gate) * up (Gemma's MLP, HF's gelu_pytorch_tanh)."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def moe_experts(gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> ExpertLinears:
+    """A sparse layer's experts, each expert's gate [I, H], up [I, H] and down [H, I], laid out for fused_moe: a
+    gate_up and a down Linear an expert (packed for the CPU's GEMM where they can be)."""
+    return ExpertLinears(gate, up, down)
+
+
+def fused_moe(
+    x: torch.Tensor, experts: ExpertLinears, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H]; each row's k experts topk_ids [T, k] and their weights [T, k] -> [T, H]: the sum over the row's
+    experts of weight * down(silu(gate) * up)."""
+    return per_expert_moe(x, experts, topk_weights, topk_ids, silu_and_mul)
+
+
+def per_expert_moe(x, experts: ExpertLinears, topk_weights, topk_ids, act_and_mul) -> torch.Tensor:
+    """fused_moe with a backend's own silu_and_mul: the step's (row, expert) pairs sorted by expert, so that each
+    active expert's rows lie together, one gate_up and one down matmul an active expert, sized from the per-expert
+    counts read on the host."""
+    t, k = topk_ids.shape
+    flat = topk_ids.flatten()  # pair p = (row p // k, its p % k-th expert)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()  # the host read
+    rows = x[order // k]
+    out = torch.empty_like(rows)
+    start = 0
+    for (gate_up, down), n in zip(experts.pairs, counts):
+        if n:
+            out[start : start + n] = down(act_and_mul(gate_up(rows[start : start + n])))
+            start += n
+    out *= topk_weights.flatten()[order].unsqueeze(-1)
+    # back to pair order, then each row's k terms summed in a fixed order (no atomics: the same sums on a GPU)
+    pairs = torch.empty_like(out)
+    pairs[order] = out
+    return pairs.view(t, k, x.shape[-1]).sum(dim=1)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:

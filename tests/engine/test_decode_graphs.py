@@ -134,3 +134,25 @@ def test_graphs_only_on_a_gpu_with_capturable_ops_and_without_enforce_eager():
     assert not use_cuda_graphs(EngineConfig(), cpu, capturable) and not use_cuda_graphs(EngineConfig(), cpu, syncing)
     assert tiny_engine("torch").runner.decode_graphs is None
     assert not EngineConfig().enforce_eager  # vLLM's default: graphs on (where they can be)
+
+
+@pytest.mark.triton
+def test_padded_decode_steps_of_a_moe_model_on_the_triton_ops_keep_the_greedy_tokens(tmp_path):
+    """The body a CUDA graph captures for Qwen3-MoE (fused MoE: padding rows are routed like any row, and change
+    nothing in the real rows' sums), run eagerly: the torch path's tokens, as decode batches shrink from 4 to 1."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra)")
+    pytest.importorskip("transformers", reason="the tiny model is made by transformers (test extra)")
+    from tests.oracle.test_tiny_architectures import build, tiny_tokenizer
+
+    build("qwen3moe-top2of8-normtopk-mlponly", tmp_path, tiny_tokenizer().to_str())
+    config = dict(device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64, num_kv_blocks=32, block_size=8)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 3, 4, 6)]
+    want = [o.token_ids for o in Engine(str(tmp_path), ops_backend="torch", **config).generate(prompts, params)]
+    padded = Engine(str(tmp_path), ops_backend="triton", **config)
+    padded.runner.set_decode_graphs(True, capture=False)
+    steps = []
+    padded.add_step_callback(steps.append)
+    assert [o.token_ids for o in padded.generate(prompts, params, use_tqdm=False)] == want
+    assert {s.num_seqs for s in steps if s.num_prefill_tokens == 0} == {4, 3, 2, 1}  # 3 padded to 4

@@ -28,6 +28,7 @@ CPU = torch.device("cpu")
         lambda x: x.nonzero(),
         lambda x: torch.repeat_interleave(x.long().abs()),
         lambda x: torch.equal(x, x),
+        lambda x: torch.bincount(x.long().abs(), minlength=10),
     ],
 )
 @pytest.mark.parametrize("inference", [False, True])
@@ -65,3 +66,26 @@ def test_the_triton_engine_steps_without_a_host_synchronisation():
     assert [len(o.token_ids) for o in outs] == [6] * 4
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # mixed steps
     assert sum(s.num_preemptions for s in steps) > 0
+
+
+@pytest.mark.triton
+def test_the_triton_engine_steps_a_moe_model_without_a_host_synchronisation(tmp_path):
+    """Qwen3-MoE's sparse layers (and a dense one) on the fused-MoE kernels: prefill chunks, mixed steps, decodes."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra)")
+    pytest.importorskip("transformers", reason="the tiny model is made by transformers (test extra)")
+    from tests.oracle.test_tiny_architectures import build, tiny_tokenizer
+
+    build("qwen3moe-top2of8-normtopk-mlponly", tmp_path, tiny_tokenizer().to_str())
+    engine = Engine(
+        str(tmp_path), device="cpu", ops_backend="triton", dtype="float32", block_size=4, num_kv_blocks=32,
+        max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128,
+    )  # fmt: skip
+    assert engine.runner.model.capturable
+    engine.runner.forbid_host_sync = True
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (20, 5, 11)]
+    steps = []
+    engine.add_step_callback(steps.append)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [4] * 3
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # mixed steps

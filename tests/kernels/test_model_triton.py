@@ -29,8 +29,16 @@ from tests.oracle.test_tiny_architectures import (
 @pytest.mark.parametrize(
     # Phi-4-mini's shape: fused checkpoint, LongRoPE (long factors: the engine's context passes the original 48), rotary
     # on 3/4 of each head
+    # the MoE cases: the fused-MoE grouped GEMM against the torch path's per-expert matmuls (sparse and dense
+    # layers, top-3 without renormalising; Mixtral's every layer sparse)
     "case",
-    ["llama-gqa2-untied", "qwen2-gqa4-bias-tied", "phi4mini-gqa2-tied-longrope-partial-rotary"],
+    [
+        "llama-gqa2-untied",
+        "qwen2-gqa4-bias-tied",
+        "phi4mini-gqa2-tied-longrope-partial-rotary",
+        "qwen3moe-top3of6-sparsestep2",
+        "mixtral-top2of4",
+    ],
 )
 def test_triton_path_equals_torch_path(case, tmp_path, device):
     build(case, tmp_path, tiny_tokenizer().to_str())
@@ -38,9 +46,13 @@ def test_triton_path_equals_torch_path(case, tmp_path, device):
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (3, 21, 40)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     common = dict(num_kv_blocks=32, block_size=8, max_num_batched_tokens=32, device=device, dtype="float32")
-    torch_out = Engine(str(tmp_path), ops_backend="torch", **common).generate(prompts, params)
-    triton_out = Engine(str(tmp_path), ops_backend="triton", **common).generate(prompts, params)
+    torch_engine = Engine(str(tmp_path), ops_backend="torch", **common)
+    triton_engine = Engine(str(tmp_path), ops_backend="triton", **common)
+    torch_out, triton_out = torch_engine.generate(prompts, params), triton_engine.generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+    # a MoE model's steps can be captured on the Triton ops only (the torch path reads its experts' counts)
+    moe = torch_engine.runner.model.config.num_experts > 0
+    assert triton_engine.runner.model.capturable and torch_engine.runner.model.capturable == (not moe)
 
 
 @pytest.mark.triton

@@ -14,14 +14,8 @@ pytestmark = pytest.mark.triton
 def test_selftest_small(device):
     rows = run_selftest(device, small=True, dtype=torch.float16, reps=0)
     table = format_selftest(rows)
-    assert {r["kernel"] for r in rows} == {
-        "rms_norm",
-        "rotary",
-        "silu_and_mul",
-        "store_kv",
-        "paged_attention",
-        "varlen_attention",
-    }
+    kernels = {"rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "varlen_attention", "fused_moe"}
+    assert {r["kernel"] for r in rows} == kernels
     assert all(r["passed"] for r in rows), table
     assert table.splitlines()[-1] == f"{len(rows)}/{len(rows)} passed"
 
@@ -44,3 +38,12 @@ def test_format_table_reports_errors():
     ]
     table = format_selftest(rows)
     assert "FAIL" in table and "ValueError: boom" in table and table.endswith("0/1 passed")
+
+
+def test_the_tuning_sweep_stops_at_its_deadline_with_a_row_that_does_not_fail(device):
+    import time
+
+    from batchjob.bench.kernel_selftest import run_tuning
+
+    rows = run_tuning(device, small=True, reps=0, until=time.perf_counter() - 1)
+    assert len(rows) == 1 and rows[0]["passed"] is None and "3 of 3 configurations not run" in rows[0]["error"]
