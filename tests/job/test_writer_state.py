@@ -216,13 +216,13 @@ def test_a_run_that_fails_before_its_first_record_leaves_no_folder_it_made(tmp_p
         raise StateError("the model does not load")
 
     data = write_parquet(tmp_path / "in.parquet", documents(3))
-    for out in (tmp_path / "out", tmp_path / "mine"):
+    for out in (tmp_path / "new" / "out", tmp_path / "mine"):
         if out.name == "mine":
             out.mkdir()
             (out / "notes.txt").write_text("the user's")
         with pytest.raises(StateError, match="does not load"):
             run_job(make_job(data, out), Messages(), engine_factory=no_model)
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "new").exists()  # nor the parent it made for it
     assert {p.name for p in (tmp_path / "mine").iterdir()} == {"notes.txt", "data", LOCK}  # a folder it found stays
     with OutputDir(tmp_path / "mine").lock():  # and its lock still works
         pass

@@ -17,6 +17,7 @@ never touched."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 import time
@@ -88,7 +89,7 @@ class OutputDir:
         self.data, self.staging = self.path / DATA, self.path / STAGING
         self.lease_seconds = lease_seconds
         self.held: LeaseLock | None = None
-        self.created = False  # whether lock() made the (local) folder
+        self.created: list[Path] = []  # the local folders lock() made: the output folder, then parents it lacked
 
     def lock(self) -> OutputLock | LeaseLock:
         if is_remote(self.path):
@@ -99,7 +100,7 @@ class OutputDir:
             return self.held
         if self.path.exists() and not self.path.is_dir():
             raise StateError(f"output.path: {self.path} is a file; give it a folder (batchjob writes parts into it)")
-        self.created = not self.path.exists()
+        self.created = list(itertools.takewhile(lambda p: not p.exists(), [self.path, *self.path.parents]))
         self.path.mkdir(parents=True, exist_ok=True)
         lock = self.path / LOCK
         if lock.is_symlink() or (lock.exists() and not lock.is_file()):  # OutputLock refuses these too, less clearly
@@ -110,9 +111,10 @@ class OutputDir:
         return OutputLock(lock)
 
     def discard_unused(self, lock: OutputLock | LeaseLock) -> None:
-        """Delete the folder lock() made when this run left nothing in it but its lock and an empty data/ (a run that
-        failed before its first record, at a model that does not load, say). Called holding the lock: a run that
-        opened the lock file meanwhile finds it gone once it locks it (OutputLock), and does not run."""
+        """Delete the folder lock() made (and the parents it made for it) when this run left nothing in it but its
+        lock and an empty data/ (a run that failed before its first record, at a model that does not load, say).
+        Called holding the lock: a run that opened the lock file meanwhile finds it gone once it locks it
+        (OutputLock), and does not run."""
         if not (self.created and isinstance(lock, OutputLock)):
             return
         # OSError: a cleanup that fails must not hide why the run ended; a run may have made its lock there since
@@ -124,7 +126,8 @@ class OutputDir:
             if data:
                 data.rmdir()
             lock.discard()
-            self.path.rmdir()
+            for folder in self.created:
+                folder.rmdir()
 
     @property
     def run_tag(self) -> str:
