@@ -124,9 +124,13 @@ def test_a_second_signal_during_the_model_load_stops_it_at_once(tmp_path, docs, 
     assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=slow_load) == 130
     assert time.monotonic() - started < 10 and loaded == ["survived the first signal"]
     assert results(tmp_path / "out") == {} and progress.messages[-1].startswith("interrupted: 0 of 23")
-    # No job was recorded, so nothing was written beside data/ (a metrics.prom there would not be batchjob's)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_lock", "data"]
+    # No job was recorded, so nothing was written beside data/ (a metrics.prom there would not be batchjob's), and
+    # the folder this run made is gone again
+    assert not (tmp_path / "out").exists()
     assert run_job(make_job(docs, tmp_path / "out"), progress, engine_factory=fake_factory()) == EXIT_OK
+    (tmp_path / "found").mkdir()  # in a folder it found, the same stop leaves its lock and data/ (and no metrics)
+    assert run_job(make_job(docs, tmp_path / "found"), progress, engine_factory=slow_load) == 130
+    assert sorted(p.name for p in (tmp_path / "found").iterdir()) == ["_lock", "data"]
 
 
 def test_at_the_end_of_the_grace_the_requests_in_flight_are_dropped(tmp_path, docs, progress):
@@ -334,7 +338,7 @@ def test_a_base_model_takes_text_prompts_as_they_are_and_chat_messages_fail_befo
     job = make_job(messages, tmp_path / "out2", input={"messages_column": "messages"})
     with pytest.raises(JobFileError, match="input.messages_column: chat messages need a chat template"):
         run_job(job, progress, engine_factory=no_chat_template)
-    assert not list((tmp_path / "out2" / "data").iterdir())
+    assert not (tmp_path / "out2").exists()  # the folder it made is gone again (nothing was written)
 
 
 def test_an_openai_batch_of_completions_runs_on_a_model_without_a_chat_template(tmp_path, progress):
