@@ -102,6 +102,30 @@ def forward_logits(model, ids: list[int], last_only: bool = True, block_size: in
         return model.compute_logits(hidden[-1] if last_only else hidden)
 
 
+def hf_generate(hf_model, ids: list[int], max_new_tokens: int, eos_token_id: int, **kwargs):
+    """transformers' greedy `generate` of one prompt, the oracle the engine's tokens are compared with (an eos id
+    outside the vocabulary never stops it: min_new_tokens would mask eos logits instead)."""
+    with torch.inference_mode():
+        return hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            **kwargs,
+        )
+
+
+def assert_matches_generate(hf_model, ids: list[int], out, max_new_tokens: int, tol: float, label: str, **kwargs):
+    """`out` (the engine's CompletionOutput of prompt `ids`, with logprobs) against `generate`: the same greedy
+    tokens, and each token's logprob within `tol` of the log-softmax of transformers' logits."""
+    ref = hf_generate(hf_model, ids, max_new_tokens, output_logits=True, return_dict_in_generate=True, **kwargs)
+    assert out.token_ids == ref.sequences[0, len(ids) :].tolist(), label
+    ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, out.token_ids)]
+    diff = max(abs(a.logprob - b) for a, b in zip(out.logprobs, ref_logprobs))
+    assert diff <= tol, f"{label}: logprobs differ by {diff}"
+
+
 # --- encoders: all-MiniLM-L6-v2 from its PyPI package, sentence-transformers as the oracle ---------------------
 
 

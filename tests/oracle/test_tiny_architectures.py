@@ -26,7 +26,7 @@ from batchjob.model.config import ModelConfig  # noqa: E402
 from batchjob.model.gemma import GemmaModel  # noqa: E402
 from batchjob.model.llama import LlamaModel  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
-from tests.conftest import forward_logits  # noqa: E402
+from tests.conftest import assert_matches_generate, forward_logits, hf_generate  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -356,18 +356,8 @@ def test_phi3_hub_config_form_gives_transformers_rotary(kind):
 
 
 def hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' `generate` on one prompt, greedy, eos off."""
-    with torch.inference_mode():
-        # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
-        ref = hf.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=VOCAB + 5,
-            pad_token_id=0,
-        )
-    return ref[0, len(ids) :].tolist()
+    """transformers' `generate` on one prompt, greedy, eos off: the new tokens."""
+    return hf_generate(hf, ids, max_new_tokens, eos_token_id=VOCAB + 5, pad_token_id=0)[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize(
@@ -706,22 +696,8 @@ def assert_engine_matches_generate(hf, folder, case: str, **engine_options) -> N
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)  # chunked prefill beside decodes
     assert sum(s.num_preemptions for s in steps) > 0
     for ids, out in zip(prompts, outs):
-        with torch.inference_mode():
-            # An eos id outside the vocabulary never stops generation (min_new_tokens would mask eos logits).
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=10,
-                do_sample=False,
-                eos_token_id=VOCAB + 5,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        assert out.token_ids == ref.sequences[0, len(ids) :].tolist(), f"{case}, prompt of {len(ids)} tokens"
-        ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, out.token_ids)]
-        diff = max(abs(a.logprob - b) for a, b in zip(out.logprobs, ref_logprobs))
-        assert diff <= 1e-4, f"{case}, prompt of {len(ids)} tokens: logprobs differ by {diff}"
+        label = f"{case}, prompt of {len(ids)} tokens"
+        assert_matches_generate(hf, ids, out, 10, 1e-4, label, eos_token_id=VOCAB + 5, pad_token_id=0)
 
 
 def test_tiny_folder_tokenizer_and_chat_template(tmp_path, tokenizer_json):
