@@ -32,6 +32,18 @@ def test_prefix_hit_reuses_full_blocks_but_never_the_last_token():
     assert bm.match_prefix(d) == 0  # chained hash: a different first block invalidates the rest
 
 
+def test_a_block_repeated_at_another_position_is_not_a_hit():
+    """A block's key chains on its parent's: the same tokens after another prefix (or at the start, where they
+    followed something before) are other K/V (positions and context differ) and must be computed again."""
+    bm = BlockManager(16, 4)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    run(bm, a)
+    assert bm.match_prefix(seq([5, 6, 7, 8, 1, 2, 3, 4, 0], 1)) == 0  # a's second block, now first
+    assert bm.match_prefix(seq([9, 9, 9, 9, 5, 6, 7, 8, 0], 2)) == 0  # a's second block after another first
+    b = seq([1, 2, 3, 4, 1, 2, 3, 4, 0], 3)  # a's first block twice: only the first is a hit
+    assert bm.match_prefix(b) == 4 and b.block_table == a.block_table[:1]
+
+
 def test_freed_cached_blocks_are_reused_then_taken_for_new_tokens():
     bm = BlockManager(4, 2)
     a = seq([1, 2, 3, 4, 5])
