@@ -27,6 +27,22 @@ def test_greedy_is_argmax_and_logprobs_are_of_the_chosen_token():
     assert lps[1] is None
 
 
+def test_a_sampled_token_s_logprob_is_its_own_not_the_argmax_s():
+    """Rows whose token is not the raw argmax (drawn at a high temperature, or forced by a logit bias): each one's
+    logprob is its own token's in the raw distribution, and the top list still starts at the argmax."""
+    lg = logits(8)
+    sampled = [SamplingParams(temperature=2.0, seed=s, logprobs=True, top_logprobs=2) for s in range(7)]
+    forced = SamplingParams(logit_bias={7: 100.0}, logprobs=True, top_logprobs=2)  # greedy, on a biased row
+    toks, lps = Sampler()(lg.clone(), seqs(*sampled, forced))
+    raw, argmax = lg.log_softmax(-1), lg.argmax(-1).tolist()
+    off = [i for i, (t, a) in enumerate(zip(toks, argmax)) if t != a]
+    assert toks[7] == 7 != argmax[7] and len(off) >= 3, (toks, argmax)  # the case under test really occurs
+    for i in off:
+        assert lps[i].token_id == toks[i]
+        assert lps[i].logprob == pytest.approx(raw[i, toks[i]].item()), i
+        assert lps[i].logprob < raw[i, argmax[i]].item() and lps[i].top[0][0] == argmax[i], i
+
+
 def test_top_k_1_and_tiny_top_p_and_high_min_p_are_greedy():
     lg = logits(3)
     ps = [
