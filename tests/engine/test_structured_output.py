@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from batchjob.engine.sampling_params import SamplingParams
-from tests.conftest import chat_messages
+from tests.conftest import chat_messages, forward_logits
 from tests.helpers import assert_json_output
 
 PEOPLE = [chat_messages(f"Describe a person named {name} as JSON.") for name in ("Ann", "Bob", "Cyd")]
@@ -103,6 +104,26 @@ def test_top_logprobs(engine):
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= lp.top[0][1] + 1e-6
     # greedy: the chosen token is the likeliest
     assert all(lp.top[0][0] == lp.token_id for lp in o.logprobs)
+
+
+def test_constrained_logprobs_are_of_the_unmasked_distribution(engine):
+    """The grammar decides which token is drawn, not its logprob: each step's logprob and top list are the model's
+    own log-softmax at that position (one forward pass over prompt and output), tokens the grammar forbids
+    included, not a distribution renormalised over the allowed tokens."""
+    prompt = engine.tokenizer.encode_chat(PEOPLE[0])
+    params = SamplingParams(max_tokens=8, regex=r"Zq[0-9]{3}", logprobs=True, top_logprobs=3)
+    [o] = engine.generate([prompt], params, use_tqdm=False)
+    assert o.finish_reason == "stop" and re.fullmatch(r"Zq[0-9]{3}", o.text), o.text
+    ids = prompt + o.token_ids
+    raw = torch.log_softmax(forward_logits(engine.model, ids, last_only=False)[len(prompt) - 1 : -1], -1)
+    expected = [raw[i, t].item() for i, t in enumerate(o.token_ids)]
+    assert min(expected) < -1.0  # the grammar really forced unlikely tokens: masked logprobs would be far apart
+    assert len(o.logprobs) == len(o.token_ids)
+    for i, (lp, token) in enumerate(zip(o.logprobs, o.token_ids)):
+        assert lp.token_id == token and lp.logprob == pytest.approx(expected[i], abs=1e-3), i
+        third = raw[i].topk(3).values[-1].item()
+        for t, v in lp.top:  # the likeliest tokens of the unmasked row (ties may come in either order)
+            assert v == pytest.approx(raw[i, t].item(), abs=1e-3) and v >= third - 1e-3, (i, t)
 
 
 def test_the_progress_bar_shows_requests_done_and_tokens_per_second(engine, capsys):
