@@ -15,7 +15,7 @@ import codecs
 import glob
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -70,10 +70,7 @@ class InputSource:
         # A URL is read through fsspec (credentials and endpoint from the environment or input.storage_options);
         # a local path as it always was, so its synthetic ids and fingerprint stay the same.
         self.fs, root = url_to_fs(spec.path, spec.storage_options) if is_url(spec.path) else (None, spec.path)
-        lister = self.fs.glob if self.fs else glob.glob
-        self.files = list(versions or ()) or (sorted(lister(root)) if glob.has_magic(root) else [root])
-        if not self.files:
-            raise InputError(f"input.path: no file matches {spec.path!r}")
+        self.files = list(versions or ()) or self._list(root, job.output.path, job.output.storage_options)
         if self.format == "openai-batch":
             self.prompt_columns: list[str] = []
             self.passthrough = ["url", *[c for c in spec.passthrough if c != "url"]]
@@ -130,17 +127,36 @@ class InputSource:
         self._parquet[path] = metadata
         self._passthrough_schemas.append(pa.schema([schema.field(c) for c in self.passthrough]))
 
-    def check_outside(self, folder: str) -> None:
-        """Refuse an output folder that holds an input file: a glob would read the job's own results on resume, and
-        the folder's cleanup would be next to the user's data."""
-        if self.fs is not None or is_url(folder):
-            return
-        root = Path(folder).resolve()
-        inside = [path for path in self.files if Path(path).resolve().is_relative_to(root)]
-        if inside:
-            raise InputError(
-                f"input.path: {inside[0]} is inside the output folder {folder}; give output.path a folder of its own"
-            )
+    def _list(self, root: str, output: str, output_options: dict[str, Any] | None) -> list[str]:
+        """input.path's files, never one in the job's output folder (`output`): a glob that covers it would read the
+        job's own files (its timeline, its parts) once a run has written them, and a file named inside it would be
+        next to the folder's cleanup."""
+        inside = self._inside_folder(output, output_options)
+        if not glob.has_magic(root):
+            if inside(root):
+                raise InputError(
+                    f"input.path: {root} is inside the output folder {output}; give output.path a folder of its own"
+                )
+            return [root]
+        matches = sorted(self.fs.glob(root) if self.fs else glob.glob(root))
+        files = [path for path in matches if not inside(path)]
+        if not files:
+            outside = f" outside the output folder {output}, which is never input" if matches else ""
+            raise InputError(f"input.path: no file matches {self.spec.path!r}{outside}")
+        return files
+
+    def _inside_folder(self, folder: str, options: dict[str, Any] | None) -> Callable[[str], bool]:
+        """Whether an input path (as this source names it before `names`) is `folder` or under it."""
+        if self.fs is None:
+            if is_url(folder):
+                return lambda path: False
+            top = Path(folder.removeprefix("file://")).resolve()
+            return lambda path: Path(path).resolve().is_relative_to(top)
+        fs, top = url_to_fs(folder, options)
+        if not is_url(folder) or fs.protocol != self.fs.protocol:
+            return lambda path: False
+        top = top.rstrip("/")
+        return lambda path: path == top or path.startswith(f"{top}/")
 
     def identity(self) -> list[dict]:
         """What the input is, for the job fingerprint: its whole content (digest.py), so a copy or a touch leaves it

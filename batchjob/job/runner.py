@@ -65,8 +65,7 @@ def run_job(
 ) -> int:
     """The exit code of a run that got going; LockHeld, InputError, StateError and JobFileError when it cannot."""
     out = OutputDir(job.output.path, job.output.storage_options, job.output.lease_seconds)
-    source = InputSource(job)
-    source.check_outside(job.output.path)  # before the lock, which would create the folder it refuses
+    source = InputSource(job)  # before the lock, which would create the folder the input must not be in
     if job.executor == "ray":
         from batchjob.job.ray_executor import RayExecutor  # Ray is an optional extra, imported only when asked for
 

@@ -40,6 +40,26 @@ def test_a_glob_reads_every_file_in_name_order(tmp_path):
     assert [r.id for r in source.rows()] == [f"doc-{i:03d}" for i in range(6)]
 
 
+def test_the_output_folder_is_never_input(tmp_path):
+    d = tmp_path / "D"
+    (d / "a").mkdir(parents=True)
+    (d / "summaries" / "data").mkdir(parents=True)
+    mine = write_parquet(d / "a" / "docs.parquet", documents(3))
+    # What a run leaves in its output folder, and a user's file put there: none of them is the job's input.
+    for path in [d / "summaries" / "_timeline.parquet", d / "summaries" / "data" / "part-0.parquet"]:
+        write_parquet(path, documents(2, start=10))
+    for out in [d / "summaries", f"{d}/a/../summaries/", f"file://{d}/summaries"]:
+        job = make_job(f"{d}/**/*.parquet", out)
+        assert InputSource(job).files == [str(mine)]
+    # A glob that matches only files in the output folder, or a file named inside it, is refused in one line.
+    job = make_job(f"{d}/summaries/*.parquet", d / "summaries")
+    with pytest.raises(InputError, match=r"no file matches .*summaries/\*.parquet' outside the output folder"):
+        InputSource(job)
+    job = make_job(d / "summaries" / "_timeline.parquet", d)
+    with pytest.raises(InputError, match=f"{d}/summaries/_timeline.parquet is inside the output folder {d};"):
+        InputSource(job)
+
+
 def test_inputs_that_cannot_be_used_fail_before_any_work(tmp_path):
     with pytest.raises(InputError, match="cannot read .*broken.parquet as Parquet"):
         source_for(SAMPLE_DATA / "broken.parquet", tmp_path)

@@ -388,10 +388,31 @@ def test_an_output_folder_that_holds_the_input_is_refused_before_any_work(tmp_pa
     data = write_jsonl(tmp_path / "in" / "d.jsonl", documents(3))
     for out in [tmp_path / "in", tmp_path]:
         with pytest.raises(InputError, match=f"{data} is inside the output folder {out}; give output.path a folder"):
+            run_job(make_job(data, out), progress, engine_factory=fake_factory())
+        with pytest.raises(InputError, match=f"no file matches .* outside the output folder {out}, which is never"):
             run_job(make_job(tmp_path / "in" / "*.jsonl", out), progress, engine_factory=fake_factory())
     assert data.read_bytes() == write_jsonl(tmp_path / "copy.jsonl", documents(3)).read_bytes()
     assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["d.jsonl"]  # nothing written, not even a lock
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.jsonl", "in"]
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_a_glob_that_covers_the_output_folder_reruns_after_a_stop_and_when_finished(tmp_path, progress, stop_first):
+    d = tmp_path / "D"
+    (d / "a").mkdir(parents=True)
+    write_parquet(d / "a" / "docs.parquet", documents(23), row_group_size=8)
+    out = d / "summaries"
+    job = make_job(f"{d}/**/*.parquet", out, output={"checkpoint_rows": 4})
+    if stop_first:
+        assert run_job(job, progress, engine_factory=fake_factory(signal_at=(5,))) == 143
+        assert 5 <= len(results(out)) < 23
+    else:
+        assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    assert (out / "_timeline.parquet").exists()  # what the glob matches now
+    for _ in range(2):  # a resume that finishes, then a rerun of the finished job
+        assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+        assert sorted(results(out)) == [doc["id"] for doc in documents(23)]
+    assert progress.messages[-1] == f"{out} is already complete (_SUCCESS, same job): nothing to do"
 
 
 def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, docs, progress):

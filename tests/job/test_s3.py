@@ -95,6 +95,22 @@ def test_parquet_and_jsonl_inputs_on_s3_to_outputs_on_s3(s3, tmp_path, progress)
         assert "already complete" in progress.messages[-1]
 
 
+def test_a_recursive_glob_that_covers_the_output_folder_reruns_after_a_stop_and_when_finished(s3, tmp_path, progress):
+    s3.put(str(write_parquet(tmp_path / "in.parquet", documents(23), row_group_size=8)), f"{BUCKET}/D/a/docs.parquet")
+    url = f"s3://{BUCKET}/D/summaries"
+    job = make_job(f"s3://{BUCKET}/D/**/*.parquet", url, output={"checkpoint_rows": 4})
+    assert run_job(job, progress, engine_factory=fake_factory(signal_at=(5,))) == 143
+    s3.invalidate_cache()
+    # What the glob matches now: the job's own parts and timeline, none of them input.
+    assert {p.rsplit("/", 1)[-1] for p in s3.glob(f"{BUCKET}/D/**/*.parquet")} > {"docs.parquet", "_timeline.parquet"}
+    for _ in range(2):  # a resume that finishes, then a rerun of the finished job
+        assert run_job(job, progress, engine_factory=fake_factory()) == 0
+        assert sorted(rows_once(s3, url)) == [doc["id"] for doc in documents(23)]
+    assert "already complete" in progress.messages[-1]
+    meta = json.loads(s3.cat_file(f"{BUCKET}/D/summaries/_job.json"))
+    assert [f["path"] for f in meta["fingerprint"]["input"]["files"]] == [f"s3://{BUCKET}/D/a/docs.parquet"]
+
+
 def test_a_run_is_refused_while_another_holds_the_lease_and_takes_over_an_expired_one(s3, tmp_path, progress):
     url = f"s3://{BUCKET}/leased"
     data = write_parquet(tmp_path / "in.parquet", documents(5))

@@ -2,9 +2,11 @@ import json
 import os
 import random
 import socket
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -69,6 +71,33 @@ def committed_dir(tmp_path, records: list[dict], rows: int) -> OutputDir:
         w.add(r)
     w.flush()
     return out
+
+
+def test_a_part_is_fsynced_whole_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
+    """The order that makes a part whole or absent after a power cut: without the file's fsync first, the rename can
+    reach the disk before the data (a part of the right name, empty or short); without the folder's after, the rename
+    itself can be lost. Files are told apart by inode, as the temporary name differs from the part's."""
+    real_fsync, real_replace, calls = os.fsync, os.replace, []
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        calls.append(("fsync", (st.st_dev, st.st_ino), st.st_size if stat.S_ISREG(st.st_mode) else None))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        st = os.stat(src)
+        calls.append(("replace", (st.st_dev, st.st_ino), Path(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    w = writer(tmp_path, rows=2)
+    w.add(record(0))
+    w.add(record(1))
+    part = tmp_path / "part-000000.parquet"
+    file, folder = ((s.st_dev, s.st_ino) for s in (part.stat(), tmp_path.stat()))
+    # The file's fsync comes after all of its bytes were written (its size then is its final size).
+    assert calls == [("fsync", file, part.stat().st_size), ("replace", file, part), ("fsync", folder, None)]
 
 
 def test_a_crash_while_writing_leaves_no_part_and_recover_cleans_up(tmp_path, monkeypatch):
