@@ -313,7 +313,7 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 @click.option(
     "--systems",
     default=None,
-    help="comma list of engine, unconstrained, static, hf, vllm, llama-cpp (default engine,static,hf); with --task "
+    help="comma list of engine, unconstrained, static, hf, vllm, llama-server (default engine,static,hf); with --task "
     "embed of embedder, st (default both)",
 )
 @click.option(
@@ -353,6 +353,20 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     help="instead of throughput: the bf16 engine's NLL of the fp32 engine's greedy continuations against fp32's, and "
     "where greedy outputs first differ (engine and transformers, bf16 and fp32), on a job's rows "
     "(default --job jobs/summarize.yaml)",
+)
+@click.option(
+    "--slots",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="llama-server's parallel slots (-np), kept full by as many concurrent requests",
+)
+@click.option(
+    "--requantize",
+    default=None,
+    metavar="TYPE",
+    help="llama-server runs the engine's GGUF requantized to TYPE (Q8_0, Q4_0, ..., BF16, F16) by llama.cpp's "
+    "llama-quantize",
 )
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:

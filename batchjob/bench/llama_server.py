@@ -234,12 +234,12 @@ class LlamaServer:
             self.process.wait()
 
 
-def start_server(binary: Path, gguf_path: Path, slots: int, threads: int, ctx: int, log_dir: Path) -> LlamaServer:
-    """Start llama-server and wait until its /health says the model is loaded."""
+def start_server(binary: Path, gguf_path: Path, slots: int, threads: int, ctx: int, log_dir: str) -> LlamaServer:
+    """Start llama-server, its output to a file in `log_dir`, and wait until its /health says the model is loaded."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log_path = log_dir / f"llama-server-{port}.log"
+    log_path = Path(log_dir) / f"llama-server-{port}.log"
     with open(log_path, "w") as out:
         proc = subprocess.Popen(
             server_command(binary, gguf_path, port, slots, threads, ctx), stdout=out, stderr=subprocess.STDOUT
@@ -270,25 +270,22 @@ def complete(url: str, r: Request) -> Completion:
         return parse_completion(json.load(resp))
 
 
-def run_llama_server(
-    binary: Path, gguf_path: Path, wl: Workload, slots: int, threads: int, log_dir: Path, weights: str
-) -> Result:
+def run_llama_server(binary: Path, gguf_path: Path, wl: Workload, slots: int, threads: int, weights: str) -> Result:
     """The workload through a fresh llama-server (each run starts cold, as the engine's, with no prompt cached), its
     `slots` slots kept full: `slots` clients each send their next request as their last one returns. Prompt and
     output tokens are the server's counts."""
-    server = start_server(binary, gguf_path, slots, threads, context_size(wl, slots), log_dir)
-    try:
-        first = wl.requests[0]  # a warm-up request: the first one pays for allocations
-        complete(
-            server.url,
-            Request("warm-up", first.prompt_token_ids[:8], first.params.model_copy(update={"max_tokens": 2})),
-        )
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=slots) as pool:
-            done = list(pool.map(lambda r: complete(server.url, r), wl.requests))
-        wall = time.perf_counter() - t0
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="batchjob-llama-server-") as logs:
+        server = start_server(binary, gguf_path, slots, threads, context_size(wl, slots), logs)
+        try:
+            first = wl.requests[0]  # a warm-up request: the first one pays for allocations
+            warm_up = first.params.model_copy(update={"max_tokens": 2})
+            complete(server.url, Request("warm-up", first.prompt_token_ids[:8], warm_up))
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=slots) as pool:
+                done = list(pool.map(lambda r: complete(server.url, r), wl.requests))
+            wall = time.perf_counter() - t0
+        finally:
+            server.stop()
     result = Result(
         "llama-server",
         wall,
