@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchjob import env
 from batchjob.bench.measure import Result
 from batchjob.bench.workloads import Workload
 from batchjob.engine.outputs import Request
@@ -240,10 +241,11 @@ def start_server(binary: Path, gguf_path: Path, slots: int, threads: int, ctx: i
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log_path = Path(log_dir) / f"llama-server-{port}.log"
+    # OpenMP at llama.cpp's own defaults, not the ones this process set for torch (as vLLM's workers get theirs)
+    own = {k: v for k, v in os.environ.items() if k not in env.set_here()}
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(
-            server_command(binary, gguf_path, port, slots, threads, ctx), stdout=out, stderr=subprocess.STDOUT
-        )
+        cmd = server_command(binary, gguf_path, port, slots, threads, ctx)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=own)
     server = LlamaServer(proc, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + START_WAIT_S
     while True:
