@@ -227,6 +227,8 @@ def status(folder: str, as_json: bool) -> None:
     click.echo(f"{s['folder']}: {state}")
     click.echo(f"rows: {s['rows_done']:,} of {'?' if total is None else total} done{pct}, {s['rows_failed']:,} failed")
     click.echo(f"tokens: prompt {s['prompt_tokens']:,}, output {s['output_tokens']:,}")
+    if s["cache_hits"] or s["cache_misses"]:
+        click.echo(f"results cache: {s['cache_hits']:,} rows taken from it, {s['cache_misses']:,} computed")
     if s["parts"]:
         click.echo(f"parts: {s['parts']}, last commit {s['last_commit_s_ago']} s ago")
     if s["summary"]:
