@@ -147,6 +147,8 @@ def plan(job_file: str, overrides: tuple[str, ...], no_calibrate: bool, as_json:
 
 def _plan_text(r: dict) -> str:
     lines = [("rows", f"{r['rows']:,} ({r['rows_failing_before_the_model']:,} fail before the model)")]
+    if "rows_from_results_cache" in r:
+        lines.append(("results cache", f"{r['rows_from_results_cache']:,} rows taken from it, left out below"))
     if r.get("task") == "embed":
         return _plan_embedding_text(r, lines)
     if r["requests"]:

@@ -145,14 +145,24 @@ class RunCache:
             h.update(array("q", ids).tobytes())
         return h.hexdigest()
 
+    def work_key(self, work: Work | EmbeddingWork) -> str | None:
+        """A work's key; None for unseeded sampling, which is never cached: its result is one draw among many."""
+        if isinstance(work, EmbeddingWork):
+            return self.key(work.inputs, None, None)
+        return self.key(work.token_ids, work.params, None) if work.params.deterministic else None
+
+    def holds(self, work: Work | EmbeddingWork) -> bool:
+        """Whether the cache has a work's result (for `plan`'s estimate: the entry is not read)."""
+        key = self.work_key(work)
+        return key is not None and self.cache.contains(key)
+
     def generation_misses(self, works: Iterable[Work], on_hit: Callable[[Work, RequestOutput], None]) -> Iterator[Work]:
-        """The works that the cache does not answer, with their keys kept for `store`; `on_hit` takes the others.
-        Unseeded sampling is never looked up: its result is one draw among many."""
+        """The works that the cache does not answer, with their keys kept for `store`; `on_hit` takes the others."""
         for work in works:
-            if not work.params.deterministic:
+            key = self.work_key(work)
+            if key is None:
                 yield work
                 continue
-            key = self.key(work.token_ids, work.params, None)
             output = _output(self.cache.get(key), work)
             if output is not None:
                 on_hit(work, output)
@@ -174,7 +184,7 @@ class RunCache:
         self, works: Iterable[EmbeddingWork], on_hit: Callable[[EmbeddingWork, list[list[float]]], None]
     ) -> Iterator[EmbeddingWork]:
         for work in works:
-            vectors = self.cache.get(self.key(work.inputs, None, None))
+            vectors = self.cache.get(self.work_key(work))
             if _vectors_fit(vectors, work):
                 on_hit(work, vectors)
             else:
@@ -182,7 +192,7 @@ class RunCache:
 
     def store_embeddings(self, work: EmbeddingWork, vectors: list[list[float]]) -> None:
         """An embedding row's vectors, at the model's full dimension (a row's `dimensions` cuts them after)."""
-        self.cache.put(self.key(work.inputs, None, None), vectors)
+        self.cache.put(self.work_key(work), vectors)
 
 
 def open_cache(job: JobSpec, engine: JobEngine | Embedder) -> RunCache | None:
