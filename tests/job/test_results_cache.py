@@ -25,6 +25,7 @@ from batchjob.job.runner import run_job
 from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.fakes import FakeEngine
 from tests.helpers import Messages, documents, make_job, write_jsonl, write_parquet
+from tests.job.test_e2e import cli
 from tests.job.test_s3 import BUCKET, s3  # noqa: F401 (the moto server fixture)
 
 # What a row's result is, less what differs between any two runs (times) or tells how it was got (cached_tokens).
@@ -238,3 +239,76 @@ def test_the_job_file_section(tmp_path):
         load_job(path, ["executor=ray"])
     with pytest.raises(JobFileError, match="cache.max_size"):
         load_job(path, ["cache.max_size=lots"])
+
+
+def write_job(path: Path, **sections) -> Path:
+    path.write_text(yaml.safe_dump(sections))
+    return path
+
+
+@pytest.mark.slow
+def test_the_issue_test_one_row_edited_in_200_on_the_real_model(tmp_path):
+    """Edit one row's text in a 200-row job and rerun into a new folder: one row computed, 199 from the cache, the
+    output the same as a from-scratch run's; through the CLI on the default model, with `plan` and `status`."""
+    rows = [{"id": f"r{i:03d}", "text": f"Count from {i} to {i + 3}."} for i in range(200)]
+    first, edited = write_parquet(tmp_path / "a.parquet", rows), tmp_path / "b.parquet"
+    rows[123]["text"] = "Name a colour."
+    write_parquet(edited, rows)
+    common = {
+        "sampling": {"temperature": 0.0, "max_tokens": 4},
+        "engine": {"max_num_seqs": 32, "kv_cache_memory_gb": 0.2, "max_model_len": 256},
+    }
+    cache = {"path": str(tmp_path / "cache")}
+
+    def job(name: str, data: Path, **more) -> str:
+        out = {"path": str(tmp_path / name)}
+        return str(write_job(tmp_path / f"{name}.yaml", input={"path": str(data)}, output=out, **common, **more))
+
+    assert cli("run", job("out1", first, cache=cache)).returncode == 0
+    planned = cli("plan", job("out2", edited, cache=cache), "--no-calibrate", "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert (json.loads(planned.stdout)["rows_from_results_cache"], json.loads(planned.stdout)["requests"]) == (199, 1)
+    again = cli("run", job("out2", edited, cache=cache))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert summary_cache(tmp_path / "out2") == {"hits": 199, "misses": 1}
+    status = cli("status", str(tmp_path / "out2"))
+    assert "results cache: 199 rows taken from it, 1 computed" in status.stdout
+    scratch = cli("run", job("scratch", edited))
+    assert scratch.returncode == 0, scratch.stdout + scratch.stderr
+    ours, reference = rows_of(tmp_path / "out2"), rows_of(tmp_path / "scratch")
+    assert ours == reference and ours["r123"]["output"] != rows_of(tmp_path / "out1")["r123"]["output"]
+
+
+@pytest.mark.slow
+def test_an_embedding_job_takes_its_rows_from_the_cache(tmp_path, minilm):
+    """The second run computes nothing and writes the same embeddings; an OpenAI Batch line of one of the texts,
+    with its own `dimensions`, takes the same entry."""
+    rows = [{"id": f"t{i}", "text": f"A sentence about the number {i}."} for i in range(30)]
+    data = write_parquet(tmp_path / "a.parquet", rows)
+    cache = {"path": str(tmp_path / "cache")}
+
+    def job(name: str, data: Path, **more) -> str:
+        sections = {"model": str(minilm), "task": "embed", "input": {"path": str(data)}, "cache": cache, **more}
+        return str(write_job(tmp_path / f"{name}.yaml", output={"path": str(tmp_path / name)}, **sections))
+
+    for name in ("out1", "out2"):
+        result = cli("run", job(name, data))
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert summary_cache(tmp_path / "out1") == {"hits": 0, "misses": 30}
+    assert summary_cache(tmp_path / "out2") == {"hits": 30, "misses": 0}
+    first, again = (pq.read_table(tmp_path / o / "data").sort_by("id").to_pylist() for o in ("out1", "out2"))
+    assert [(r["id"], r["embedding"], r["prompt_tokens"]) for r in first] == [
+        (r["id"], r["embedding"], r["prompt_tokens"]) for r in again
+    ]
+    line = {
+        "custom_id": "one",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"input": rows[4]["text"], "dimensions": 384},
+    }
+    batch = write_jsonl(tmp_path / "b.jsonl", [line])
+    openai = cli("run", job("out3", batch, input={"path": str(batch), "format": "openai-batch"}))
+    assert openai.returncode == 0, openai.stdout + openai.stderr
+    assert summary_cache(tmp_path / "out3") == {"hits": 1, "misses": 0}
+    row = pq.read_table(tmp_path / "out3" / "data").to_pylist()[0]
+    assert row["embeddings"] == [first[[r["id"] for r in first].index("t4")]["embedding"]]
