@@ -147,6 +147,8 @@ def plan(job_file: str, overrides: tuple[str, ...], no_calibrate: bool, as_json:
 
 def _plan_text(r: dict) -> str:
     lines = [("rows", f"{r['rows']:,} ({r['rows_failing_before_the_model']:,} fail before the model)")]
+    if "rows_from_results_cache" in r:
+        lines.append(("results cache", f"{r['rows_from_results_cache']:,} rows taken from it, left out below"))
     if r.get("task") == "embed":
         return _plan_embedding_text(r, lines)
     if r["requests"]:
@@ -227,6 +229,8 @@ def status(folder: str, as_json: bool) -> None:
     click.echo(f"{s['folder']}: {state}")
     click.echo(f"rows: {s['rows_done']:,} of {'?' if total is None else total} done{pct}, {s['rows_failed']:,} failed")
     click.echo(f"tokens: prompt {s['prompt_tokens']:,}, output {s['output_tokens']:,}")
+    if s["cache_hits"] or s["cache_misses"]:
+        click.echo(f"results cache: {s['cache_hits']:,} rows taken from it, {s['cache_misses']:,} computed")
     if s["parts"]:
         click.echo(f"parts: {s['parts']}, last commit {s['last_commit_s_ago']} s ago")
     if s["summary"]:
@@ -313,7 +317,7 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 @click.option(
     "--systems",
     default=None,
-    help="comma list of engine, unconstrained, static, hf, vllm, llama-cpp (default engine,static,hf); with --task "
+    help="comma list of engine, unconstrained, static, hf, vllm, llama-server (default engine,static,hf); with --task "
     "embed of embedder, st (default both)",
 )
 @click.option(
@@ -353,6 +357,20 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     help="instead of throughput: the bf16 engine's NLL of the fp32 engine's greedy continuations against fp32's, and "
     "where greedy outputs first differ (engine and transformers, bf16 and fp32), on a job's rows "
     "(default --job jobs/summarize.yaml)",
+)
+@click.option(
+    "--slots",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="llama-server's parallel slots (-np), kept full by as many concurrent requests",
+)
+@click.option(
+    "--requantize",
+    default=None,
+    metavar="TYPE",
+    help="llama-server runs the engine's GGUF requantized to TYPE (Q8_0, Q4_0, ..., BF16, F16) by llama.cpp's "
+    "llama-quantize",
 )
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:

@@ -1,25 +1,30 @@
 """bench: a job file's rows as the workload, the token-budget sweep and the bf16 quality report (tiny, on the real
-model); `--task embed` on all-MiniLM-L6-v2 against sentence-transformers, and its texts."""
+model); `--task embed` on all-MiniLM-L6-v2 against sentence-transformers, and its texts; llama.cpp's llama-server as a
+peer (its command, requests and counts; a real run where its build is cached) and the host CPU the report names."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from batchjob import cli
-from batchjob.bench.compare import run_bench, run_sweep
+from batchjob.bench import llama_server
+from batchjob.bench.compare import LlamaServerOptions, run_bench, run_sweep
 from batchjob.bench.measure import agreement
 from batchjob.bench.quality import continuation_nll, divergence, run_quality
 from batchjob.bench.systems import load_hf_model
 from batchjob.bench.tables import format_quality, format_report
 from batchjob.bench.workloads import EMBED_CHARS, embed_texts, job_workload, synthetic
 from batchjob.engine.engine import Engine
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
 from batchjob.job.prompt import PromptBuilder
 from batchjob.job.reader import InputSource
 from batchjob.job.spec import load_job
+from batchjob.model.cpu_features import cpu_kind, describe_cpu
 from tests.fakes import FakeEngine
 from tests.helpers import REPO, documents, make_job, write_jsonl
 
@@ -63,7 +68,9 @@ def test_the_fixed_batch_is_split_to_what_the_kv_pool_holds():
     rows = {r["system"]: r for r in report["systems"]}
     assert rows["static"]["max_batch"] == 2 and rows["static"]["output_tokens"] == 12
     assert "batch 4 split to <= 2 rows" in rows["static"]["note"]
-    assert rows["engine"]["note"] == str(engine.dtype).removeprefix("torch.")  # the table says each system's dtype
+    # The table says each system's dtype and the format its weights were read from.
+    dtype = str(engine.dtype).removeprefix("torch.")
+    assert rows["engine"]["note"] == f"{dtype}, weights Q4_1, Q8_0 dequantized to {dtype}"
     assert "split to <= 2 rows" in format_report(report)
     assert engine.block_manager.num_free_blocks == 6
 
@@ -198,3 +205,105 @@ def test_bench_task_embed_wants_a_sentence_transformers_folder(tmp_path):
     result = CliRunner().invoke(cli.main, ["bench", "--task", "embed", "--model", str(tmp_path)])
     assert result.exit_code == EXIT_USAGE
     assert result.stderr.strip() == f"error: {tmp_path} is not a sentence-transformers folder: it has no modules.json"
+
+
+# -- llama.cpp's llama-server --------------------------------------------------------------------------------------
+ZEN3_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx f16c fma avx2 bmi2 sha_ni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+
+
+def test_the_host_cpu_is_named_with_the_isa_flags_that_decide_kernels():
+    kind = cpu_kind(ZEN3_CPUINFO)
+    assert (kind["vendor"], kind["model_name"], kind["family"], kind["model"]) == (
+        "AuthenticAMD",
+        "AMD EPYC 7B13",
+        "25",
+        "1",
+    )
+    assert kind["flags"]["avx2"] and kind["flags"]["fma"]
+    assert not any(kind["flags"][f] for f in ("avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni"))
+    assert describe_cpu(kind) == (
+        "AMD EPYC 7B13 (AuthenticAMD family 25 model 1): avx2 fma; no avx512f avx512_bf16 avx512_vnni avx_vnni "
+        "amx_bf16 amx_int8"
+    )
+    here = cpu_kind()
+    assert set(here["flags"]) == set(kind["flags"]) and here["model_name"]
+
+
+def test_llama_server_runs_n_slots_on_one_shared_pool_and_is_sent_each_request_as_token_ids():
+    cmd = llama_server.server_command(Path("/b/llama-server"), Path("/m/x.gguf"), 8123, slots=64, threads=2, ctx=4096)
+    args = " ".join(cmd[1:])
+    assert cmd[0] == "/b/llama-server" and "-m /m/x.gguf" in args and "--port 8123" in args
+    assert "-np 64 -cb -kvu -c 4096 -t 2 -tb 2" in args
+    wl = synthetic(1000, 3, 20, 5, range_ratio=0.5)
+    longest = max(len(r.prompt_token_ids) + r.params.max_tokens for r in wl.requests)
+    assert llama_server.context_size(wl, 4) == 4 * longest
+    body = llama_server.completion_body(Request("a", [5, 6, 7], SamplingParams(max_tokens=9, ignore_eos=True)))
+    assert body == {
+        "prompt": [5, 6, 7],
+        "n_predict": 9,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "top_k": 1,
+        "return_tokens": True,
+        "stream": False,
+    }
+    assert llama_server.completion_body(Request("b", [1], SamplingParams(max_tokens=2)))["ignore_eos"] is False
+    # The counts are the server's own: the prompt as it took it, the tokens it generated.
+    answer = {"content": "hi", "tokens": [11, 12], "tokens_evaluated": 3, "tokens_predicted": 2, "stop": True}
+    assert llama_server.parse_completion(answer) == llama_server.Completion(3, 2, [11, 12])
+
+
+def test_the_llama_cpp_build_is_cached_per_cpu_and_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path))
+    folder = llama_server.build_folder()
+    assert folder.parent == tmp_path / "llama-cpp" and folder.name.startswith(f"{llama_server.VERSION}-")
+    assert llama_server.cached_binary() is None  # nothing built in an empty cache
+    folder.mkdir(parents=True)
+    (folder / "llama-server").write_text("#!/bin/sh\n")
+    assert llama_server.cached_binary() is None  # not executable: not a whole build
+    (folder / "llama-server").chmod(0o755)
+    assert llama_server.cached_binary() == folder / "llama-server"
+    monkeypatch.setattr(llama_server, "cpu_flags", lambda: "flags : avx2 fma")  # -march=native code is per CPU
+    assert llama_server.build_folder() != folder and llama_server.cached_binary() is None
+
+
+def test_bench_refuses_a_quant_type_llama_quantize_is_not_asked_for(tmp_path):
+    result = CliRunner().invoke(cli.main, ["bench", "--systems", "engine,llama-server", "--requantize", "Q9_9"])
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.strip().startswith("error: bench --requantize Q9_9: not one of Q8_0, ")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    llama_server.cached_binary() is None or llama_server.cached_binary("llama-quantize") is None,
+    reason="llama.cpp's llama-server is not built in the cache (the first `batchjob bench --systems llama-server` "
+    "builds it, minutes)",
+)
+def test_llama_server_counts_the_workloads_tokens_beside_the_engine():
+    """A real llama-server on the engine's GGUF, 4 slots for 6 requests, then on it requantized to Q8_0: the server
+    counts exactly the workload's prompt tokens and max_tokens each (ignore_eos), as the engine's row does, and the
+    report says what each side ran on which CPU."""
+    engine = Engine("smollm2-135m-instruct", num_kv_blocks=64)
+    wl = synthetic(engine.model_config.vocab_size, 6, 40, 7, range_ratio=0.5)
+    outputs = sum(r.params.max_tokens for r in wl.requests)
+    for quant, weights in ((None, "weights Q4_1, Q8_0"), ("Q8_0", "weights Q8_0 (requantized from Q4_1, Q8_0)")):
+        llama = LlamaServerOptions(slots=4, requantize=quant)
+        report = run_bench(engine, engine.model_path, wl, ["engine", "llama-server"], 4, 1, 2, llama)
+        rows = {r["system"]: r for r in report["systems"]}
+        assert not report["skipped"]
+        for row in rows.values():
+            assert (row["prompt_tokens"], row["output_tokens"], row["num_requests"]) == (wl.prompt_tokens, outputs, 6)
+        assert "4 slots" in rows["llama-server"]["note"] and rows["llama-server"]["note"].endswith(weights)
+        assert report["agreement"]["llama-server"]["total"] == 6
+        assert report["cpu"] == cpu_kind()
+        text = format_report(report)
+        assert f"host CPU: {describe_cpu(cpu_kind())}" in text and "llama-server" in text

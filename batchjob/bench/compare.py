@@ -5,7 +5,8 @@ Systems: `engine` (continuous batching); `unconstrained` (the engine on the same
 constraint, each held to the tokens its constrained run made: the same work token for token, so that the ratio is
 what constrained decoding costs); `static` (the seed's fixed batch: prompts padded to the batch's longest,
 the whole batch decoded until its longest request is done, then the next batch; it reproduces padding's cost, not
-its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vllm` and `llama-cpp` when installed.
+its masking); `hf` (transformers `generate` at a fixed batch, left-padded); `vllm` when installed; `llama-server`
+(llama.cpp built for this CPU, its parallel slots kept full, on the engine's GGUF or on it requantized).
 The sweep instead runs this engine at several fixed token budgets and at `auto` (token_budget.py); `--quality`
 measures bf16 against fp32 instead of speed (quality.py).
 
@@ -25,6 +26,7 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
+from batchjob.bench import llama_server
 from batchjob.bench.measure import Result, agreement, roofline
 from batchjob.bench.quality import run_quality
 from batchjob.bench.systems import (
@@ -35,7 +37,6 @@ from batchjob.bench.systems import (
     run_embedder,
     run_engine,
     run_hf,
-    run_llama_cpp,
     run_sentence_transformer,
     run_static,
     run_vllm,
@@ -54,6 +55,7 @@ from batchjob.engine.embedder import Embedder
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
+from batchjob.model.cpu_features import cpu_kind
 
 
 def interleaved_rounds(names: list, repeats: int, run: Callable) -> tuple[dict, dict]:
@@ -66,12 +68,30 @@ def interleaved_rounds(names: list, repeats: int, run: Callable) -> tuple[dict, 
     return runs, {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
 
 
+@dataclass(frozen=True)
+class LlamaServerOptions:
+    slots: int = 64  # llama-server's parallel slots, and its clients
+    requantize: str | None = None  # a llama-quantize type the peer runs the GGUF as (e.g. Q8_0)
+
+
 def run_bench(
-    engine: Engine, model_path, wl: Workload, systems: list[str], batch_size: int, repeats: int, threads: int
+    engine: Engine,
+    model_path,
+    wl: Workload,
+    systems: list[str],
+    batch_size: int,
+    repeats: int,
+    threads: int,
+    llama: LlamaServerOptions = LlamaServerOptions(),
 ) -> dict:
     """Every system once per round, rounds interleaved in rotating order; the median wall time per system is
     reported."""
     skipped = {k: v for k, v in peer_status().items() if k in systems and v}
+    if "llama-server" in systems and "llama-server" not in skipped:
+        if engine.config.load_format == "dummy":
+            skipped["llama-server"] = "load_format dummy: llama.cpp would read other weights than the engine's"
+        elif model_path.suffix != ".gguf":
+            skipped["llama-server"] = f"it runs GGUF files; the engine's model is {model_path}"
     constrained = sum(r.params.grammar_key is not None for r in wl.requests)
     if "unconstrained" in systems and not constrained:
         skipped["unconstrained"] = "no request of the workload has an output constraint"
@@ -84,6 +104,12 @@ def run_bench(
         systems.remove("vllm")
     hf_model = None
     vllm = load_vllm(engine, model_path) if "vllm" in systems else None
+    if "llama-server" in systems:
+        server = llama_server.ensure_built() / "llama-server"
+        gguf = llama_server.requantized(model_path, llama.requantize) if llama.requantize else model_path
+        weights = f"weights {llama_server.weight_types(gguf)}" + (
+            f" (requantized from {llama_server.weight_types(model_path)})" if llama.requantize else ""
+        )
     # With the unconstrained peer, an untimed constrained run first: it compiles the grammars, warms the engine up at
     # the workload's shapes and gives the lengths the unconstrained requests are held to.
     free = unconstrained(wl, run_engine(engine, wl).sample_tokens) if "unconstrained" in systems else None
@@ -104,8 +130,8 @@ def run_bench(
             return run_hf(wl, batch_size, hf_model)
         if system == "vllm":
             return run_vllm(vllm, engine, wl)
-        if system == "llama-cpp":
-            return run_llama_cpp(model_path, wl, threads)
+        if system == "llama-server":
+            return llama_server.run_llama_server(server, gguf, wl, llama.slots, threads, weights)
         raise ValueError(f"unknown system {system!r}")
 
     if vllm is not None:
@@ -124,6 +150,7 @@ def run_bench(
         row["ratio_to_engine"] = (row["requests_per_s"] / base.row()["requests_per_s"]) if base else None
     report = {
         "workload": wl.name,
+        "cpu": cpu_kind(),
         "systems": rows,
         "skipped": skipped,
         "repeats": repeats,
@@ -179,6 +206,7 @@ def run_sweep(engine: Engine, wl: Workload, budgets: list[int], repeats: int) ->
         row["cpu_ratio_to_best_fixed"] = best_cpu / cpu[setting]
     return {
         "workload": wl.name,
+        "cpu": cpu_kind(),
         "systems": rows,
         "best_fixed": best["system"],
         "best_fixed_cpu": f"budget {min(budgets, key=cpu.get)}",
@@ -228,6 +256,7 @@ def run_embed_bench(
     return {
         "workload": f"embed: {len(texts)} texts of {lo}-{hi} characters cut from {EMBED_DOCUMENTS}, {tokens:,} tokens "
         f"(cut at max_seq_length {embedder.max_seq_length})",
+        "cpu": cpu_kind(),
         "systems": rows,
         "skipped": skipped,
         "repeats": repeats,
@@ -261,6 +290,8 @@ class BenchOptions:
     enforce_eager: bool
     quality: bool
     json_path: str | None
+    slots: int = LlamaServerOptions.slots
+    requantize: str | None = None
 
 
 QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
@@ -317,6 +348,8 @@ def bench(o: BenchOptions) -> str:
     }
     if o.budgets:
         overrides["max_num_batched_tokens"] = "auto"  # sizes the engine's memory for every budget it may run at
+    if o.requantize and o.requantize not in llama_server.QUANT_TYPES:
+        raise JobFileError(f"bench --requantize {o.requantize}: not one of {', '.join(llama_server.QUANT_TYPES)}")
     if o.quality and o.dtype:
         raise JobFileError("bench --quality runs the engine in float32 and in bfloat16: --dtype does not apply")
     model, job = o.model, None
@@ -341,7 +374,9 @@ def bench(o: BenchOptions) -> str:
     else:
         systems = [s.strip() for s in (o.systems or "engine,static,hf").split(",") if s.strip()]
         batch = o.batch_size or BATCH_SIZE
-        report = run_bench(engine, engine.model_path, wl, systems, batch, o.repeats, torch.get_num_threads())
+        llama = LlamaServerOptions(o.slots, o.requantize)
+        threads = torch.get_num_threads()
+        report = run_bench(engine, engine.model_path, wl, systems, batch, o.repeats, threads, llama)
         text = format_report(report)
     _write_json(o.json_path, report)
     return text

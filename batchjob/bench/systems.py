@@ -1,15 +1,17 @@
 """The systems a workload runs through: this engine, fixed-batch baselines on its model runner (`static`),
-transformers `generate` (`hf`), vLLM and llama-cpp-python where installed; for `--task embed`, the Embedder and
-sentence-transformers `encode`."""
+transformers `generate` (`hf`), vLLM where installed (llama.cpp's llama-server is in llama_server.py); for
+`--task embed`, the Embedder and sentence-transformers `encode`."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import time
 
 import torch
 
 from batchjob import env
+from batchjob.bench.llama_server import cached_binary, weight_types
 from batchjob.bench.measure import Result, summarize
 from batchjob.bench.workloads import Workload
 from batchjob.engine.block_manager import KVPoolExhausted
@@ -31,7 +33,7 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
     result = summarize(system, time.perf_counter() - t0, wl, tokens, steps)
     result.token_budget, result.cpu_s = engine.token_budget, time.process_time() - c0
-    result.note = dtype_name(engine.dtype)
+    result.note = engine_mode(engine)
     result.constraint_s = engine.structured.seconds - g0
     result.outputs = {o.request_id: o.token_ids for o in outs}
     result.sample_tokens = {o.request_id: max(len(s.token_ids) for s in o.samples) for o in outs}
@@ -191,6 +193,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def engine_mode(engine: Engine) -> str:
+    """The dtype the engine computed in and, for a GGUF, the format its weights were read from."""
+    mode = dtype_name(engine.dtype)
+    if engine.model_path.suffix == ".gguf" and engine.config.load_format != "dummy":
+        mode += f", weights {weight_types(engine.model_path)} dequantized to {mode}"
+    if engine.config.kv_cache_dtype != "auto":
+        mode += f", KV {engine.config.kv_cache_dtype}"
+    return mode
+
+
 def load_vllm(engine: Engine, model_path):
     """vLLM's LLM on the engine's weights, exported as an HF folder, in the engine's dtype (bf16 is also vLLM-CPU's
     default for a model whose config says bf16, as SmolLM2's does), with every core for the model. Built
@@ -243,22 +255,6 @@ def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
     return result
 
 
-def run_llama_cpp(model_path, wl: Workload, threads: int) -> Result:
-    """llama-cpp-python, one request after another (its Python API has no batched generation)."""
-    from llama_cpp import Llama  # type: ignore[import-not-found]
-
-    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=threads, verbose=False)
-    out_tokens = 0
-    t0 = time.perf_counter()
-    for r in wl.requests:
-        llm.reset()
-        for _k, _ in zip(range(r.params.max_tokens), llm.generate(r.prompt_token_ids, temp=0.0)):
-            out_tokens += 1
-    result = Result("llama-cpp", time.perf_counter() - t0, wl.prompt_tokens, out_tokens, len(wl.requests))
-    result.note = "sequential: one request at a time (its Python API has no batched generation)"
-    return result
-
-
 def run_embedder(embedder: Embedder, texts: list[str], tokens: int) -> Result:
     """The Embedder on the texts; `tokens` is the texts' count (every system is credited with the same)."""
     t0, c0 = time.perf_counter(), time.process_time()
@@ -297,7 +293,9 @@ def peer_status() -> dict[str, str | None]:
         if importlib.util.find_spec("transformers")
         else "transformers not installed (pip install -e '.[test]')",
         "vllm": None if importlib.util.find_spec("vllm") else "vllm not installed",
-        "llama-cpp": None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python not installed",
+        "llama-server": None
+        if cached_binary() or shutil.which("cmake") and shutil.which("ninja")
+        else "no llama-server build cached, and no cmake and ninja here to build one",
         "st": None
         if importlib.util.find_spec("sentence_transformers")
         else "sentence-transformers not installed (pip install -e '.[test]')",

@@ -7,6 +7,8 @@ from io import StringIO
 from rich.console import Console
 from rich.table import Table
 
+from batchjob.model.cpu_features import describe_cpu
+
 PROSE = {"how it ran", "check", "figures", "case", "shape", "kernel"}  # left-aligned columns
 
 
@@ -54,6 +56,7 @@ def format_sweep(report: dict) -> str:
             f"auto run {k + 1}: ended at {t['budget']} ({'settled' if t['settled'] else 'still probing'}, "
             f"{t['moves']} moves); tokens/s by budget {rates}"
         )
+    notes.append(f"host CPU: {describe_cpu(report['cpu'])}")
     return render(columns, rows, f"token budget sweep: {report['workload']}", notes)
 
 
@@ -105,6 +108,7 @@ def format_report(report: dict) -> str:
         notes.append(f"greedy outputs of {name} equal to the engine's: {a['equal']}/{a['total']}{where}")
     for name, why in report["skipped"].items():
         notes.append(f"skipped {name}: {why}")
+    notes.append(f"host CPU: {describe_cpu(report['cpu'])}")
     return render(columns, rows, report["workload"], notes)
 
 
@@ -138,6 +142,7 @@ def format_embed(report: dict) -> str:
         )
     for name, why in report["skipped"].items():
         notes.append(f"skipped {name}: {why}")
+    notes.append(f"host CPU: {describe_cpu(report['cpu'])}")
     return render(columns, rows, report["workload"], notes)
 
 

@@ -20,6 +20,7 @@ from batchjob.job.output.state import Committed
 from batchjob.job.output.writer import PartWriter
 from batchjob.job.planner import EmbeddingPlanner, EmbeddingWork, Work, job_planner, requests
 from batchjob.job.reader import InputSource, Row, Scan
+from batchjob.job.results_cache import RunCache, open_cache
 from batchjob.job.spec import JobSpec
 from batchjob.job.stopper import Interrupted, Stopper
 from batchjob.job.telemetry.progress import Progress
@@ -81,6 +82,7 @@ class LocalExecutor:
         self.engine: JobEngine | None = None
         self.pending: Pending | None = None
         self.in_flight: dict[str, Work] = {}
+        self.cache: RunCache | None = None
         self.stop_committed = self.aborted = False
 
     def execute(self, pending: Pending) -> None:
@@ -90,19 +92,29 @@ class LocalExecutor:
                 self.engine = self.engine_factory(pending.job)
         except Interrupted:
             return
-        if pending.job.task == "embed":
-            self.embed(pending, self.engine)
-            return
-        planner = job_planner(pending.job, self.engine, pending.row_failed, pending.progress.message)
-        pending.model_known(model_identity(self.engine))
+        self.cache = open_cache(pending.job, self.engine)
+        try:
+            if pending.job.task == "embed":
+                self.embed(pending, self.engine)
+            else:
+                self.generate(pending, self.engine)
+        finally:
+            if self.cache is not None:
+                self.cache.cache.evict()
+
+    def generate(self, pending: Pending, engine: JobEngine) -> None:
+        planner = job_planner(pending.job, engine, pending.row_failed, pending.progress.message)
+        pending.model_known(model_identity(engine))
         if pending.stopper.stopping:  # stopped during the model load: nothing started, nothing to commit
             return
         pending.start()
         self.timeline = Timeline(self.timeline_path)
-        self.engine.add_step_callback(self.on_step)
+        engine.add_step_callback(self.on_step)
         works = itertools.takewhile(lambda _: not pending.stopper.stopping, planner.works(pending.rows))
+        if self.cache is not None:
+            works = self.cache.generation_misses(works, self.commit_hit)
         try:
-            for output in self.engine.stream(requests(works, self.in_flight)):
+            for output in engine.stream(requests(works, self.in_flight)):
                 self.commit(output)
         finally:
             self.timeline.write()
@@ -117,11 +129,24 @@ class LocalExecutor:
         if pending.stopper.stopping:
             return
         pending.start()
-        for call in embedding_calls(planner.works(pending.rows), embedder):
+        works = planner.works(pending.rows)
+        store, looked_up = None, None
+        if self.cache is not None:
+            store, looked_up = self.cache.store_embeddings, "misses"
+
+            def on_hit(work: EmbeddingWork, vectors: list[list[float]]) -> None:
+                record = embedding_row(
+                    work.row, _shortened(embedder, work, vectors), work.prompt_tokens, work.truncated, per_line
+                )
+                pending.writer.add(record, cache="hits")
+                pending.progress.rows(1)
+
+            works = self.cache.embedding_misses(works, on_hit)
+        for call in embedding_calls(works, embedder):
             if pending.stopper.stopping:
                 return
-            for record in embedding_records(embedder, call, per_line):
-                pending.writer.add(record)
+            for record in embedding_records(embedder, call, per_line, store):
+                pending.writer.add(record, cache=looked_up)
             pending.progress.rows(len(call), prompt_tokens=sum(w.prompt_tokens for w in call))
 
     def on_step(self, metrics: StepMetrics) -> None:
@@ -143,15 +168,24 @@ class LocalExecutor:
 
     def commit(self, output: RequestOutput) -> None:
         work = self.in_flight.pop(output.request_id)
+        looked_up = self.cache is not None and self.cache.looked_up(work)
+        if looked_up:
+            self.cache.store(work, output)
         if output.finish_reason == "abort":
             return  # not committed, so it runs again on resume
         for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
-            self.pending.writer.add(record)
+            self.pending.writer.add(record, cache="misses" if looked_up else None)
         self.pending.progress.rows(
             len(work.rows),
             output_tokens=sum(len(s.token_ids) for s in output.samples),
             prompt_tokens=len(work.token_ids) - output.num_cached_tokens,
         )
+
+    def commit_hit(self, work: Work, output: RequestOutput) -> None:
+        """A work whose result the results cache holds: its rows as if the engine had just computed it."""
+        for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
+            self.pending.writer.add(record, cache="hits")
+        self.pending.progress.rows(len(work.rows))
 
     def engine_summary(self) -> dict:
         if self.engine is None:
@@ -164,16 +198,30 @@ class LocalExecutor:
         return summary
 
 
-def embedding_records(embedder: Embedder, works: list[EmbeddingWork], per_line: bool) -> list[dict]:
-    """The output rows of `works`, their inputs embedded in one Embedder call."""
+def embedding_records(
+    embedder: Embedder,
+    works: list[EmbeddingWork],
+    per_line: bool,
+    store: Callable[[EmbeddingWork, list[list[float]]], None] | None = None,
+) -> list[dict]:
+    """The output rows of `works`, their inputs embedded in one Embedder call; `store` takes each row's vectors at
+    the model's dimension (for the results cache)."""
     outputs = iter(embedder.embed([ids for w in works for ids in w.inputs], use_tqdm=False))
     records = []
     for work in works:
         vectors = [next(outputs).embedding for _ in work.inputs]
-        if work.dimensions is not None:
-            vectors = [embedder.shorten(v, work.dimensions) for v in vectors]
+        if store is not None:
+            store(work, vectors)
+        vectors = _shortened(embedder, work, vectors)
         records.append(embedding_row(work.row, vectors, work.prompt_tokens, work.truncated, per_line))
     return records
+
+
+def _shortened(embedder: Embedder, work: EmbeddingWork, vectors: list[list[float]]) -> list[list[float]]:
+    """A row's vectors cut to its `dimensions`, where it asks for fewer."""
+    if work.dimensions is None:
+        return vectors
+    return [embedder.shorten(v, work.dimensions) for v in vectors]
 
 
 def embedding_calls(works: Iterable[EmbeddingWork], embedder: Embedder) -> Iterator[list[EmbeddingWork]]:

@@ -13,6 +13,7 @@ from batchjob.job.contracts import Embedder, JobEngine
 from batchjob.job.executor import load_engine
 from batchjob.job.planner import EmbeddingPlanner, Work, job_planner
 from batchjob.job.reader import InputSource
+from batchjob.job.results_cache import open_cache
 from batchjob.job.spec import JobSpec
 
 CALIBRATION_REQUESTS = 8
@@ -37,10 +38,14 @@ def plan_job(
 
     planner = job_planner(job, engine, count_failure)
     cache = PrefixCacheModel(engine.num_kv_blocks, block_size)
+    results = open_cache(job, engine)
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
-    constrained, grammars = 0, set()
+    constrained, grammars, hits = 0, set(), 0
     for work in planner.works(source.rows()):
+        if results is not None and results.holds(work):  # taken from the results cache: no time to estimate
+            hits += len(work.rows)
+            continue
         key = work.params.grammar_key
         if key is not None:
             constrained += len(work.rows)
@@ -51,13 +56,15 @@ def plan_job(
         shared += cache.hit_tokens(work.token_ids)
         if len(sample) < CALIBRATION_REQUESTS:  # the first in planned order: what the run starts with
             sample.append(work)
+    cached = {"rows_from_results_cache": hits} if results is not None else {}
     if not lengths:
-        return {"rows": scan.total, "rows_failing_before_the_model": failed, "requests": 0}
+        return {"rows": scan.total, "rows_failing_before_the_model": failed, **cached, "requests": 0}
 
     prompt_tokens, ordered = sum(lengths), sorted(lengths)
     report = {
         "rows": scan.total,
         "rows_failing_before_the_model": failed,
+        **cached,
         "requests": len(lengths),
         "duplicate_rows_computed_once": duplicates,
         "constrained_rows": constrained,
@@ -98,19 +105,25 @@ def plan_job(
 
 
 def _plan_embedding(job: JobSpec, source: InputSource, rows: int, embedder: Embedder, calibrate: bool) -> dict:
-    failed, truncated, lengths, sample = 0, 0, array("q"), []
+    failed, truncated, lengths, sample, hits = 0, 0, array("q"), [], 0
     budget = CALIBRATION_EMBED_BATCHES * embedder.config.max_num_batched_tokens
+    results = open_cache(job, embedder)
 
     def count_failure(row, error) -> None:
         nonlocal failed
         failed += 1
 
     for work in EmbeddingPlanner(job, embedder, count_failure).works(source.rows()):
+        if results is not None and results.holds(work):
+            hits += 1
+            continue
         truncated += work.truncated
         lengths.extend(map(len, work.inputs))
         if sum(map(len, sample)) < budget:  # the first inputs: what the run starts with
             sample += work.inputs
-    report = {"task": "embed", "rows": rows, "rows_failing_before_the_model": failed, "requests": len(lengths)}
+    report = {"task": "embed", "rows": rows, "rows_failing_before_the_model": failed}
+    report |= {"rows_from_results_cache": hits} if results is not None else {}
+    report["requests"] = len(lengths)
     if not lengths:
         return report
     ordered = sorted(lengths)

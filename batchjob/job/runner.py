@@ -18,15 +18,13 @@ from batchjob.job.output.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committe
 from batchjob.job.output.storage import display
 from batchjob.job.output.writer import PartWriter, sort_parts, write_openai_output
 from batchjob.job.reader import InputSource, Scan
+from batchjob.job.results_cache import RESULT_ENGINE_SETTINGS
 from batchjob.job.spec import JobSpec
 from batchjob.job.stopper import Stopper
 from batchjob.job.telemetry.progress import Progress
 from batchjob.job.telemetry.prom import metric_families, write_metrics
 
 MODEL_KEYS = ("model_digest", "model_revision", "numerics")  # the parts known once the model is loaded
-# Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in
-# "numerics": `dtype: auto` is bfloat16 on a GPU and on a CPU with native bf16, float32 on other CPUs.
-RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed"}
 
 
 def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> dict:
@@ -215,6 +213,7 @@ class JobRun:
             "prompt_tokens": committed.prompt_tokens,
             "output_tokens": committed.output_tokens,
             "cached_tokens": committed.cached_tokens,
+            **({"cache": {"hits": committed.cache_hits, "misses": committed.cache_misses}} if job.cache else {}),
             "this_run": {
                 "rows": stats.rows,
                 "wall_time_s": round(wall_time, 3),

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
@@ -152,6 +152,16 @@ class RaySpec(_Section):
     )
 
 
+class CacheSpec(_Section):
+    """A results cache shared by jobs (results_cache.py): rows whose result is stored there are not computed again."""
+
+    path: str = Field(min_length=1, description="a folder, local or an fsspec URL (s3://bucket/prefix, gs://...)")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for a URL")
+    max_size: ByteSize = Field(
+        ByteSize(10 << 30), gt=0, description="bytes ('500MB', '10GiB'); past it, the entries used longest ago go"
+    )
+
+
 class JobSpec(_Section):
     model: str = Field(
         DEFAULT_MODEL,
@@ -169,6 +179,7 @@ class JobSpec(_Section):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     output: OutputSpec
     ray: RaySpec = Field(default_factory=RaySpec)
+    cache: CacheSpec | None = Field(None, description="a results cache: rows computed before are taken from it")
     fail_on_row_errors: bool = False
 
     @model_validator(mode="after")
@@ -191,6 +202,8 @@ class JobSpec(_Section):
                     f"the text that is checked and truncated; it has {prompt.fields}"
                 )
             _check_text_format(prompt.template, inp.text_column)
+        if self.cache is not None and self.executor == "ray":
+            raise ValueError("cache: not yet used with executor 'ray' (its workers do not look rows up)")
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self

@@ -11,8 +11,6 @@ torch ops."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -20,14 +18,13 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from batchjob import env
+from batchjob.model.build_lock import build_lock
 from batchjob.model.builtin import cache_dir
 from batchjob.model.cpu_features import cpu_flags
 
@@ -36,7 +33,6 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "cpu_types.h"]  # included by the sources: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: glibc's vector expf in the softmax
-_POLL_S = 0.2  # short sleeps while waiting for another build: a signal's handler runs between them
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -56,36 +52,12 @@ def _load() -> Any:
     library = folder / f"{folder.name}.so"
     if not library.exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
-        with _held(lock_path):
+        with build_lock(lock_path, _build_wait(), "the C++ CPU kernels", "BATCHJOB_CPU_OPS_BUILD_WAIT"):
             if not library.exists():  # else another process built it while this one waited
                 _build(folder)
                 return torch.ops.batchjob_cpu  # cpp_extension.load loaded it
     torch.ops.load_library(str(library))
     return torch.ops.batchjob_cpu
-
-
-@contextlib.contextmanager
-def _held(path: Path) -> Iterator[None]:
-    """An exclusive flock on `path`, released when the body ends or this process dies, however it dies; waits
-    BATCHJOB_CPU_OPS_BUILD_WAIT seconds at most for another holder, then raises TimeoutError."""
-    with open(path, "a") as f:  # closing it releases the lock
-        wait = _build_wait()
-        deadline, said = time.monotonic() + wait, False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"another process held the build lock {path} for the {wait:g} s this one waits "
-                        "(BATCHJOB_CPU_OPS_BUILD_WAIT)"
-                    ) from None
-                if not said:  # a wait that says nothing looks like a hang
-                    log.warning("waiting up to %g s for another process's build of the C++ CPU kernels: %s", wait, path)
-                    said = True
-                time.sleep(_POLL_S)
-        yield
 
 
 def _build_wait() -> float:

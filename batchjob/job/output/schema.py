@@ -31,6 +31,8 @@ RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
 # per input, each cut to the line's `dimensions`) with the line's encoding_format for its response.
 EMBEDDING_COLUMNS = frozenset({"embedding", "embeddings", "encoding_format"})
 REASONING_COLUMNS = frozenset({"reasoning", "reasonings"})  # with output.split_reasoning
+# A part's schema metadata: how many of its rows the results cache gave (hits) and how many it lacked (misses).
+CACHE_METADATA = b"batchjob.cache"
 
 
 THINK_START, THINK_END = "<think>", "</think>"  # the reasoning block of Qwen3, DeepSeek-R1, SmolLM3 and others

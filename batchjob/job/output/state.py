@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 
 from batchjob.job.output.lease import LeaseLock, LeaseUnsupported, lease_expired
 from batchjob.job.output.lock import OutputLock, lock_is_held, read_holder
+from batchjob.job.output.schema import CACHE_METADATA
 from batchjob.job.output.storage import (
     TMP_PREFIX,
     Location,
@@ -75,6 +76,8 @@ class Committed:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    cache_hits: int = 0  # rows the results cache gave
+    cache_misses: int = 0  # rows looked up there in vain, then computed
 
     def done_at(self, ids: pa.ChunkedArray) -> np.ndarray:
         """For each of the input's ids (by position), whether it is committed: one hash lookup in Arrow, a byte a
@@ -245,12 +248,15 @@ class OutputDir:
             try:
                 with parquet_file(part) as pf:  # an embedding job's parts have no output or cached tokens
                     table = pf.read(columns=[c for c in COUNTED_COLUMNS if c in pf.schema_arrow.names])
+                    cache = json.loads((pf.schema_arrow.metadata or {}).get(CACHE_METADATA, b"{}"))
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
                 raise StateError(f"cannot read the committed part {part}: {e}") from None
             if with_ids:
                 id_chunks.append(table.column("id"))
             done.rows += table.num_rows
             done.failed += table.num_rows - table.column("error").null_count
+            done.cache_hits += cache.get("hits", 0)
+            done.cache_misses += cache.get("misses", 0)
             for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
                 if name in table.column_names:
                     setattr(done, name, getattr(done, name) + (pc.sum(table.column(name)).as_py() or 0))
@@ -417,6 +423,8 @@ class OutputDir:
             "rows_failed": committed.failed,
             "prompt_tokens": committed.prompt_tokens,
             "output_tokens": committed.output_tokens,
+            "cache_hits": committed.cache_hits,
+            "cache_misses": committed.cache_misses,
             "parts": len(parts),
             "last_commit_s_ago": round(time.time() - max(mtime(p) for p in parts)) if parts else None,
             "summary": self.read_summary() if state == "done" else None,

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.job.openai_batch import format_response
+from batchjob.job.output.schema import CACHE_METADATA
 from batchjob.job.output.storage import Location, parquet_file, read_parquet, write_atomic, write_table
 
 
@@ -40,10 +41,15 @@ class PartWriter:
         self.checkpoint_rows, self.checkpoint_seconds = checkpoint_rows, checkpoint_seconds
         self.next_part = next_part
         self.buffer: list[dict] = []
+        self.cache_counts = {"hits": 0, "misses": 0}  # of the buffered rows, for the part's CACHE_METADATA
         self.last_commit = time.monotonic()
 
-    def add(self, record: dict) -> None:
+    def add(self, record: dict, cache: str | None = None) -> None:
+        """Buffer a row; `cache` is "hits" for a row taken from the results cache, "misses" for one looked up there
+        in vain and computed."""
         self.buffer.append(record)
+        if cache is not None:
+            self.cache_counts[cache] += 1
         if len(self.buffer) >= self.checkpoint_rows:
             self.flush()
         else:
@@ -57,9 +63,12 @@ class PartWriter:
         if self.buffer:
             self.before_commit()
             table = pa.Table.from_pylist(self.buffer, schema=self.schema)
+            if any(self.cache_counts.values()):
+                table = table.replace_schema_metadata({CACHE_METADATA: json.dumps(self.cache_counts)})
             write_table(self.folder / f"part-{self.next_part:06d}{self.suffix}.parquet", table)
             self.next_part += 1
             self.buffer = []
+            self.cache_counts = {"hits": 0, "misses": 0}
         self.last_commit = time.monotonic()
 
 

@@ -1,0 +1,266 @@
+"""The results cache (`cache: {path: DIR}`): a row's result stored under a key of everything that decides it, so a
+later job (any job file, any output folder) with the same key takes it instead of computing it.
+
+DIR/<key[:2]>/<key>.json   one entry: {"key": its key, "sha256": of its result's canonical JSON, "result": ...}
+
+An entry is written whole (storage.write_atomic: a temporary file renamed locally, one PUT on an object store), so
+jobs can share a cache while they run: two writers of one key write the same result. An entry that does not read back
+whole and consistent (truncated, bad JSON, another key inside, a wrong checksum) is a miss, never a result. An entry's
+modification time is its last use: a hit refreshes it when it is older than TOUCH_AFTER_S (on an object store by
+writing the entry again, hence not at every hit), and when the cache is over `max_size` the entries used longest ago
+are deleted."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
+from typing import Any
+
+from batchjob.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.contracts import Embedder, JobEngine, model_identity
+from batchjob.job.output.storage import TMP_PREFIX, is_remote, location, url_to_fs, write_atomic
+from batchjob.job.planner import EmbeddingWork, Work
+from batchjob.job.spec import CacheSpec, JobSpec
+
+FORMAT = 1  # of the key and the entries: a change makes every earlier entry a miss
+# Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in
+# "numerics": `dtype: auto` is bfloat16 on a GPU and on a CPU with native bf16, float32 on other CPUs.
+RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed"}
+TOUCH_AFTER_S = 3600.0  # a hit marks its entry used if its last mark is older: LRU to the hour, at one write an hour
+EVICT_TO = 0.9  # of max_size, so that the next writes do not each evict again
+STALE_TMP_S = 86400.0  # a temporary file this old is a killed writer's; eviction removes it
+
+
+class ResultsCache:
+    """The entries under one folder: get, put, and eviction down to max_size."""
+
+    def __init__(self, spec: CacheSpec):
+        self.root = location(spec.path, spec.storage_options)
+        self.fs, self.fs_root = url_to_fs(spec.path, spec.storage_options)
+        self.max_size = int(spec.max_size)
+        self.written_since_evict = 0
+
+    def _path(self, key: str):
+        return self.root / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> dict | None:
+        """The result stored under `key`; None for a miss, which a damaged or foreign entry is too."""
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+            entry = json.loads(data)
+            result = entry["result"]
+            if entry["key"] != key or entry["sha256"] != _sha256(_canonical(result)):
+                return None
+            self._touch(path, data)
+        except Exception:  # missing, unreadable or not an entry: whatever the store or the parser calls it
+            return None
+        return result
+
+    def contains(self, key: str) -> bool:
+        """Whether `key` has an entry (not read: `plan`'s estimate)."""
+        return self._path(key).exists()
+
+    def put(self, key: str, result: dict) -> None:
+        body = _canonical(result)
+        data = _canonical({"key": key, "sha256": _sha256(body), "result": result})
+        path = self._path(key)
+        if not is_remote(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(data))
+        self.written_since_evict += len(data)
+        if self.written_since_evict > self.max_size * (1 - EVICT_TO):
+            self.evict()
+
+    def _touch(self, path, data: bytes) -> None:
+        if time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
+            return
+        if is_remote(path):
+            write_atomic(path, lambda f: f.write(data))
+        else:
+            os.utime(path)
+
+    def size(self) -> int:
+        return sum(size for _, size, _ in self._entries())
+
+    def evict(self) -> None:
+        """Delete the entries used longest ago until the cache is within max_size (to EVICT_TO of it, once over)."""
+        self.written_since_evict = 0
+        entries = self._entries()
+        total = sum(size for _, size, _ in entries)
+        if total <= self.max_size:
+            return
+        for name, size, _ in sorted(entries, key=lambda e: e[2]):
+            if total <= self.max_size * EVICT_TO:
+                break
+            with contextlib.suppress(FileNotFoundError):  # another job evicted it first
+                self.fs.rm_file(name)
+            total -= size
+
+    def _entries(self) -> list[tuple[str, int, float]]:
+        """(name, size, last use) of each entry; a killed writer's old temporary files are removed on the way."""
+        try:
+            found = self.fs.find(self.fs_root, detail=True)
+        except FileNotFoundError:
+            return []
+        entries = []
+        for name, info in found.items():
+            base, used = name.rsplit("/", 1)[-1], _mtime(info)
+            if base.startswith(TMP_PREFIX) and time.time() - used > STALE_TMP_S:
+                self.fs.rm_file(name)
+            elif base.endswith(".json") and not base.startswith(TMP_PREFIX):
+                entries.append((name, int(info.get("size") or 0), used))
+        return entries
+
+
+class RunCache:
+    """A run's use of the cache: the keys of its rows, in a scope of the model and the settings its rows share, and the
+    conversion of results to entries and back. A task whose results depend on more than a row's token ids and
+    sampling parameters (scoring's continuation or labels) passes that as a row's `settings`."""
+
+    def __init__(self, cache: ResultsCache, job: JobSpec, engine: JobEngine | Embedder):
+        self.cache = cache
+        identity = model_identity(engine)
+        self.scope = {
+            "format": FORMAT,
+            "task": job.task,
+            "model_digest": identity["model_digest"],
+            "numerics": identity["numerics"],
+            "engine": job.engine.model_dump(mode="json", include=RESULT_ENGINE_SETTINGS),
+        }
+        self.keys: dict[str, str] = {}  # request id -> key, for the generation works sent to the engine
+
+    def key(self, token_ids: list[int] | list[list[int]], params: SamplingParams | None, settings: dict | None) -> str:
+        h = hashlib.sha256(_canonical({**self.scope, "params": params and params.model_dump(mode="json")}))
+        h.update(_canonical(settings or {}))
+        for ids in token_ids if token_ids and isinstance(token_ids[0], list) else [token_ids]:
+            h.update(len(ids).to_bytes(8, "little"))
+            h.update(array("q", ids).tobytes())
+        return h.hexdigest()
+
+    def work_key(self, work: Work | EmbeddingWork) -> str | None:
+        """A work's key; None for unseeded sampling, which is never cached: its result is one draw among many."""
+        if isinstance(work, EmbeddingWork):
+            return self.key(work.inputs, None, None)
+        return self.key(work.token_ids, work.params, None) if work.params.deterministic else None
+
+    def holds(self, work: Work | EmbeddingWork) -> bool:
+        """Whether the cache has a work's result (for `plan`'s estimate: the entry is not read)."""
+        key = self.work_key(work)
+        return key is not None and self.cache.contains(key)
+
+    def generation_misses(self, works: Iterable[Work], on_hit: Callable[[Work, RequestOutput], None]) -> Iterator[Work]:
+        """The works that the cache does not answer, with their keys kept for `store`; `on_hit` takes the others."""
+        for work in works:
+            key = self.work_key(work)
+            if key is None:
+                yield work
+                continue
+            output = _output(self.cache.get(key), work)
+            if output is not None:
+                on_hit(work, output)
+                continue
+            self.keys[work.request_id] = key
+            yield work
+
+    def looked_up(self, work: Work) -> bool:
+        return work.request_id in self.keys
+
+    def store(self, work: Work, output: RequestOutput) -> None:
+        """Store a finished request's result; an error or a cut-short request is not a result to keep."""
+        key = self.keys.pop(work.request_id, None)
+        if key is None or output.error is not None or output.finish_reason in ("abort", "error"):
+            return
+        self.cache.put(key, _output_entry(output))
+
+    def embedding_misses(
+        self, works: Iterable[EmbeddingWork], on_hit: Callable[[EmbeddingWork, list[list[float]]], None]
+    ) -> Iterator[EmbeddingWork]:
+        for work in works:
+            vectors = self.cache.get(self.work_key(work))
+            if _vectors_fit(vectors, work):
+                on_hit(work, vectors)
+            else:
+                yield work
+
+    def store_embeddings(self, work: EmbeddingWork, vectors: list[list[float]]) -> None:
+        """An embedding row's vectors, at the model's full dimension (a row's `dimensions` cuts them after)."""
+        self.cache.put(self.work_key(work), vectors)
+
+
+def open_cache(job: JobSpec, engine: JobEngine | Embedder) -> RunCache | None:
+    return RunCache(ResultsCache(job.cache), job, engine) if job.cache is not None else None
+
+
+def _output_entry(output: RequestOutput) -> dict:
+    return {
+        "text": output.text,
+        "finish_reason": output.finish_reason,
+        "samples": [
+            {
+                "text": s.text,
+                "token_ids": s.token_ids,
+                "finish_reason": s.finish_reason,
+                "logprobs": None if s.logprobs is None else [[lp.token_id, lp.logprob, lp.top] for lp in s.logprobs],
+            }
+            for s in output.samples
+        ],
+    }
+
+
+def _output(entry: Any, work: Work) -> RequestOutput | None:
+    """The RequestOutput an entry stores, for `work`'s request; None if the entry is not one (a miss)."""
+    if entry is None:
+        return None
+    try:
+        samples = [
+            CompletionOutput(
+                i,
+                s["text"],
+                list(s["token_ids"]),
+                s["finish_reason"],
+                None
+                if s["logprobs"] is None
+                else [TokenLogprob(t, v, [tuple(x) for x in top]) for t, v, top in s["logprobs"]],
+            )
+            for i, s in enumerate(entry["samples"])
+        ]
+        first = samples[0]
+        # the whole prompt counts as cached, as for a duplicate row: nothing of it was computed
+        return RequestOutput(
+            work.request_id,
+            work.token_ids,
+            first.token_ids,
+            entry["text"],
+            entry["finish_reason"],
+            num_cached_tokens=len(work.token_ids),
+            logprobs=first.logprobs,
+            outputs=samples,
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _vectors_fit(vectors: Any, work: EmbeddingWork) -> bool:
+    return isinstance(vectors, list) and len(vectors) == len(work.inputs) and all(isinstance(v, list) for v in vectors)
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _mtime(info: dict) -> float:
+    """An fsspec listing's modification time: a number locally, a datetime on S3."""
+    when = info.get("mtime", info.get("LastModified", 0.0))
+    return when.timestamp() if isinstance(when, datetime) else float(when or 0.0)

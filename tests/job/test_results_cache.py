@@ -1,0 +1,314 @@
+"""The results cache across runs (cache: {path: DIR}): a rerun into another folder computes only the rows whose key
+changed; unseeded sampling is never cached; a damaged entry is a miss and its row is computed right; eviction keeps
+the size cap, least recently used first; two jobs share a cache at once; the cache on S3 (moto's server); OpenAI
+Batch lines keyed as other rows; `plan` and `status` count the hits. The fake engine counts what it computes; the
+real default model and the real embedder run the issue's test: one row edited in 200, one row computed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from batchjob.job.exit_codes import EXIT_OK
+from batchjob.job.output.state import OutputDir
+from batchjob.job.plan import plan_job
+from batchjob.job.results_cache import ResultsCache
+from batchjob.job.runner import run_job
+from batchjob.job.spec import CacheSpec, JobFileError, load_job
+from tests.fakes import FakeEngine
+from tests.helpers import Messages, documents, make_job, write_jsonl, write_parquet
+from tests.job.test_e2e import cli
+from tests.job.test_s3 import BUCKET, s3  # noqa: F401 (the moto server fixture)
+
+# What a row's result is, less what differs between any two runs (times) or tells how it was got (cached_tokens).
+RESULT = ("id", "output", "finish_reason", "outputs", "finish_reasons", "output_token_counts", "logprobs")
+RESULT += ("prompt_tokens", "output_tokens", "truncated", "error", "row_index", "title")
+
+
+def rows_of(out: Path) -> dict[str, dict]:
+    table = pq.read_table(out / "data")
+    return {r["id"]: {k: r[k] for k in RESULT if k in r} for r in table.to_pylist()}
+
+
+class Counting:
+    """An engine factory that keeps its engines, to count the prompts they computed."""
+
+    def __init__(self):
+        self.engines: list[FakeEngine] = []
+
+    def __call__(self, job) -> FakeEngine:
+        self.engines.append(FakeEngine(job.model))
+        return self.engines[-1]
+
+    @property
+    def computed(self) -> int:
+        return len(self.engines[-1].prompts_seen)
+
+
+def run(job, factory=None) -> Counting:
+    factory = factory or Counting()
+    assert run_job(job, Messages(), engine_factory=factory) == EXIT_OK
+    return factory
+
+
+def summary_cache(out: Path) -> dict:
+    return json.loads((out / "_summary.json").read_text())["cache"]
+
+
+def cached_job(data: Path, out: Path, folder: Path | str, **sections):
+    return make_job(data, out, cache={"path": str(folder), **sections.pop("cache", {})}, **sections)
+
+
+def test_a_rerun_computes_only_the_edited_row_and_gives_the_from_scratch_output(tmp_path):
+    docs = documents(40)
+    data = write_parquet(tmp_path / "a.parquet", docs)
+    first = run(cached_job(data, tmp_path / "out1", tmp_path / "cache", input={"passthrough": ["title"]}))
+    assert first.computed == 40 and summary_cache(tmp_path / "out1") == {"hits": 0, "misses": 40}
+    docs[7]["text"] = "an edited text"
+    edited = write_parquet(tmp_path / "b.parquet", docs)
+    again = run(cached_job(edited, tmp_path / "out2", tmp_path / "cache", input={"passthrough": ["title"]}))
+    assert [bytes(p).decode().count("an edited text") for p in again.engines[0].prompts_seen] == [1]
+    assert summary_cache(tmp_path / "out2") == {"hits": 39, "misses": 1}
+    status = OutputDir(tmp_path / "out2").status()
+    assert (status["cache_hits"], status["cache_misses"]) == (39, 1)
+    run(make_job(edited, tmp_path / "scratch", input={"passthrough": ["title"]}))
+    assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "scratch")
+    hit = pq.read_table(tmp_path / "out2" / "data").to_pylist()[0]
+    assert hit["cached_tokens"] == hit["prompt_tokens"] and hit["total_time_s"] is None  # nothing computed, nor timed
+
+
+def test_unseeded_sampling_is_never_cached_and_seeded_sampling_is(tmp_path):
+    data = write_parquet(tmp_path / "a.parquet", documents(10))
+    for name, sampling, computed_again in [("unseeded", {"temperature": 0.8}, 10), ("seeded", {"seed": 3}, 0)]:
+        sampling = {"max_tokens": 64, "temperature": 0.8, **sampling}
+        for k in (1, 2):
+            counted = run(cached_job(data, tmp_path / f"{name}{k}", tmp_path / name, sampling=sampling))
+        assert counted.computed == computed_again, name
+    assert not list((tmp_path / "unseeded").rglob("*.json"))  # not even written
+
+
+def test_a_row_seed_or_other_sampling_is_another_key(tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "text": "x y", "temperature": 0.5, "seed": 1}])
+    job = dict(input={"path": str(data)}, sampling={"max_tokens": 64})
+    assert run(cached_job(data, tmp_path / "o1", tmp_path / "c", **job)).computed == 1
+    assert run(cached_job(data, tmp_path / "o2", tmp_path / "c", **job)).computed == 0
+    assert run(cached_job(data, tmp_path / "o3", tmp_path / "c", sampling={"max_tokens": 63})).computed == 1
+
+
+def test_a_damaged_entry_is_a_miss_and_its_row_is_computed_right(tmp_path):
+    data = write_parquet(tmp_path / "a.parquet", documents(12))
+    run(cached_job(data, tmp_path / "out1", tmp_path / "cache"))
+    entries = sorted((tmp_path / "cache").rglob("*.json"))
+    assert len(entries) == 12
+    whole = [json.loads(p.read_text()) for p in entries[:5]]
+    entries[0].write_bytes(entries[0].read_bytes()[:40])  # truncated
+    entries[1].write_text("not json")
+    entries[2].write_text(json.dumps({**whole[2], "key": whole[3]["key"]}))  # another key inside
+    forged = {**whole[3]["result"], "text": "a wrong answer"}
+    entries[3].write_text(json.dumps({**whole[3], "result": forged}))  # the checksum no longer fits
+    # the right key and checksum of something that is not a result
+    entries[4].write_text(json.dumps({**whole[4], "sha256": hashlib.sha256(b"[1,2]").hexdigest(), "result": [1, 2]}))
+    again = run(cached_job(data, tmp_path / "out2", tmp_path / "cache"))
+    assert again.computed == 5 and summary_cache(tmp_path / "out2") == {"hits": 7, "misses": 5}
+    assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "out1")
+    # the computed rows were stored again, whole
+    assert run(cached_job(data, tmp_path / "out3", tmp_path / "cache")).computed == 0
+
+
+def test_eviction_keeps_the_cap_and_drops_the_least_recently_used(tmp_path):
+    cache = ResultsCache(CacheSpec(path=str(tmp_path / "c"), max_size=10_000))
+    keys = [f"{i:064x}" for i in range(30)]  # 20 fit
+    for k, key in enumerate(keys[:20]):
+        cache.put(key, {"text": "x" * 300})
+        old = time.time() - 10 * 86400 + k  # used long ago, in order
+        os.utime(tmp_path / "c" / key[:2] / f"{key}.json", (old, old))
+    assert cache.get(keys[0]) is not None  # a hit: now the most recently used
+    for key in keys[20:]:
+        cache.put(key, {"text": "x" * 300})
+    assert cache.size() <= 10_000
+    kept = {key for key in keys if cache.get(key) is not None}
+    assert keys[0] in kept and keys[-1] in kept
+    assert keys[1] not in kept and keys[2] not in kept  # the least recently used went first
+    assert len(kept) == len(list((tmp_path / "c").rglob("*.json")))
+
+
+def test_a_run_keeps_its_cache_within_max_size(tmp_path):
+    data = write_parquet(tmp_path / "a.parquet", documents(60))
+    run(cached_job(data, tmp_path / "out", tmp_path / "c", cache={"max_size": "4kB"}))
+    sizes = [p.stat().st_size for p in (tmp_path / "c").rglob("*.json")]
+    assert 0 < len(sizes) < 60 and sum(sizes) <= 4000
+
+
+def run_in_process(data: str, out: str, cache: str, max_size: int) -> int:
+    job = cached_job(Path(data), Path(out), cache, cache={"max_size": max_size})
+    return run_job(job, Messages(), engine_factory=Counting())
+
+
+@pytest.mark.parametrize("max_size", [10 << 20, 12_000])
+def test_two_jobs_at_once_on_one_cache(tmp_path, max_size):
+    """Two runs write (and with a small cap, evict) at the same time: both give every row right, and every entry
+    left reads back whole."""
+    data = write_parquet(tmp_path / "a.parquet", documents(150))
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        codes = pool.starmap(
+            run_in_process, [(str(data), str(tmp_path / f"out{k}"), str(tmp_path / "c"), max_size) for k in (1, 2)]
+        )
+    assert codes == [EXIT_OK, EXIT_OK]
+    run(make_job(data, tmp_path / "scratch"))
+    assert rows_of(tmp_path / "out1") == rows_of(tmp_path / "out2") == rows_of(tmp_path / "scratch")
+    entries = list((tmp_path / "c").rglob("*.json"))
+    assert max_size > 1 << 20 or sum(p.stat().st_size for p in entries) <= max_size
+    third = run(cached_job(data, tmp_path / "out3", tmp_path / "c"))
+    assert third.computed == 150 - len(entries)  # every entry left is a hit: none is damaged
+    assert rows_of(tmp_path / "out3") == rows_of(tmp_path / "scratch")
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_cache_on_s3(s3, tmp_path):  # noqa: F811 (the fixture)
+    data = write_parquet(tmp_path / "a.parquet", documents(20))
+    url = f"s3://{BUCKET}/results-cache"
+    assert run(cached_job(data, tmp_path / "out1", url)).computed == 20
+    s3.invalidate_cache()
+    entries = s3.find(f"{BUCKET}/results-cache")
+    assert len(entries) == 20
+    s3.pipe(entries[0], b'{"key": "truncat')  # a damaged entry
+    assert run(cached_job(data, tmp_path / "out2", url)).computed == 1
+    assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "out1")
+    cache = ResultsCache(CacheSpec(path=url, max_size=2000))
+    cache.evict()
+    assert 0 < cache.size() <= 2000 and len(s3.find(f"{BUCKET}/results-cache")) < 20
+
+
+def test_openai_batch_lines_are_keyed_as_other_rows(tmp_path):
+    """A chat line and a row of a Parquet job with the same prompt and sampling are one key."""
+    docs = documents(6)
+    lines = [
+        {
+            "custom_id": d["id"],
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": d["text"]}], "max_tokens": 64, "temperature": 0},
+        }
+        for d in docs
+    ]
+    batch = write_jsonl(tmp_path / "b.jsonl", lines)
+    openai = {"input": {"format": "openai-batch"}, "output": {"format": "openai-batch"}}
+    assert run(cached_job(batch, tmp_path / "o1", tmp_path / "c", **openai)).computed == 6
+    assert run(cached_job(batch, tmp_path / "o2", tmp_path / "c", **openai)).computed == 0
+    first, again = ((tmp_path / o / "output.jsonl").read_text().splitlines() for o in ("o1", "o2"))
+    drop = lambda line: {**json.loads(line), "response": {**json.loads(line)["response"], "body": None}}  # noqa: E731
+    bodies = lambda lines: [json.loads(line)["response"]["body"]["choices"] for line in lines]  # noqa: E731
+    assert bodies(first) == bodies(again) and list(map(drop, first)) == list(map(drop, again))
+    parquet = write_parquet(tmp_path / "a.parquet", docs)
+    assert run(cached_job(parquet, tmp_path / "o3", tmp_path / "c", sampling={"max_tokens": 64})).computed == 0
+
+
+def test_plan_leaves_the_cached_rows_out(tmp_path):
+    docs = documents(30)
+    data = write_parquet(tmp_path / "a.parquet", docs)
+    run(cached_job(data, tmp_path / "out1", tmp_path / "cache"))
+    docs[3]["text"] = "changed"
+    edited = cached_job(write_parquet(tmp_path / "b.parquet", docs), tmp_path / "out2", tmp_path / "cache")
+    report = plan_job(edited, calibrate=False, engine_factory=Counting())
+    assert report["rows_from_results_cache"] == 29 and report["requests"] == 1
+    assert "rows_from_results_cache" not in plan_job(
+        make_job(data, tmp_path / "o"), calibrate=False, engine_factory=Counting()
+    )
+
+
+def test_the_job_file_section(tmp_path):
+    data = write_parquet(tmp_path / "a.parquet", documents(2))
+    path = tmp_path / "job.yaml"
+    job = {
+        "input": {"path": str(data)},
+        "output": {"path": str(tmp_path / "o")},
+        "cache": {"path": "c", "max_size": "2GiB"},
+    }
+    path.write_text(yaml.safe_dump(job))
+    assert load_job(path).cache.max_size == 2 << 30
+    with pytest.raises(JobFileError, match="cache: not yet used with executor 'ray'"):
+        load_job(path, ["executor=ray"])
+    with pytest.raises(JobFileError, match="cache.max_size"):
+        load_job(path, ["cache.max_size=lots"])
+
+
+def write_job(path: Path, **sections) -> Path:
+    path.write_text(yaml.safe_dump(sections))
+    return path
+
+
+@pytest.mark.slow
+def test_the_issue_test_one_row_edited_in_200_on_the_real_model(tmp_path):
+    """Edit one row's text in a 200-row job and rerun into a new folder: one row computed, 199 from the cache, the
+    output the same as a from-scratch run's; through the CLI on the default model, with `plan` and `status`."""
+    rows = [{"id": f"r{i:03d}", "text": f"Count from {i} to {i + 3}."} for i in range(200)]
+    first, edited = write_parquet(tmp_path / "a.parquet", rows), tmp_path / "b.parquet"
+    rows[123]["text"] = "Name a colour."
+    write_parquet(edited, rows)
+    common = {
+        "sampling": {"temperature": 0.0, "max_tokens": 4},
+        "engine": {"max_num_seqs": 32, "kv_cache_memory_gb": 0.2, "max_model_len": 256},
+    }
+    cache = {"path": str(tmp_path / "cache")}
+
+    def job(name: str, data: Path, **more) -> str:
+        out = {"path": str(tmp_path / name)}
+        return str(write_job(tmp_path / f"{name}.yaml", input={"path": str(data)}, output=out, **common, **more))
+
+    assert cli("run", job("out1", first, cache=cache)).returncode == 0
+    planned = cli("plan", job("out2", edited, cache=cache), "--no-calibrate", "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert (json.loads(planned.stdout)["rows_from_results_cache"], json.loads(planned.stdout)["requests"]) == (199, 1)
+    again = cli("run", job("out2", edited, cache=cache))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert summary_cache(tmp_path / "out2") == {"hits": 199, "misses": 1}
+    status = cli("status", str(tmp_path / "out2"))
+    assert "results cache: 199 rows taken from it, 1 computed" in status.stdout
+    scratch = cli("run", job("scratch", edited))
+    assert scratch.returncode == 0, scratch.stdout + scratch.stderr
+    ours, reference = rows_of(tmp_path / "out2"), rows_of(tmp_path / "scratch")
+    assert ours == reference and ours["r123"]["output"] != rows_of(tmp_path / "out1")["r123"]["output"]
+
+
+@pytest.mark.slow
+def test_an_embedding_job_takes_its_rows_from_the_cache(tmp_path, minilm):
+    """The second run computes nothing and writes the same embeddings; an OpenAI Batch line of one of the texts,
+    with its own `dimensions`, takes the same entry."""
+    rows = [{"id": f"t{i}", "text": f"A sentence about the number {i}."} for i in range(30)]
+    data = write_parquet(tmp_path / "a.parquet", rows)
+    cache = {"path": str(tmp_path / "cache")}
+
+    def job(name: str, data: Path, **more) -> str:
+        sections = {"model": str(minilm), "task": "embed", "input": {"path": str(data)}, "cache": cache, **more}
+        return str(write_job(tmp_path / f"{name}.yaml", output={"path": str(tmp_path / name)}, **sections))
+
+    for name in ("out1", "out2"):
+        result = cli("run", job(name, data))
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert summary_cache(tmp_path / "out1") == {"hits": 0, "misses": 30}
+    assert summary_cache(tmp_path / "out2") == {"hits": 30, "misses": 0}
+    first, again = (pq.read_table(tmp_path / o / "data").sort_by("id").to_pylist() for o in ("out1", "out2"))
+    assert [(r["id"], r["embedding"], r["prompt_tokens"]) for r in first] == [
+        (r["id"], r["embedding"], r["prompt_tokens"]) for r in again
+    ]
+    line = {
+        "custom_id": "one",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"input": rows[4]["text"], "dimensions": 384},
+    }
+    batch = write_jsonl(tmp_path / "b.jsonl", [line])
+    openai = cli("run", job("out3", batch, input={"path": str(batch), "format": "openai-batch"}))
+    assert openai.returncode == 0, openai.stdout + openai.stderr
+    assert summary_cache(tmp_path / "out3") == {"hits": 1, "misses": 0}
+    row = pq.read_table(tmp_path / "out3" / "data").to_pylist()[0]
+    assert row["embeddings"] == [first[[r["id"] for r in first].index("t4")]["embedding"]]
