@@ -109,15 +109,15 @@ class BlockManager:
             seq.block_table.append(block)
 
     def match_prefix(self, seq: Sequence) -> int:
-        """On admission of a sequence that holds no blocks: reuse cached full blocks of its prefix. The last token
-        is never taken from the cache (its logits are needed). Returns the number of tokens found."""
+        """On admission of a sequence that holds no blocks: reuse cached full blocks of its prefix, up to its
+        prefix_cache_limit (tokens whose logits are needed are computed). Returns the number of tokens found."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
         tokens = seq.token_ids
         parent = None
         hits = 0
-        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+        for start in range(0, seq.prefix_cache_limit - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
             h = hash((parent, chunk))
             block = self.hash_to_block.get(h)

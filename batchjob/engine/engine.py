@@ -16,7 +16,8 @@ from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.host_sync import device_index
 from batchjob.engine.memory_profile import MemoryProfile
 from batchjob.engine.model_runner import ModelRunner, pick_device, pick_dtype
-from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, StepMetrics
+from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, ScoreOutput, StepMetrics, score_output
+from batchjob.engine.prompt_logprobs import prompt_logprob_rows
 from batchjob.engine.sampler import Sampler, takes_argmax
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import Scheduler
@@ -29,7 +30,7 @@ from batchjob.model.dummy import load_dummy
 from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import load_model
 
-__all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput"]
+__all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput", "ScoreOutput"]
 
 
 class Engine:
@@ -86,6 +87,7 @@ class Engine:
         self._step_callbacks: list[Callable[[StepMetrics], None]] = []
         self._arrivals = itertools.count()
         self._request_counter = itertools.count()
+        self._in_flight: dict[str, Sequence] = {}  # by request id: what a later request's `after` names
         self._streaming = False
         self._aborting = False
         self._aborting_waiting = False
@@ -184,6 +186,60 @@ class Engine:
         tokenizer = self.tokenizer.with_template_kwargs(chat_template_kwargs or {})
         return self.generate([tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
 
+    def score(
+        self,
+        prompts: list[str] | list[list[int]],
+        continuations: list[str] | list[list[int]] | None = None,
+        labels: list[str] | None = None,
+        prompt_logprobs: int = 0,
+        use_tqdm: bool = True,
+    ) -> list[ScoreOutput]:
+        """Teacher-forced scoring, in input order: one prefill a row and no decode (prompt-only requests, packed
+        into the token budget and chunked as any prefill). Each row scores its prompt's tokens after the first, or
+        its continuation's given the prompt; with `labels`, each label as the prompt's continuation, the labels of
+        a row reading the prompt's blocks from the prefix cache after one of them has computed them.
+        `prompt_logprobs` is the number of likeliest alternatives kept with each scored token's logprob."""
+        from tqdm.auto import tqdm
+
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if continuations is not None and labels is not None:
+            raise ValueError("score: continuations or labels, not both")
+        if continuations is not None and len(continuations) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations: the lengths must match")
+        if labels is not None and not labels:
+            raise ValueError("score: labels needs at least one label")
+        params = SamplingParams(max_tokens=0, prompt_logprobs=prompt_logprobs)
+        rows = []  # (row id, start, request ids)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            ids, row_id = self._prompt_ids(prompt), str(next(self._request_counter))
+            if labels is not None:
+                tails = [self._continuation_ids(label) for label in labels]
+            else:
+                tails = [self._continuation_ids(continuations[i])] if continuations is not None else [[]]
+            start = len(ids) if labels is not None or continuations is not None else 1
+            ids_of_row = [f"{row_id}-{j}" for j in range(len(tails))]
+            for j, tail in enumerate(tails):
+                after = ids_of_row[0] if j else None
+                requests.append(Request(ids_of_row[j], ids + tail, params, prompt_logprobs_start=start, after=after))
+            rows.append((row_id, start, ids_of_row))
+        done: dict[str, RequestOutput] = {}
+        with (
+            tqdm(total=len(requests), desc="Scored requests", unit="req", disable=not use_tqdm) as bar,
+            contextlib.closing(self.stream(requests)) as outputs,
+        ):
+            for out in outputs:
+                done[out.request_id] = out
+                bar.update(1)
+        return [score_output(row_id, [done[r] for r in ids], start, labels) for row_id, start, ids in rows]
+
+    def _continuation_ids(self, text: str | list[int]) -> list[int]:
+        """A continuation's tokens as they follow a prompt: without the special tokens a prompt opens with."""
+        return (
+            self.tokenizer.encode(text, add_special_tokens=False) if isinstance(text, str) else self._prompt_ids(text)
+        )
+
     def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
         """Pulls requests lazily while there is room for them and yields each output as soon as it finishes.
         However the stream ends (an exception, or the caller closing it), no request of it stays in the engine.
@@ -274,7 +330,7 @@ class Engine:
         error = None
         if n == 0:
             error = "empty prompt"
-        elif n >= self.max_model_len:
+        elif n > self.max_model_len or n == self.max_model_len and not seq.prompt_only:
             error = f"prompt has {n} tokens; the model's context is {self.max_model_len}"
         elif (blocks := -(-(n + seq.max_tokens) // self.config.block_size)) > self.num_kv_blocks:
             capped = f" ({seq.max_tokens} within the context)" if seq.max_tokens < req.params.max_tokens else ""
@@ -286,6 +342,10 @@ class Engine:
             error = "prompt holds token ids outside the vocabulary"
         elif any(not 0 <= t < self.model_config.vocab_size for t in req.params.logit_bias):
             error = "logit_bias holds token ids outside the vocabulary"
+        elif req.params.prompt_logprobs is not None and req.prompt_logprobs_start < 1:
+            error = "nothing to score before the first token: it has no context (an empty prompt?)"
+        elif seq.prompt_only and req.prompt_logprobs_start >= n:
+            error = f"nothing to score: {n} tokens, scored from token {req.prompt_logprobs_start} on (empty text?)"
         elif req.params.n > self.config.max_num_seqs:
             error = f"n={req.params.n} samples exceed max_num_seqs {self.config.max_num_seqs}"
         else:
@@ -297,6 +357,8 @@ class Engine:
             seq.finish_reason = "error"
             seq.metrics.finished_time = time.time()
             return self._output(seq, error)
+        seq.after = self._in_flight.get(req.after) if req.after is not None else None
+        self._in_flight[req.request_id] = seq
         self.scheduler.add(seq)
         return None
 
@@ -306,8 +368,17 @@ class Engine:
         finished = []
         if sched.scheduled:
             argmax = all(takes_argmax(seq) for seq, _ in sched.scheduled)
-            result = self.runner.execute(sched, argmax=argmax)  # the rows' tokens with `argmax`, else their logits
-            seqs, rows = self._fork(self.scheduler.advance(sched))
+            prompt = prompt_logprob_rows(sched)
+            # the rows' tokens with `argmax`, else their logits; and the prompt logprobs asked for, into `prompt`
+            result = self.runner.execute(sched, argmax=argmax, prompt=prompt)
+            if prompt is not None:
+                prompt.assign()
+            ready = self.scheduler.advance(sched)
+            for seq in [s for s in ready if s.prompt_only]:  # scored: done with its prompt, no token to draw
+                ready.remove(seq)
+                self.scheduler.finish(seq, "length")
+                finished.append(self._output(seq))
+            seqs, rows = self._fork(ready)
             if len(rows) > result.shape[0]:  # new samples draw their first token from their root's row
                 result = result[device_index(rows, result.device)]
             if argmax:
@@ -386,6 +457,7 @@ class Engine:
         for seq in self.scheduler.waiting:  # none holds blocks, unless the step failed while admitting it
             self.block_manager.free(seq)
         self.scheduler.waiting.clear()
+        self._in_flight.clear()
 
     def _abort_waiting(self) -> Iterator[RequestOutput]:
         """Requests none of whose samples is running; a preempted sample waits for its running siblings."""
@@ -409,6 +481,8 @@ class Engine:
         return self._output(root)
 
     def _output(self, root: Sequence, error: str | None = None) -> RequestOutput:
+        if self._in_flight.get(root.request_id) is root:
+            del self._in_flight[root.request_id]
         samples = root.samples
         # A request with any sample aborted is not done: it runs again as a whole.
         reason = "abort" if any(s.finish_reason == "abort" for s in samples) else root.finish_reason
@@ -421,6 +495,7 @@ class Engine:
             finish_reason=reason,
             num_cached_tokens=root.num_cached_tokens,
             logprobs=root.logprobs,
+            prompt_logprobs=root.prompt_logprobs,
             error=error,
             metrics=root.metrics,
             outputs=[

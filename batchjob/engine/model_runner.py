@@ -16,6 +16,7 @@ from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.host_memory import keep_freed_memory, lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
+from batchjob.engine.prompt_logprobs import PromptLogprobRows
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.env import configure_threads
@@ -213,28 +214,38 @@ class ModelRunner:
         return self.model.compute_logits(hidden[: self.config.max_num_seqs])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, argmax: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        argmax: bool = False,
+        rows: list[int] | None = None,
+        prompt: PromptLogprobRows | None = None,
+    ) -> torch.Tensor:
         """Runs the step; returns the float32 logits of the rows that need a token, in scheduled order, on the device
         (the sampler works there, and the host reads only the tokens it draws), or with `argmax` (every row greedy
         and plain, sampler.takes_argmax) their tokens, taken on the device and read by the host. With `rows`
         (indices into the step's tokens), the logits of those rows on the host instead: what teacher-forced scoring
-        reads (StepRunner.score)."""
+        reads (StepRunner.score). With `prompt`, the prompt logprobs of its rows are computed into it as well."""
         with forbid_host_sync(self.device) if self.forbid_host_sync else contextlib.nullcontext():
-            logits = self._forward_step(out, rows)
+            logits = self._forward_step(out, rows, prompt)
             if argmax:
                 logits = logits.argmax(-1)
         # the step's one host synchronisation: the tokens (here, or the sampler's), or the logits scoring reads
         return logits.cpu() if argmax or rows is not None else logits
 
-    def _forward_step(self, out: SchedulerOutput, rows: list[int] | None = None) -> torch.Tensor:
+    def _forward_step(
+        self, out: SchedulerOutput, rows: list[int] | None = None, prompt: PromptLogprobRows | None = None
+    ) -> torch.Tensor:
         """The step on the device, where with the Triton ops the host never waits for it (forbid_host_sync):
         float32 logits of the rows that need a token (or of `rows`), in scheduled order."""
-        if rows is None and self.decode_graphs is not None and self.decode_graphs.fits(out):
+        if rows is None and prompt is None and self.decode_graphs is not None and self.decode_graphs.fits(out):
             hidden, rows = self.decode_graphs.run(out)
         else:
             step = build_step_inputs(out, self.block_size, self.device)
             hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
             rows = step.sample_rows if rows is None else torch.tensor(rows, device=self.device)
+            if prompt is not None:
+                prompt.compute(hidden, self.model.compute_logits, self.config.max_num_seqs)
         if not rows.shape[0]:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[rows])

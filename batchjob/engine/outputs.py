@@ -4,6 +4,7 @@ Torch-free, so the job layer imports these at the top without loading the engine
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from batchjob.engine.sampling_params import SamplingParams
@@ -14,6 +15,13 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # With params.prompt_logprobs: the first prompt token whose logprob is wanted (a continuation's or a label's); the
+    # blocks of the tokens before position prompt_logprobs_start - 1 may then come from the prefix cache.
+    prompt_logprobs_start: int = 1
+    # The id of an earlier request of the same stream whose prompt opens with this one's first prompt_logprobs_start
+    # - 1 tokens: this one waits for those to be computed, so that it reads them from the prefix cache (the labels of
+    # one row share one prefill of the row's prompt).
+    after: str | None = None
 
 
 @dataclass
@@ -72,6 +80,8 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # vLLM's: one entry per prompt token, None where none was asked for (always the first, which has no context)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def samples(self) -> list[CompletionOutput]:
@@ -130,3 +140,64 @@ class EmbeddingRequestOutput:
     @property
     def embedding(self) -> list[float]:
         return self.outputs.embedding
+
+
+@dataclass
+class ScoreOutput:
+    """One row of Engine.score: teacher-forced, one prefill and no decode. Without labels, the scored tokens (the
+    continuation's, or the prompt's after its first) with their logprobs, and the negative log-likelihood over them:
+    sum, mean and perplexity (exp of the mean). With labels, each label's logprob as the prompt's continuation (the
+    sum over its tokens), the likeliest label, and the labels' probabilities normalised over them."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the tokens read: the prompt, then the continuation (without labels)
+    num_scored_tokens: int = 0
+    token_logprobs: list[TokenLogprob] | None = None
+    sum_nll: float | None = None
+    mean_nll: float | None = None
+    perplexity: float | None = None
+    labels: list[str] | None = None
+    label_logprobs: list[float] | None = None
+    label: str | None = None
+    label_probs: list[float] | None = None
+    error: str | None = None
+    finish_reason: str | None = None  # "length" when scored, "abort" or "error" otherwise
+
+
+def score_output(
+    request_id: str, outputs: list[RequestOutput], start: int, labels: list[str] | None = None
+) -> ScoreOutput:
+    """The ScoreOutput of one row from the engine's outputs of its requests (one, or one per label, in the labels'
+    order), each of which asked for prompt logprobs from token `start` on (the continuation's or label's first)."""
+    first = outputs[0]
+    failed = next((o for o in outputs if o.finish_reason in ("error", "abort")), None)
+    if failed is not None:
+        return ScoreOutput(request_id, first.prompt_token_ids, error=failed.error, finish_reason=failed.finish_reason)
+    per_output = [o.prompt_logprobs[start:] for o in outputs]
+    if labels is not None:
+        sums = [math.fsum(t.logprob for t in lps) for lps in per_output]
+        top = max(sums)
+        weights = [math.exp(s - top) for s in sums]  # shifted by the largest: no underflow to an all-zero sum
+        total = math.fsum(weights)
+        return ScoreOutput(
+            request_id,
+            first.prompt_token_ids[:start],
+            labels=labels,
+            label_logprobs=sums,
+            label=labels[sums.index(top)],
+            label_probs=[w / total for w in weights],
+            finish_reason="length",
+        )
+    scored = per_output[0]
+    nll = -math.fsum(t.logprob for t in scored)
+    mean = nll / len(scored)
+    return ScoreOutput(
+        request_id,
+        first.prompt_token_ids,
+        num_scored_tokens=len(scored),
+        token_logprobs=scored,
+        sum_nll=nll,
+        mean_nll=mean,
+        perplexity=math.exp(mean),
+        finish_reason="length",
+    )

@@ -49,7 +49,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=MAX_N, description="samples per prompt; the prompt is computed once")
-    max_tokens: int = Field(64, ge=1)
+    max_tokens: int = Field(64, ge=0, description="0: the prompt only (scoring with prompt_logprobs), no token drawn")
     temperature: float = Field(0.0, ge=0.0)
     top_k: int = Field(0, ge=0, description="0 disables")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -64,6 +64,9 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> added to its logit")
     logprobs: bool = Field(False, description="the log-probability of each output token")
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="and of the k likeliest tokens at each step")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's: each prompt token's logprob and its k likeliest others"
+    )
     # Constrained decoding (at most one): the output follows the schema, the regex, or is one of the choices.
     response_format: ResponseFormat | None = None
     regex: str | None = None
@@ -75,6 +78,8 @@ class SamplingParams(BaseModel):
             raise ValueError("stop: empty stop strings are not allowed")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        if self.max_tokens == 0 and (self.prompt_logprobs is None or self.n > 1):
+            raise ValueError("max_tokens: 0 (no token drawn) is for scoring: it needs prompt_logprobs and n 1")
         if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise ValueError("logit_bias: biases must be within [-100, 100]")
         constraints = [k for k in CONSTRAINTS if getattr(self, k) is not None]

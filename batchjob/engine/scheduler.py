@@ -142,6 +142,8 @@ class Scheduler:
                 break  # bounded bypass: the passed-over request gets the next free blocks
             if len(blocked) >= _MAX_LOOKAHEAD:
                 break  # memory is short for most of the queue: scanning all of it every step costs O(queue)
+            if seq.waits_for_prefix:
+                continue  # its shared prefix is computed in this or a coming step by the request it follows
             cached = bm.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             need = bm.blocks_needed(seq, n)

@@ -33,6 +33,12 @@ class Sequence:
         self.length_capped = False
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
+        self.prompt_logprobs_start = request.prompt_logprobs_start
+        # By position, so that a prompt computed again after a preemption writes the same entries again.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        self.after: Sequence | None = None  # admitted once this one has computed the shared prefix (Request.after)
         self.matcher = None  # xgrammar's GrammarMatcher when the output is constrained
         # n samples: the first sequence (index 0) is the root; at its first token it forks the others.
         self.index = 0
@@ -67,6 +73,25 @@ class Sequence:
         return self.root is self and self.params.n > len(self.samples)
 
     @property
+    def prompt_only(self) -> bool:
+        """Scoring work (max_tokens 0): its prompt is computed for its prompt logprobs, and no token is drawn."""
+        return self.params.max_tokens == 0
+
+    @property
+    def prefix_cache_limit(self) -> int:
+        """The most leading tokens the prefix cache may serve: never the last (its logits give the next token), nor
+        any whose logits give a prompt logprob asked for."""
+        if self.params.prompt_logprobs is not None:
+            return self.prompt_logprobs_start - 1
+        return self.num_tokens - 1
+
+    @property
+    def waits_for_prefix(self) -> bool:
+        """Its Request.after has not yet computed the prefix this one would read from the cache."""
+        lead = self.after
+        return lead is not None and lead.finish_reason is None and lead.num_computed_tokens < self.prefix_cache_limit
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -88,8 +113,9 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        """More than one token to compute: a (possibly resumed) prompt, not a decode."""
-        return self.num_uncomputed_tokens > 1
+        """More than one token to compute: a (possibly resumed) prompt, not a decode; or any of a prompt that draws
+        no token (its last may come alone, after a prefix-cache hit or a chunk)."""
+        return self.num_uncomputed_tokens > 1 or self.prompt_only
 
     @property
     def remaining_tokens(self) -> int:

@@ -77,7 +77,10 @@ def pack_step(out: SchedulerOutput, block_size: int, pad: Padding | None = None,
     np.cumsum(qlens, out=qsl[1:])
     total, real = int(qsl[-1]), int(qsl[n])
     width = pad.table_width if pad else max(len(seq.block_table) for seq, _ in scheduled)
-    sample_rows = (qsl[1:] - 1)[seq_lens == num_tokens]
+    # the last row of each sequence whose tokens are all computed, unless it draws none (prompt_only)
+    draws = np.zeros(b, bool)
+    draws[:n] = np.fromiter((not seq.prompt_only for seq, _ in scheduled), bool, n)
+    sample_rows = (qsl[1:] - 1)[(seq_lens == num_tokens) & draws]
 
     sizes = [total, total, total, b + 1, b, b * width, len(sample_rows)]
     host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pinned)

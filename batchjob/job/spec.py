@@ -187,6 +187,8 @@ class JobSpec(_Section):
         inp, prompt = self.input, self.prompt
         if self.task == "embed":
             self._check_embed()
+        if self.sampling.prompt_logprobs is not None:  # rather than a setting the output would silently drop
+            raise ValueError("sampling.prompt_logprobs: a job's output has no column for it (Engine.score has)")
         if inp.messages_column is not None:
             if prompt.template is not None:
                 raise ValueError("prompt.template: not used with input.messages_column (the messages are the prompt)")

@@ -142,7 +142,7 @@ def test_a_greedy_step_reads_tokens_not_logits_and_keeps_the_sampler_s_tokens():
     engine = Engine("tiny-llama", load_format="dummy", device="cpu", num_kv_blocks=64, max_model_len=128)
     seen = []
     execute = engine.runner.execute
-    engine.runner.execute = lambda sched, argmax=False: seen.append(argmax) or execute(sched, argmax)
+    engine.runner.execute = lambda sched, argmax=False, **kw: seen.append(argmax) or execute(sched, argmax, **kw)
     prompts = [[5, 9, 2, 7], [11, 3], [8] * 20]
     fast = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, n=2), use_tqdm=False)
     assert seen and all(seen)

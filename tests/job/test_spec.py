@@ -73,6 +73,17 @@ def test_bad_values_say_what_is_allowed(tmp_path):
     assert "sampling.temperature: Input should be greater than or equal to 0 (got -1)" in message
 
 
+def test_prompt_logprobs_and_max_tokens_0_are_not_job_settings(tmp_path):
+    """The engine takes them for scoring (Engine.score); a generate job's output has no column for them, so a job
+    file asking for them fails rather than being run without them."""
+    assert "sampling.prompt_logprobs: a job's output has no column" in error_of(
+        tmp_path, MINIMAL + "sampling: {prompt_logprobs: 2}\n"
+    )
+    assert "max_tokens: 0 (no token drawn) is for scoring" in error_of(
+        tmp_path, MINIMAL + "sampling: {max_tokens: 0}\n"
+    )
+
+
 def test_missing_sections_and_unclear_formats(tmp_path):
     assert "output: required" in error_of(tmp_path, "input: {path: a.parquet}\n")
     assert "cannot tell the format of 'a.csv'" in error_of(tmp_path, "input: {path: a.csv}\noutput: {path: o}\n")
