@@ -1,10 +1,15 @@
 """What one long row costs an embedding job: 1,500 one-word rows alone, and with one 400-word row among them.
 
     python scripts/embed_padding.py /tmp/embed-padding [--rounds 2]
+    python scripts/embed_padding.py /tmp/embed-padding --uniform [--rounds 3]
 
 Each job is one `batchjob run` of the built-in all-minilm-l6-v2, in interleaved rounds; its wall time, CPU time
 (user + system) and peak RSS come from wait4. Prints each round and the medians, with the mixed job's ratios to the
-short one's and the forward passes and tokens its _summary.json reports."""
+short one's and the forward passes and tokens its _summary.json reports.
+
+With --uniform, what the padding bound costs where there is little padding to save: `batchjob bench --task embed`'s
+1,000 texts of 40 to 1,200 characters, embedded in one process in interleaved rounds with the passes cut at
+MAX_PADDING and without the bound (the token budget alone)."""
 
 from __future__ import annotations
 
@@ -52,11 +57,39 @@ def measure(folder: Path, name: str) -> dict:
     }
 
 
+def uniform(rounds: int) -> None:
+    import batchjob.engine.embedder as embedder_module
+    from batchjob.bench.workloads import embed_texts
+    from batchjob.engine.embedder import Embedder
+
+    bounded = embedder_module.embedding_batches
+    cuts = {"bounded": bounded, "unbounded": lambda lengths, budget: bounded(lengths, budget, float("inf"))}
+    embedder, texts = Embedder("all-minilm-l6-v2"), embed_texts(1000)
+    embedder.embed(texts[:200], use_tqdm=False)  # warm-up
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in cuts}
+    for r in range(rounds):
+        for name in list(cuts) if r % 2 == 0 else list(cuts)[::-1]:
+            embedder_module.embedding_batches = cuts[name]
+            before, wall, cpu = embedder.stats, time.perf_counter(), time.process_time()
+            embedder.embed(texts, use_tqdm=False)
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+            after = embedder.stats
+            counts = {k: getattr(after, k) - getattr(before, k) for k in vars(after)}
+            print(f"round {r + 1} {name}: wall {times[name][-1][0]:.2f} s, CPU {times[name][-1][1]:.2f} s, {counts}")
+    medians = {name: [statistics.median(t[k] for t in ts) for k in (0, 1)] for name, ts in times.items()}
+    ratio = [b / u for b, u in zip(medians["bounded"], medians["unbounded"])]
+    print(f"bounded / unbounded: wall {ratio[0]:.3f}x, CPU {ratio[1]:.3f}x (medians of {rounds})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--uniform", action="store_true", help="the bound's cost on the bench's embedding texts")
     args = parser.parse_args()
+    if args.uniform:
+        uniform(args.rounds)
+        return
     args.folder.mkdir(parents=True, exist_ok=True)
     generate(args.folder)
     runs: dict[str, list[dict]] = {"short": [], "mixed": []}
