@@ -1,8 +1,9 @@
 """The embedding API: Embedder(folder, **config).embed(texts), as vLLM's LLM(model, task="embed").embed(prompts).
 
-Inputs are sorted by length and packed into forward passes of up to max_num_batched_tokens tokens, so that a batch
-holds texts of near lengths (a BERT encoder's attention pads to the longest on a CPU; a decoder's paged attention
-reads each sequence alone); results come back in input order. On a CPU (torch ops) or a CUDA device (Triton
+Inputs are sorted by length and packed into forward passes of up to max_num_batched_tokens tokens whose rows x longest
+is at most MAX_PADDING times their tokens, so that a pass holds texts of near lengths (a BERT encoder's attention pads
+to the longest on a CPU; a decoder's paged attention reads each sequence alone) and one long text among short ones
+runs in a pass of its own; results come back in input order. On a CPU (torch ops) or a CUDA device (Triton
 kernels), as the generation engine picks them (model_runner.pick_device, pick_ops_backend, pick_dtype)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import itertools
 import json
 import os
 import time
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -20,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from batchjob.engine.config import EmbedderConfig
 from batchjob.engine.host_memory import keep_freed_memory
 from batchjob.engine.model_runner import device_numerics, load_ops, pick_device, pick_dtype, pick_ops_backend
-from batchjob.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from batchjob.engine.outputs import EmbedderStats, EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
 from batchjob.model.cpu_native import native_ops_for
 from batchjob.model.decoder_embedding import DecoderEmbeddingModel
@@ -31,16 +33,24 @@ from batchjob.model.loader import folder_digest, locate_model
 __all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
 
 
-def token_budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices into `lengths`, shortest first, cut into runs of at most `budget` tokens (a longer one alone)."""
+# A pass's rows x longest over its tokens, at most: what its attention computes (padded to the longest on a CPU,
+# ops.varlen_attention) against what it needs. Without a bound, one 256-token text among 1,500 one-word ones padded
+# them all to 256 tokens (5.6x the CPU time and 2.6x the peak memory of the job without it; docs/benchmarks.md).
+MAX_PADDING = 1.25
+
+
+def embedding_batches(lengths: list[int], budget: int, max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Indices into `lengths`, shortest first, cut into passes of at most `budget` tokens (a longer one alone) whose
+    rows x longest is at most `max_padding` times their tokens."""
     batches: list[list[int]] = []
-    tokens = budget  # no batch open yet: the first index opens one
+    tokens = 0
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        if tokens + lengths[i] > budget:
+        n = lengths[i]  # the pass's longest, as the indices come shortest first
+        if not batches or tokens + n > budget or (len(batches[-1]) + 1) * n > max_padding * (tokens + n):
             batches.append([])
             tokens = 0
         batches[-1].append(i)
-        tokens += lengths[i]
+        tokens += n
     return batches
 
 
@@ -67,6 +77,7 @@ class Embedder:
         # the tokens of each text that pooling may leave out (the folder's include_prompt)
         self._prompt_length = self.encoder.prompt_length(self.prompt) if self.prompt else 0
         self._request_counter = itertools.count()
+        self._stats = EmbedderStats()
         self._left_tokenizer: HFTokenizer | None = None
         # What decides the numbers, for a job's fingerprint: every file of the folder, by name, and how it is computed.
         self.model_digest = folder_digest(path, [p for p in path.rglob("*") if p.is_file()])
@@ -95,6 +106,11 @@ class Embedder:
         if name not in prompts:
             raise ValueError(f"prompt_name {name!r} is not one of the model's prompts: {sorted(prompts)}")
         return prompts[name]
+
+    @property
+    def stats(self) -> EmbedderStats:
+        """A copy of the counts so far: forward passes, embedded tokens, padded tokens."""
+        return replace(self._stats)
 
     @property
     def max_seq_length(self) -> int:
@@ -150,10 +166,13 @@ class Embedder:
         outputs: list[EmbeddingRequestOutput | None] = [None] * len(inputs)
         start, tokens = time.perf_counter(), 0
         with tqdm(total=len(inputs), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
-            for batch in token_budget_batches([len(t.token_ids) for t in inputs], self.config.max_num_batched_tokens):
+            for batch in embedding_batches([len(t.token_ids) for t in inputs], self.config.max_num_batched_tokens):
                 batch_ids = [inputs[i].token_ids for i in batch]
                 prompt_lengths = [self._prompt_length if isinstance(prompts[i], str) else 0 for i in batch]
                 vectors = self.encoder.embed(batch_ids, prompt_lengths).tolist()
+                self._stats.forward_passes += 1
+                self._stats.embedded_tokens += sum(map(len, batch_ids))
+                self._stats.padded_tokens += len(batch_ids) * max(map(len, batch_ids))
                 for i, vector in zip(batch, vectors):
                     request_id = str(next(self._request_counter))
                     ids = inputs[i].token_ids

@@ -124,6 +124,15 @@ class StepMetrics:
 
 
 @dataclass
+class EmbedderStats:
+    """What an Embedder's embed() ran, summed over its calls."""
+
+    forward_passes: int = 0
+    embedded_tokens: int = 0  # the inputs' tokens
+    padded_tokens: int = 0  # each pass's rows x its longest input: at most embedder.MAX_PADDING x embedded_tokens
+
+
+@dataclass
 class EmbeddingOutput:
     embedding: list[float]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
-from batchjob.engine.outputs import EmbeddingRequestOutput, Request, RequestOutput, StepMetrics
+from batchjob.engine.outputs import EmbedderStats, EmbeddingRequestOutput, Request, RequestOutput, StepMetrics
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.token_budget import AutoTokenBudget
 from batchjob.model.chat_shape import Chat
@@ -73,6 +73,9 @@ class Embedder(Protocol):
     model_digest: str
     model_revision: str | None
     numerics: dict[str, str]
+
+    @property
+    def stats(self) -> EmbedderStats: ...  # forward passes and tokens so far, for _SUCCESS's `this_run`
 
     @property
     def max_seq_length(self) -> int: ...

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -191,7 +191,7 @@ class LocalExecutor:
         if self.engine is None:
             return {}
         if self.pending.job.task == "embed":
-            return {"max_num_batched_tokens": self.engine.config.max_num_batched_tokens}
+            return {"max_num_batched_tokens": self.engine.config.max_num_batched_tokens, **asdict(self.engine.stats)}
         summary = {"token_budget": self.engine.token_budget}
         if self.engine.auto_budget is not None:
             summary["token_budget_auto"] = self.engine.auto_budget.summary()

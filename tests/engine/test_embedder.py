@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from batchjob.engine.embedder import Embedder, token_budget_batches
+from batchjob.engine.embedder import MAX_PADDING, Embedder, embedding_batches
 from batchjob.model.cpu_features import has_native_bf16
 
 
@@ -55,7 +57,40 @@ def test_token_ids_as_prompts(embedder):
         embedder.embed([[101, 30522, 102]], use_tqdm=False)
 
 
-def test_token_budget_batches():
+def test_forward_passes_are_cut_at_the_token_budget_and_the_padding_bound():
     lengths = [5, 1, 9, 3, 20, 4]
-    assert token_budget_batches(lengths, 10) == [[1, 3, 5], [0], [2], [4]]
-    assert token_budget_batches([], 10) == []
+    assert embedding_batches(lengths, 10, max_padding=100.0) == [[1, 3, 5], [0], [2], [4]]
+    # 1 then 3 would be 2 x 3 = 6 slots for 4 tokens, past 1.25x: a pass of its own; 3, 4 and 5 fit (15 <= 15).
+    assert embedding_batches(lengths, 100) == [[1], [3, 5, 0], [2], [4]]
+    assert embedding_batches([3] * 10 + [256], 8192) == [list(range(10)), [10]]
+    assert embedding_batches([], 10) == []
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(1, 512), max_size=300), st.integers(16, 4096), st.floats(1.0, 3.0))
+def test_every_forward_pass_keeps_within_its_budget_and_padding_bound(lengths, budget, max_padding):
+    batches = embedding_batches(lengths, budget, max_padding)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every input once
+    order = [lengths[i] for b in batches for i in b]
+    assert order == sorted(order)  # shortest first: a pass holds near lengths
+    for batch in batches:
+        tokens, longest = sum(lengths[i] for i in batch), max(lengths[i] for i in batch)
+        assert len(batch) == 1 or tokens <= budget
+        assert len(batch) * longest <= max_padding * tokens
+
+
+def test_one_long_text_among_short_ones_pads_them_no_further_than_the_bound(minilm, embed_texts):
+    """The issue's cliff, small: one-word texts with a 400-word one among them. The long one must not pad the
+    short ones to its 256 tokens, and each text's embedding is the one it gets alone, in input order."""
+    words = " ".join(embed_texts[:40]).split()
+    texts = [*words[:150], " ".join(words[:400]), *words[150:300]]
+    embedder = Embedder(str(minilm), dtype="float32")  # fp32: the batched and the lone passes agree to rounding
+    outputs = embedder.embed(texts, use_tqdm=False)
+    stats, real = embedder.stats, sum(len(o.prompt_token_ids) for o in outputs)  # a copy: it does not move on
+    assert stats.embedded_tokens == real and len(outputs[150].prompt_token_ids) == 256
+    assert real <= stats.padded_tokens <= MAX_PADDING * real, stats
+    assert 2 <= stats.forward_passes <= 10, stats
+    alone = [embedder.embed([text], use_tqdm=False)[0] for text in texts]
+    assert [o.prompt_token_ids for o in outputs] == [a.prompt_token_ids for a in alone]
+    torch.testing.assert_close(torch.tensor([o.embedding for o in outputs]), torch.tensor([a.embedding for a in alone]))
+    assert embedder.stats.forward_passes == stats.forward_passes + len(texts)  # the stats add up across calls

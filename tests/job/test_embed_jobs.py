@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchjob.engine.embedder import MAX_PADDING
 from batchjob.job.contracts import Embedder
 from batchjob.job.output.state import OutputDir
 from batchjob.job.spec import JobFileError, load_job
@@ -73,6 +74,11 @@ def test_an_embedding_job_writes_sentence_transformers_embeddings(
     assert (numerics["device"], numerics["ops_backend"], numerics["task"]) == ("cpu", "torch", "embed")
     empty = rows[f"t{embed_texts.index('')}"]
     assert empty["embedding"] is None and "missing prompt: text is empty" in empty["error"]
+    # What the Embedder ran, in this run's summary: every row's tokens once, padded by at most MAX_PADDING.
+    this_run = json.loads((tmp_path / "out" / "_summary.json").read_text())["this_run"]
+    tokens = sum(r["prompt_tokens"] for r in rows.values() if r["error"] is None)
+    assert this_run["embedded_tokens"] == tokens and this_run["forward_passes"] >= 1, this_run
+    assert tokens <= this_run["padded_tokens"] <= MAX_PADDING * tokens, this_run
 
     from sentence_transformers import SentenceTransformer
 
