@@ -424,14 +424,16 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        searched = len(seq.text)  # the text earlier steps searched for stop strings
         seq.detokenize(self.tokenizer)
         if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
             return "stop"
         if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"
         for s in p.stop:
-            # Only the tail can hold a new match: the last token's text plus a stop string's length.
-            idx = seq.text.find(s, max(0, len(seq.text) - len(s) - 32))
+            # A new match ends in this step's new text (of any length: one long token, or bytes held back until
+            # they decode), so it starts at most len(s) - 1 characters before that text.
+            idx = seq.text.find(s, max(0, searched - len(s) + 1))
             if idx >= 0:
                 seq.text = seq.text[:idx]
                 return "stop"

@@ -135,6 +135,34 @@ def test_stop_strings_and_tokens(engine):
     assert tok.finish_reason == "stop" and tok.token_ids[-1] == first
 
 
+def test_a_stop_string_that_ends_inside_a_token(engine):
+    """ "Par" ends inside the token " Paris": the output stops at that token, its text cut before the stop string."""
+    p = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    [full] = engine.generate([p], SamplingParams(max_tokens=30), use_tqdm=False)
+    assert full.text.startswith("The capital of France is Paris"), full.text
+    upto = next(k for k in range(len(full.token_ids)) if "Par" in engine.tokenizer.decode(full.token_ids[: k + 1]))
+    assert not engine.tokenizer.decode(full.token_ids[: upto + 1]).endswith("Par")  # the token goes on past it
+    [cut] = engine.generate([p], SamplingParams(max_tokens=30, stop=["Par"]), use_tqdm=False)
+    assert (cut.finish_reason, cut.text) == ("stop", "The capital of France is ")
+    assert cut.token_ids == full.token_ids[: upto + 1]
+
+
+@pytest.mark.parametrize(
+    ("stop", "tokens"),
+    [("#-", 1), ("-#", 2), ("-" * 40 + "#", 2)],
+    ids=["at-the-start-of-a-long-token", "across-two-long-tokens", "longer-than-the-lookback"],
+)
+def test_a_stop_string_far_from_the_end_of_a_long_token(engine, stop, tokens):
+    """A 65-character token ("#" and 64 dashes), forced by a logit bias, repeated: a stop string is found wherever
+    it ends in the step's new text, however far from the text's end, and the text is cut at its first match."""
+    long_token = "#" + "-" * 64
+    bias = {engine.tokenizer.get_vocab()[long_token]: 100.0}
+    p = engine.tokenizer.encode("A ruler:")
+    [o] = engine.generate([p], SamplingParams(max_tokens=4, logit_bias=bias, stop=[stop]), use_tqdm=False)
+    assert (o.finish_reason, len(o.token_ids)) == ("stop", tokens), o.text
+    assert o.text == (long_token * tokens)[: (long_token * tokens).index(stop)]
+
+
 def test_bad_requests_become_error_outputs(engine):
     too_long = [1] * (engine.max_model_len + 5)
     outs = engine.generate([too_long, [], [10**9], [1, 2, 3]], SamplingParams(max_tokens=2))
