@@ -2,11 +2,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.planner import Planner
+from batchjob.job.planner import Planner, job_planner
 from batchjob.job.prompt import PromptBuilder
-from batchjob.job.reader import Row
-from tests.fakes import FakeTokenizer
-from tests.helpers import make_job
+from batchjob.job.reader import InputSource, Row
+from tests.fakes import FakeEngine, FakeTokenizer
+from tests.helpers import make_job, write_jsonl
 
 BLOCK = 16
 
@@ -56,6 +56,24 @@ def test_identical_deterministic_requests_are_computed_once(tmp_path):
     seeded = planner(tmp_path, [], params=SamplingParams(max_tokens=8, temperature=0.7, seed=1))
     assert len(list(seeded.works(rows(texts)))) == 2
     assert len(list(planner(tmp_path, [], dedupe=False).works(rows(texts)))) == 4
+
+
+def test_openai_lines_with_one_prompt_and_different_max_tokens_are_never_deduplicated(tmp_path):
+    """Each line's own sampling settings are part of what makes two requests the same: identical lines are computed
+    once, lines that differ only in max_tokens each get their own request with their own settings."""
+    body = {"messages": [{"role": "user", "content": "the same words"}], "temperature": 0}
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": {**body, "max_tokens": k}}
+        for i, k in enumerate((3, 7, 3))
+    ]
+    job = make_job(write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})
+    errors = []
+    plan = job_planner(job, FakeEngine(), lambda row, error: errors.append(error))
+    source = InputSource(job)
+    source.scan()
+    works = list(plan.works(source.rows()))
+    assert not errors and len({tuple(w.token_ids) for w in works}) == 1  # one prompt
+    assert sorted(([r.id for r in w.rows], w.params.max_tokens) for w in works) == [(["c0", "c2"], 3), (["c1"], 7)]
 
 
 def test_bad_rows_are_reported_and_skipped(tmp_path):

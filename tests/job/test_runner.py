@@ -230,6 +230,23 @@ def test_a_changed_model_refuses_to_resume(tmp_path, docs, progress):
         run_job(job, progress, engine_factory=other_weights)
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [{"seed": 7}, {"max_model_len": 256}, {"elastic_compression": True}, {"elastic_max_tokens_floor": 8}],
+)
+def test_a_resume_with_an_engine_setting_that_changes_results_is_refused(tmp_path, docs, progress, setting):
+    """A seeded sampled job resumed under another engine.seed would mix two sets of draws in one dataset: the engine
+    settings that change what is computed are part of the job, named here one by one (not read from the runner's
+    list, which is what is checked)."""
+    job = make_job(docs, tmp_path / "out", sampling={"temperature": 0.8}, output={"checkpoint_rows": 4})
+    assert run_job(job, progress, engine_factory=fake_factory(signal_at=(5,))) == 143
+    partial = results(tmp_path / "out")
+    other = make_job(docs, tmp_path / "out", sampling={"temperature": 0.8}, engine=setting)
+    with pytest.raises(StateError, match="different job .*: engine changed since"):
+        run_job(other, progress, engine_factory=fake_factory())
+    assert results(tmp_path / "out") == partial
+
+
 def on_a_gpu(job):
     engine = fake_factory()(job)
     engine.numerics = {**engine.numerics, "device": "cuda:NVIDIA H200", "dtype": "bfloat16"}

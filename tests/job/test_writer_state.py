@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchjob.job.output.lease import LeaseLost
 from batchjob.job.output.lock import LockHeld, OutputLock
 from batchjob.job.output.schema import result_schema
 from batchjob.job.output.state import JOB_FILE, LOCK, STAGED, OutputDir, StateError
@@ -98,6 +99,30 @@ def test_a_part_is_fsynced_whole_before_its_rename_and_its_folder_after(tmp_path
     file, folder = ((s.st_dev, s.st_ino) for s in (part.stat(), tmp_path.stat()))
     # The file's fsync comes after all of its bytes were written (its size then is its final size).
     assert calls == [("fsync", file, part.stat().st_size), ("replace", file, part), ("fsync", folder, None)]
+
+
+def test_a_failing_before_commit_writes_no_part(tmp_path):
+    """The check before each commit (the lease still held, the input unchanged) stops the commit it refuses: no part,
+    not even a temporary file, and the rows stay uncommitted."""
+    refuse = []
+
+    def before_commit():
+        if refuse:
+            raise LeaseLost("another run took over this run's lease")
+
+    w = PartWriter(
+        tmp_path, SCHEMA, checkpoint_rows=2, checkpoint_seconds=3600, next_part=0, before_commit=before_commit
+    )
+    w.add(record(0))
+    w.add(record(1))
+    refuse.append(True)
+    w.add(record(2))
+    with pytest.raises(LeaseLost):
+        w.add(record(3))
+    with pytest.raises(LeaseLost):
+        w.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-000000.parquet"] and w.next_part == 1
+    assert pq.read_table(tmp_path).column("id").to_pylist() == ["r0", "r1"]
 
 
 def test_a_crash_while_writing_leaves_no_part_and_recover_cleans_up(tmp_path, monkeypatch):
