@@ -7,6 +7,7 @@ bench's peers get their settings through `scoped()`, which puts the old values b
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -32,6 +33,13 @@ VARIABLES = {
             "BATCHJOB_CPU_OPS",
             None,
             "`torch` runs the torch ops on a CPU instead of the C++ kernels (which are built on first use).",
+        ),
+        Variable(
+            "BATCHJOB_CPU_ISA",
+            None,
+            "`avx2` runs as on an AVX2-only host (on an AVX-512 one, to measure that path): the C++ kernels built "
+            "with -mno-avx512f, the avx512/amx flags hidden from batchjob's CPU-feature reads (dtype auto: float32), "
+            "and oneDNN, MKL and ATen capped at AVX2 (ISA_CAPS) by configure_threads(), before torch loads.",
         ),
         Variable(
             "BATCHJOB_CPU_OPS_BUILD_WAIT",
@@ -63,7 +71,10 @@ VARIABLES = {
     )
 }
 OPENMP = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# Per BATCHJOB_CPU_ISA value: the libraries' own switches that keep them to that ISA, read when they first run.
+ISA_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 _set_here: set[str] = set()  # the names configure_threads set, not the user
+_warned: set[str] = set()  # BATCHJOB_CPU_ISA values already warned about
 
 
 def get(name: str) -> str | None:
@@ -71,16 +82,32 @@ def get(name: str) -> str | None:
     return os.environ.get(name, VARIABLES[name].default)
 
 
+def cpu_isa() -> str | None:
+    """BATCHJOB_CPU_ISA: "avx2", or None (the CPU's own, also for a value it does not know, with a warning)."""
+    value = (get("BATCHJOB_CPU_ISA") or "").lower() or None
+    if value is not None and value not in ISA_CAPS:
+        if value not in _warned:
+            _warned.add(value)
+            logging.getLogger(__name__).warning(
+                "BATCHJOB_CPU_ISA=%r is not one of %s; using the CPU's own instructions", value, ", ".join(ISA_CAPS)
+            )
+        return None
+    return value
+
+
 def configure_threads(num_threads: int | None = None) -> bool:
     """The process's thread settings, in one place: the OpenMP variables' defaults where the user has not set them,
-    then, with `num_threads` (the engine's setting), torch's intra-op thread count. True when the variables were in
-    time to take effect: the OpenMP runtime reads them once, when torch is first imported."""
+    and BATCHJOB_CPU_ISA's caps on the libraries (ISA_CAPS), then, with `num_threads` (the engine's setting), torch's
+    intra-op thread count. True when the variables were in time to take effect: the OpenMP runtime reads them once,
+    when torch is first imported."""
     in_time = "torch" not in sys.modules
     if in_time:
         for name in OPENMP:
             if name not in os.environ:
                 os.environ[name] = VARIABLES[name].default
                 _set_here.add(name)
+        for name, value in ISA_CAPS.get(cpu_isa() or "", {}).items():
+            os.environ.setdefault(name, value)
     if num_threads is not None:
         import torch
 

@@ -33,6 +33,10 @@ import statistics
 import sys
 import time
 
+from batchjob.env import configure_threads
+
+configure_threads()  # before torch loads: the OpenMP settings, and BATCHJOB_CPU_ISA's caps on oneDNN, MKL and ATen
+
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
@@ -59,29 +63,32 @@ def dtype_setting() -> dict:
     return {"dtype": os.environ["DTYPE"]} if "DTYPE" in os.environ else {}
 
 
+def random_step(runner, specs):
+    """Inputs of one forward pass: specs give (cached context, query rows) per sequence, blocks drawn at random from
+    the runner's pool, random token ids."""
+    bs = runner.block_size
+    free = list(range(runner.num_blocks))
+    rng.shuffle(free)
+    ids, pos, slots, ql, sl, tables = [], [], [], [], [], []
+    for ctx, n in specs:
+        length = ctx + n
+        t = [free.pop() for _ in range(-(-length // bs))]
+        tables.append(t)
+        ql.append(n)
+        sl.append(length)
+        for p in range(ctx, length):
+            ids.append(rng.randrange(1000, 40000))
+            pos.append(p)
+            slots.append(t[p // bs] * bs + p % bs)
+    w = max(map(len, tables))
+    meta = AttentionMetadata.build(ql, sl, [t + [-1] * (w - len(t)) for t in tables], slots)
+    return torch.tensor(ids), torch.tensor(pos), meta
+
+
 def steps_ab() -> None:
     engine = Engine("smollm2-135m-instruct", **dtype_setting())
     runner = engine.runner
-    model, caches, bs = runner.model, runner.kv_caches, runner.block_size
-
-    def step(specs):
-        """specs: (cached context, query rows) per sequence, blocks drawn at random from the pool."""
-        free = list(range(runner.num_blocks))
-        rng.shuffle(free)
-        ids, pos, slots, ql, sl, tables = [], [], [], [], [], []
-        for ctx, n in specs:
-            length = ctx + n
-            t = [free.pop() for _ in range(-(-length // bs))]
-            tables.append(t)
-            ql.append(n)
-            sl.append(length)
-            for p in range(ctx, length):
-                ids.append(rng.randrange(1000, 40000))
-                pos.append(p)
-                slots.append(t[p // bs] * bs + p % bs)
-        w = max(map(len, tables))
-        meta = AttentionMetadata.build(ql, sl, [t + [-1] * (w - len(t)) for t in tables], slots)
-        return torch.tensor(ids), torch.tensor(pos), meta
+    model, caches = runner.model, runner.kv_caches
 
     def run(path, inputs):
         set_ops(path)
@@ -94,10 +101,12 @@ def steps_ab() -> None:
 
     n_dec = int(os.environ.get("DECODE_SEQS", "100"))
     phases = {
-        f"decode {n_dec} seqs, context 300-500": step([(rng.randint(300, 500), 1) for _ in range(n_dec)]),
-        "prefill 8 x 256": step([(0, 256)] * 8),
-        "mixed: 2 prefill chunks of 256 after 256 cached + 60 decodes (ctx 200-600)": step(
-            [(256, 256)] * 2 + [(rng.randint(200, 600), 1) for _ in range(60)]
+        f"decode {n_dec} seqs, context 300-500": random_step(
+            runner, [(rng.randint(300, 500), 1) for _ in range(n_dec)]
+        ),
+        "prefill 8 x 256": random_step(runner, [(0, 256)] * 8),
+        "mixed: 2 prefill chunks of 256 after 256 cached + 60 decodes (ctx 200-600)": random_step(
+            runner, [(256, 256)] * 2 + [(rng.randint(200, 600), 1) for _ in range(60)]
         ),
     }
     for name, inputs in phases.items():
@@ -358,6 +367,89 @@ def sampler_ab() -> None:
         print(f"{name}: " + "; ".join(f"{k} {', '.join(f'{t:.0f}' for t in v)} ms" for k, v in times.items()))
 
 
+def roofline() -> None:
+    """A prefill step and a decode step per op (torch profiler, self CPU time), against the rates this machine
+    reaches in the same run: the step's own matmuls alone (the model's packed weights, the step's row count) and a
+    memory copy larger than L3. Prefill: the whole step's FLOPs (matmuls and causal attention) per second as a share
+    of the matmul rate; decode: attention's K/V bytes per second against the copy's."""
+    engine = Engine("smollm2-135m-instruct", **dtype_setting())
+    runner = engine.runner
+    model, caches, c = runner.model, runner.kv_caches, runner.model.config
+    h, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    seqs, length = (int(x) for x in os.environ.get("PREFILL", "2x1024").split("x"))
+    n_dec = int(os.environ.get("DECODE_SEQS", "64"))
+    phases = {
+        f"prefill {seqs} x {length}": random_step(runner, [(0, length)] * seqs),
+        f"decode {n_dec} seqs, context 300-700": random_step(
+            runner, [(rng.randint(300, 700), 1) for _ in range(n_dec)]
+        ),
+    }
+    layer, size = model.layers[0], runner.kv_caches[0][0].element_size()
+    shapes = {"qkv": ((h + 2 * kvh) * d, c.hidden_size), "o": (c.hidden_size, h * d)}
+    shapes |= {"gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
+    reps = int(os.environ.get("REPS", "3"))
+    src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)  # 256 MiB: past L3
+    dst = torch.empty_like(src)
+    for name, (ids, pos, meta) in phases.items():
+        rows, last = len(ids), meta.query_start_loc[1:].long() - 1
+
+        def forward():
+            meta.plan_cache.clear()
+            with torch.inference_mode():
+                model.compute_logits(model.forward(ids, pos, meta, caches)[last])
+
+        def layer_matmuls():
+            with torch.inference_mode():
+                for key in shapes:
+                    layer[key](xs[key])
+                model.lm_head(head_x)
+
+        xs = {k: torch.randn(rows, shape[1]).to(runner.dtype) for k, shape in shapes.items()}
+        head_x = torch.randn(len(last), c.hidden_size)
+        mm_flops = 2 * rows * sum(n * k for n, k in shapes.values())
+        head_flops = 2 * len(last) * c.vocab_size * c.hidden_size
+        qlens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+        attn_flops = sum(4 * h * d * q * (q + 1) // 2 for q in qlens if q > 1)
+        kv_bytes = sum(2 * n * kvh * d * size for n, q in zip(meta.seq_lens.tolist(), qlens) if q == 1)
+        forward(), layer_matmuls()  # warm-up
+        t_step, t_mm, t_copy = [], [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            forward()
+            t_step.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            layer_matmuls()
+            t_mm.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            dst.copy_(src)
+            t_copy.append(time.perf_counter() - t)
+        step_s, copy_bps = min(t_step), src.numel() / min(t_copy)
+        gemm = (mm_flops + head_flops) / min(t_mm)  # FLOP/s of one layer's matmuls and the LM head, alone
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(reps):
+                forward()
+        ops = {e.key: e.self_cpu_time_total / reps / 1e6 for e in prof.key_averages()}
+        total = sum(ops.values())
+        step_flops = c.num_hidden_layers * (mm_flops + attn_flops) + head_flops
+        print(
+            f"{name} ({rows} tokens, {runner.dtype}, {os.environ.get('BATCHJOB_CPU_ISA') or 'native ISA'}): "
+            f"step {step_s * 1e3:.1f} ms; matmul rate alone {gemm / 1e9:.1f} GFLOP/s, memory copy "
+            f"{copy_bps / 1e9:.1f} GB/s; the step's FLOPs {step_flops / step_s / 1e9:.1f} GFLOP/s = "
+            f"{100 * step_flops / step_s / gemm:.0f} % of the matmul rate  load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        for key, secs in sorted(ops.items(), key=lambda kv: -kv[1])[: int(os.environ.get("TOP", "8"))]:
+            note = ""
+            if "linear" in key:
+                note = f": {(c.num_hidden_layers * mm_flops + head_flops) / secs / 1e9:.1f} GFLOP/s"
+            elif "paged_attention" in key and attn_flops:
+                note = f": {c.num_hidden_layers * attn_flops / secs / 1e9:.1f} GFLOP/s causal"
+            elif "paged_attention" in key:
+                rate = c.num_hidden_layers * kv_bytes / secs
+                note = f": {rate / 1e9:.1f} GB/s of K/V, {rate / copy_bps:.2f} x the copy's rate"
+            print(f"  {key}: {secs * 1e3:.1f} ms, {100 * secs / total:.0f} %{note}", flush=True)
+
+
 {
     "sampler": sampler_ab,
     "steps": steps_ab,
@@ -368,4 +460,5 @@ def sampler_ab() -> None:
     "job": job_phases,
     "dtype": dtype_ab,
     "invariance": invariance,
+    "roofline": roofline,
 }[MODE]()

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "cpu_types.h"]  # included by the sources: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: glibc's vector expf in the softmax
+_ISA_FLAGS = {"avx2": ["-mno-avx512f"]}  # BATCHJOB_CPU_ISA: -march=native less AVX-512 (all its subsets go with F)
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -40,11 +41,15 @@ _state: dict[str, Any] = {}
 def build_paths() -> tuple[Path, Path]:
     """The folder that holds a whole build and the lock file its builders hold. The name keys the build on the
     sources and the header they include, torch, the flags and this CPU (-march=native code is only valid on it)."""
-    parts = [p.read_text() for p in SOURCES + HEADERS] + [torch.__version__, cpu_flags(), *_FLAGS]
+    parts = [p.read_text() for p in SOURCES + HEADERS] + [torch.__version__, cpu_flags(), *compiler_flags()]
     key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:12]
     name = f"batchjob_cpu_ops_{key}"
     root = cache_dir() / "cpu_ops"
     return root / name, root / f"{name}.lock"
+
+
+def compiler_flags() -> list[str]:
+    return _FLAGS + _ISA_FLAGS.get(env.cpu_isa() or "", [])
 
 
 def _load() -> Any:
@@ -86,7 +91,7 @@ def _build(folder: Path) -> None:
             cpp_extension.load(
                 name=folder.name,
                 sources=[str(p) for p in SOURCES],
-                extra_cflags=_FLAGS,
+                extra_cflags=compiler_flags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(tmp),
                 is_python_module=False,

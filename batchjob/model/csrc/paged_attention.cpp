@@ -113,6 +113,32 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 #define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, vi16{__VA_ARGS__})
 #endif
 
+#ifdef BATCHJOB_V16_HALVES
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, vint8{__VA_ARGS__})
+#endif
+
+// Lane l of the result is the sum of the 8 lanes of x[l]: three rounds of in-lane and cross-lane permutes and adds
+// (vshufps, vperm2f128), each half as many vectors as the last.
+inline v8 lane_sums8(const v8 (&x)[8]) {
+  v8 a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // a[i] lanes 0-1, 4-5: x[2i]'s partial sums; 2-3, 6-7: x[2i + 1]'s
+    a[i] = SHUFFLE8(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           SHUFFLE8(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  for (int i = 0; i < 2; ++i)  // b[i] lanes 0, 4: x[4i]; 1, 5: x[4i + 1]; 2, 6: x[4i + 2]; 3, 7: x[4i + 3]
+    b[i] = SHUFFLE8(a[2 * i], a[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+           SHUFFLE8(a[2 * i], a[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+  return SHUFFLE8(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+inline v16 lane_sums16(const v16 (&x)[16]) {
+  v8 lo[8], hi[8];
+  for (int i = 0; i < 8; ++i) lo[i] = x[i].lo + x[i].hi, hi[i] = x[i + 8].lo + x[i + 8].hi;
+  return {lane_sums8(lo), lane_sums8(hi)};
+}
+#else
 // Lane l of the result is the sum of the 16 lanes of x[l]: four rounds that each add the two halves of every group
 // of lanes across a pair of vectors (15 two-source permutes and adds in all, against 16 separate lane sums).
 inline v16 lane_sums16(const v16 (&x)[16]) {
@@ -129,6 +155,7 @@ inline v16 lane_sums16(const v16 (&x)[16]) {
   return SHUFFLE16(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +  // 2 -> 1
          SHUFFLE16(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#endif
 
 // G heads' rows of NV * 16 values, back to back at src, times mul, into registers.
 template <int NV, int G, typename T>
@@ -211,7 +238,7 @@ void attend_fast(const Tile<T>& t) {
         for (int64_t p = 0; p < 16; ++p) dots[p] = q.dot(g, kb + p * t.row_stride + kh * D);
         v16 sums = lane_sums16(dots);
         if constexpr (!Q::kScaled) sums *= post;
-        *reinterpret_cast<v16*>(s + g * t.ctx + p0) = sums;
+        store16(s + g * t.ctx + p0, sums);
       }
       return;
     }
@@ -244,7 +271,7 @@ void attend_fast(const Tile<T>& t) {
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int i = 0; i < NV; ++i) *reinterpret_cast<v16*>(orow + (g * NV + i) * 16) = acc[g][i];
+      for (int i = 0; i < NV; ++i) store16(orow + (g * NV + i) * 16, acc[g][i]);
   });
 }
 
@@ -253,10 +280,28 @@ void attend_fast(const Tile<T>& t) {
 // so that a key's element is broadcast against 16 query vectors at a time: no horizontal sums, and each K and V row
 // is read once per tile rather than once per query row. Scores are kept key-major, [ctx][M], so the softmax runs
 // across query vectors too.
-#ifdef __AVX512F__
-constexpr int kKeysPerStep = 8;  // 8 keys x 3 query vectors of accumulators: 24 of the 32 vector registers
+// Register blocking per ISA: keys and 16-query vectors per score step, then query vectors (R) and output vectors of a
+// row (NC of its NV) per P V step.
+#if defined(__AVX512F__)
+constexpr int kKeysPerStep = 8, kQueryVectorsPerStep = 3;  // 24 accumulators of the 32 vector registers
+template <int NV>
+constexpr int kValueRows = NV == 4 ? 6 : NV == 8 ? 2 : 1;  // R x NV accumulators fit the registers
+template <int NV>
+constexpr int kValueCols = NV;
+#elif defined(BATCHJOB_V16_HALVES)
+// 16 ymm registers, a v16 in two: 6 keys x 1 query vector is 12 accumulators, 2 for the queries, 1 for a key's
+// element (AVX2 GEMMs' 6 x 16 step); P V: 6 query vectors x one 16-float output vector, 2 for V, 1 for a weight.
+constexpr int kKeysPerStep = 6, kQueryVectorsPerStep = 1;
+template <int NV>
+constexpr int kValueRows = 6;
+template <int NV>
+constexpr int kValueCols = 1;
 #else
-constexpr int kKeysPerStep = 2;  // 16 ymm registers: a v16 takes two
+constexpr int kKeysPerStep = 2, kQueryVectorsPerStep = 3;
+template <int NV>
+constexpr int kValueRows = 1;
+template <int NV>
+constexpr int kValueCols = NV;
 #endif
 
 // s[kp][m] = scale * K(kp) . qt[:, m] for KP keys (rows at k[kp]) and MV vectors of 16 query vectors from m0.
@@ -265,57 +310,93 @@ inline void tile_scores(const float* qt, int64_t m_pad, const T* const* k, float
   v16 acc[KP][MV] = {};
   for (int d = 0; d < D; ++d) {
     v16 qv[MV];
-    for (int i = 0; i < MV; ++i) qv[i] = *reinterpret_cast<const v16*>(qt + d * m_pad + i * 16);
+    for (int i = 0; i < MV; ++i) qv[i] = load16(qt + d * m_pad + i * 16);
     for (int kp = 0; kp < KP; ++kp) {
       const float kd = to_f32(k[kp][d]);
       for (int i = 0; i < MV; ++i) acc[kp][i] += kd * qv[i];
     }
   }
   for (int kp = 0; kp < KP; ++kp)
-    for (int i = 0; i < MV; ++i) *reinterpret_cast<v16*>(s + kp * m_pad + i * 16) = acc[kp][i] * scale;
+    for (int i = 0; i < MV; ++i) store16(s + kp * m_pad + i * 16, acc[kp][i] * scale);
 }
 
 // o[r] = sum over the context's keys p of P[p][m0 + r] V(p), for R query vectors whose output rows (D floats each) lie
-// back to back at o. The R x NV accumulators stay in registers over the whole context, block after block (per-block
-// calls that loaded and stored them took a quarter of the P V time), while V rows come from L2 once per R vectors.
-template <int NV, int R, typename T>
-inline void context_values(const Tile<T>& t, int64_t kh, const float* s, int64_t m_pad, float* o, int64_t lo) {
-  v16 acc[R][NV] = {};
+// back to back at o: the NC 16-float vectors of each row from vector c. The R x NC accumulators stay in registers
+// over the whole context, block after block (per-block calls that loaded and stored them took a quarter of the P V
+// time), while V rows come from L2 once per R vectors.
+template <int NV, int R, int NC, typename T>
+inline void context_values(const Tile<T>& t, int64_t kh, int c, const float* s, int64_t m_pad, float* o,
+                           int64_t lo) {
+  v16 acc[R][NC] = {};
   for (int64_t p0 = lo / t.bs * t.bs; p0 < t.ctx; p0 += t.bs) {
-    const T* vb = cache_row(t, t.v, p0) + kh * NV * 16;
+    const T* vb = cache_row(t, t.v, p0) + (kh * NV + c) * 16;
     const int64_t n = std::min(t.bs, t.ctx - p0);
     for (int64_t p = std::max<int64_t>(0, lo - p0); p < n; ++p) {
       const T* vr = vb + p * t.row_stride;
-      v16 vv[NV];
-      for (int i = 0; i < NV; ++i) vv[i] = load16(vr + i * 16);
+      v16 vv[NC];
+      for (int i = 0; i < NC; ++i) vv[i] = load16(vr + i * 16);
       const float* w = s + (p0 + p) * m_pad;
       for (int r = 0; r < R; ++r)
-        for (int i = 0; i < NV; ++i) acc[r][i] += w[r] * vv[i];
+        for (int i = 0; i < NC; ++i) acc[r][i] += w[r] * vv[i];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NV; ++i) reinterpret_cast<v16*>(o + r * NV * 16)[i] = acc[r][i];
+    for (int i = 0; i < NC; ++i) store16(o + r * NV * 16 + (c + i) * 16, acc[r][i]);
 }
 
 // e^x for x <= 0 (a score less its row's maximum), within a few ulp of expf; glibc's vector expf took a large share
 // of a prefill tile's time, this less than half of it: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial, n added to the exponent bits; 0 below -87
-// (a masked score), where 2^n would leave the normal floats.
-inline v16 exp16(v16 x) {
-  const v16 lo = v16{} - 87.f, zero = {};
+// (a masked score), where 2^n would leave the normal floats. V: a GCC vector of floats, VI: of as many int32.
+template <typename V, typename VI>
+inline V exp_lanes(V x) {
+  const V lo = V{} - 87.f, zero = {};
   const auto masked = x < lo;
   x = masked ? lo : x;
-  const v16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, vint16), v16);  // rounds x<=0
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  const V n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, VI), V);  // rounds x<=0
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = 1.9875691500e-4f * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const v16 e = reinterpret_cast<v16>(reinterpret_cast<vint16>(p) + (__builtin_convertvector(n, vint16) << 23));
+  const V e = reinterpret_cast<V>(reinterpret_cast<VI>(p) + (__builtin_convertvector(n, VI) << 23));
   return masked ? zero : e;
 }
 
+#ifdef BATCHJOB_V16_HALVES
+inline v16 exp16(v16 x) { return {exp_lanes<v8, vint8>(x.lo), exp_lanes<v8, vint8>(x.hi)}; }
+#else
+inline v16 exp16(v16 x) { return exp_lanes<v16, vint16>(x); }
+#endif
+
+#ifdef BATCHJOB_V16_HALVES
+// An 8 x 8 block transposed in registers: unpacks, in-lane shuffles, then 128-bit lane swaps (24 permutes).
+inline void transpose8(v8 (&r)[8]) {
+  v8 a[8], b[8];
+  for (int i = 0; i < 8; i += 2) {
+    a[i] = SHUFFLE8(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    a[i + 1] = SHUFFLE8(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      b[i + 2 * j] = SHUFFLE8(a[i + j], a[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      b[i + 2 * j + 1] = SHUFFLE8(a[i + j], a[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = SHUFFLE8(b[i], b[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = SHUFFLE8(b[i], b[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// A 16 x 16 block transposed in registers: its four 8 x 8 blocks each transposed, the off-diagonal two swapped.
+inline void transpose16(v16 (&r)[16]) {
+  v8 q[4][8];  // [rows 0-7 | 8-15][cols 0-7 | 8-15] -> blocks 0: (0-7, 0-7), 1: (0-7, 8-15), 2: (8-15, 0-7), 3
+  for (int i = 0; i < 8; ++i) q[0][i] = r[i].lo, q[1][i] = r[i].hi, q[2][i] = r[i + 8].lo, q[3][i] = r[i + 8].hi;
+  for (auto& b : q) transpose8(b);
+  for (int i = 0; i < 8; ++i) r[i] = {q[0][i], q[2][i]}, r[i + 8] = {q[1][i], q[3][i]};
+}
+#else
 // A 16 x 16 block transposed in registers: four rounds that each swap the off-diagonal halves of every 2k x 2k
 // block (k = 8, 4, 2, 1) across pairs of rows, 64 two-source permutes in all.
 inline void transpose16(v16 (&r)[16]) {
@@ -339,6 +420,7 @@ inline void transpose16(v16 (&r)[16]) {
     r[i + 1] = SHUFFLE16(n[i], n[i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   }
 }
+#endif
 
 // qt[d][m] = the tile's query vector m (row m / G, query head kh G + m % G) at d, 0 for m >= m: 16 x 16 blocks
 // transposed in registers (scalar copies took a tenth of a short prefill's attention).
@@ -353,7 +435,7 @@ void transpose_queries(const Tile<T>& t, int64_t kh, int64_t m, int64_t m_pad, f
         r[i] = mi < m ? load16(t.q + mi / G * t.q_row + (kh * G + mi % G) * D + d0) : v16{};
       }
       transpose16(r);
-      for (int64_t k = 0; k < 16; ++k) *reinterpret_cast<v16*>(qt + (d0 + k) * m_pad + m0) = r[k];
+      for (int64_t k = 0; k < 16; ++k) store16(qt + (d0 + k) * m_pad + m0, r[k]);
     }
 }
 
@@ -472,7 +554,7 @@ void scores_run(const Tile<T>& t, const Q* qt, int64_t m0, int64_t m_pad, int64_
 template <int NV, int G, typename T>
 void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
   constexpr int64_t D = NV * 16;
-  constexpr int R = NV == 4 ? 6 : NV == 8 ? 2 : 1;  // query vectors per P V step: R x NV accumulators fit the registers
+  constexpr int R = kValueRows<NV>, NC = kValueCols<NV>, MV = kQueryVectorsPerStep;
 #ifdef __AVX512BF16__
   constexpr bool kPairs = std::is_same_v<T, bf16>;  // both GEMMs in vdpbf16ps (above), where blocks hold whole pairs
 #else
@@ -495,14 +577,14 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
       if constexpr (kPairs) {
         uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);
         transpose_query_pairs<NV, G>(t, kh, m, m_pad, qt2);
-        for (; m0 + 48 <= m_pad; m0 += 48) scores_run<D, 3>(t, qt2, m0, m_pad, kh, s);
+        for (; m0 + 16 * MV <= m_pad; m0 += 16 * MV) scores_run<D, MV>(t, qt2, m0, m_pad, kh, s);
         if (m_pad - m0 == 32) scores_run<D, 2>(t, qt2, m0, m_pad, kh, s);
         if (m_pad - m0 == 16) scores_run<D, 1>(t, qt2, m0, m_pad, kh, s);
       }
 #endif
     } else {
       transpose_queries<NV, G>(t, kh, m, m_pad, qt);
-      for (; m0 + 48 <= m_pad; m0 += 48) scores_run<D, 3>(t, qt, m0, m_pad, kh, s);
+      for (; m0 + 16 * MV <= m_pad; m0 += 16 * MV) scores_run<D, MV>(t, qt, m0, m_pad, kh, s);
       if (m_pad - m0 == 32) scores_run<D, 2>(t, qt, m0, m_pad, kh, s);
       if (m_pad - m0 == 16) scores_run<D, 1>(t, qt, m0, m_pad, kh, s);
     }
@@ -523,13 +605,13 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
       v16 hi = v16{} - 1e30f;
       for (int64_t p = lo; p < t.ctx; ++p) {
         const v16 row = load16(s + p * m_pad + i);
-        hi = row > hi ? row : hi;
+        hi = vmax(row, hi);
       }
       v16 total = {};
       for (int64_t p = lo; p < t.ctx; ++p) {
-        v16* row = reinterpret_cast<v16*>(s + p * m_pad + i);
-        *row = exp16(*row - hi);
-        total += *row;
+        const v16 e = exp16(load16(s + p * m_pad + i) - hi);
+        store16(s + p * m_pad + i, e);
+        total += e;
       }
       store16(mx + i, hi);
       store16(inv_sum + i, total);
@@ -543,8 +625,10 @@ void attend_tiled(const Tile<T>& t, std::vector<float>& scratch) {
       }
 #endif
     } else {
-      for (m0 = 0; m0 + R <= m; m0 += R) context_values<NV, R>(t, kh, s + m0, m_pad, o + m0 * D, lo);
-      for (; m0 < m; ++m0) context_values<NV, 1>(t, kh, s + m0, m_pad, o + m0 * D, lo);
+      for (int c = 0; c < NV; c += NC) {
+        for (m0 = 0; m0 + R <= m; m0 += R) context_values<NV, R, NC>(t, kh, c, s + m0, m_pad, o + m0 * D, lo);
+        for (; m0 < m; ++m0) context_values<NV, 1, NC>(t, kh, c, s + m0, m_pad, o + m0 * D, lo);
+      }
     }
     for (int64_t i = 0; i < m; ++i) {
       float* dst = t.out + (i / G * t.h + kh * G + i % G) * D;
