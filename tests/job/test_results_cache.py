@@ -85,6 +85,19 @@ def test_a_rerun_computes_only_the_edited_row_and_gives_the_from_scratch_output(
     assert hit["cached_tokens"] == hit["prompt_tokens"] and hit["total_time_s"] is None  # nothing computed, nor timed
 
 
+def test_status_of_a_job_in_input_order_counts_its_hits(tmp_path):
+    """The sorted files of `order: input` replace the parts and their counts: status takes the summary's."""
+    docs = documents(20)
+    data = write_parquet(tmp_path / "a.parquet", docs)
+    output = {"order": "input", "checkpoint_rows": 3}
+    run(cached_job(data, tmp_path / "out1", tmp_path / "cache", output=output))
+    docs[2]["text"] = "changed"
+    run(cached_job(write_parquet(tmp_path / "b.parquet", docs), tmp_path / "out2", tmp_path / "cache", output=output))
+    status = OutputDir(tmp_path / "out2").status()
+    assert status["state"] == "done" and (status["cache_hits"], status["cache_misses"]) == (19, 1)
+    assert all(b"batchjob.cache" not in (pq.read_schema(p).metadata or {}) for p in (tmp_path / "out2/data").iterdir())
+
+
 def test_unseeded_sampling_is_never_cached_and_seeded_sampling_is(tmp_path):
     data = write_parquet(tmp_path / "a.parquet", documents(10))
     for name, sampling, computed_again in [("unseeded", {"temperature": 0.8}, 10), ("seeded", {"seed": 3}, 0)]:
