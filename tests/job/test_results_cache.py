@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+import batchjob.job.results_cache
 from batchjob.job.exit_codes import EXIT_OK
 from batchjob.job.output.state import OutputDir
 from batchjob.job.plan import plan_job
@@ -186,19 +187,35 @@ def test_two_jobs_at_once_on_one_cache(tmp_path, max_size):
     assert not [p for p in (tmp_path / "c").rglob("*") if p.name.endswith(".tmp")]
 
 
-def test_a_cache_on_s3(s3, tmp_path):  # noqa: F811 (the fixture)
-    data = write_parquet(tmp_path / "a.parquet", documents(20))
-    url = f"s3://{BUCKET}/results-cache"
+def test_a_cache_on_s3(s3, tmp_path, monkeypatch):  # noqa: F811 (the fixture)
+    """A damaged entry is a miss there too; a hit marks its entry used by writing it again (S3 has no utime), and
+    eviction keeps the entries so marked."""
+    docs = documents(20)
+    data = write_parquet(tmp_path / "a.parquet", docs)
+    url, prefix = f"s3://{BUCKET}/results-cache", f"{BUCKET}/results-cache"
     assert run(cached_job(data, tmp_path / "out1", url)).computed == 20
-    s3.invalidate_cache()
-    entries = s3.find(f"{BUCKET}/results-cache")
-    assert len(entries) == 20
-    s3.pipe(entries[0], b'{"key": "truncat')  # a damaged entry
+
+    def entries() -> dict[str, dict]:
+        s3.invalidate_cache()
+        return s3.find(prefix, detail=True)
+
+    s3.pipe(next(iter(entries())), b'{"key": "truncat')  # a damaged entry
     assert run(cached_job(data, tmp_path / "out2", url)).computed == 1
     assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "out1")
-    cache = ResultsCache(CacheSpec(path=url, max_size=2000))
+    before = entries()
+    time.sleep(1.1)  # S3's LastModified counts whole seconds
+    monkeypatch.setattr(batchjob.job.results_cache, "TOUCH_AFTER_S", 0.0)  # each hit marks its entry
+    five = write_parquet(tmp_path / "b.parquet", docs[:5])
+    assert run(cached_job(five, tmp_path / "out3", url)).computed == 0
+    marked = {name for name, info in entries().items() if info["LastModified"] > before[name]["LastModified"]}
+    assert len(marked) == 5
+    cache = ResultsCache(
+        CacheSpec(
+            path=url, max_size=int(sum(before[n]["size"] for n in marked) / batchjob.job.results_cache.EVICT_TO) + 1
+        )
+    )
     cache.evict()
-    assert 0 < cache.size() <= 2000 and len(s3.find(f"{BUCKET}/results-cache")) < 20
+    assert set(entries()) == marked
 
 
 def test_openai_batch_lines_are_keyed_as_other_rows(tmp_path):
