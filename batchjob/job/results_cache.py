@@ -50,8 +50,8 @@ class ResultsCache:
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
 
-    def get(self, key: str) -> dict | None:
-        """The result stored under `key`; None for a miss, which a damaged or foreign entry is too."""
+    def get(self, key: str) -> Any:
+        """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too."""
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -68,7 +68,7 @@ class ResultsCache:
         """Whether `key` has an entry (not read: `plan`'s estimate)."""
         return self._path(key).exists()
 
-    def put(self, key: str, result: dict) -> None:
+    def put(self, key: str, result: Any) -> None:
         body = _canonical(result)
         data = _canonical({"key": key, "sha256": _sha256(body), "result": result})
         path = self._path(key)
