@@ -50,8 +50,8 @@ class ResultsCache:
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
 
-    def get(self, key: str) -> dict | None:
-        """The result stored under `key`; None for a miss, which a damaged or foreign entry is too."""
+    def get(self, key: str) -> Any:
+        """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too."""
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -68,13 +68,13 @@ class ResultsCache:
         """Whether `key` has an entry (not read: `plan`'s estimate)."""
         return self._path(key).exists()
 
-    def put(self, key: str, result: dict) -> None:
+    def put(self, key: str, result: Any) -> None:
         body = _canonical(result)
         data = _canonical({"key": key, "sha256": _sha256(body), "result": result})
         path = self._path(key)
         if not is_remote(path):
             path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, lambda f: f.write(data))
+        write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
         self.written_since_evict += len(data)
         if self.written_since_evict > self.max_size * (1 - EVICT_TO):
             self.evict()
@@ -83,7 +83,7 @@ class ResultsCache:
         if time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
             return
         if is_remote(path):
-            write_atomic(path, lambda f: f.write(data))
+            write_atomic(path, lambda f: f.write(data), durable=False)
         else:
             os.utime(path)
 
@@ -128,22 +128,33 @@ class RunCache:
     def __init__(self, cache: ResultsCache, job: JobSpec, engine: JobEngine | Embedder):
         self.cache = cache
         identity = model_identity(engine)
-        self.scope = {
-            "format": FORMAT,
-            "task": job.task,
-            "model_digest": identity["model_digest"],
-            "numerics": identity["numerics"],
-            "engine": job.engine.model_dump(mode="json", include=RESULT_ENGINE_SETTINGS),
-        }
+        self._scope = _canonical(
+            {
+                "format": FORMAT,
+                "task": job.task,
+                "model_digest": identity["model_digest"],
+                "numerics": identity["numerics"],
+                "engine": job.engine.model_dump(mode="json", include=RESULT_ENGINE_SETTINGS),
+            }
+        )
+        self._params: tuple[SamplingParams | None, bytes] = (None, _canonical(None))
         self.keys: dict[str, str] = {}  # request id -> key, for the generation works sent to the engine
 
     def key(self, token_ids: list[int] | list[list[int]], params: SamplingParams | None, settings: dict | None) -> str:
-        h = hashlib.sha256(_canonical({**self.scope, "params": params and params.model_dump(mode="json")}))
-        h.update(_canonical(settings or {}))
+        """sha256 over the scope, the parameters, the settings and the token ids (of each input), each piece with its
+        length before it, so that no two different sets of pieces hash the same bytes."""
+        h = hashlib.sha256()
+        for piece in (self._scope, self._params_json(params), _canonical(settings or {})):
+            _update(h, piece)
         for ids in token_ids if token_ids and isinstance(token_ids[0], list) else [token_ids]:
-            h.update(len(ids).to_bytes(8, "little"))
-            h.update(array("q", ids).tobytes())
+            _update(h, array("q", ids).tobytes())
         return h.hexdigest()
+
+    def _params_json(self, params: SamplingParams | None) -> bytes:
+        # Most rows share the job's SamplingParams object, whose JSON is made once.
+        if params is not self._params[0]:
+            self._params = (params, _canonical(params and params.model_dump(mode="json")))
+        return self._params[1]
 
     def work_key(self, work: Work | EmbeddingWork) -> str | None:
         """A work's key; None for unseeded sampling, which is never cached: its result is one draw among many."""
@@ -254,6 +265,11 @@ def _vectors_fit(vectors: Any, work: EmbeddingWork) -> bool:
 
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _update(h: Any, piece: bytes) -> None:
+    h.update(len(piece).to_bytes(8, "little"))
+    h.update(piece)
 
 
 def _sha256(data: bytes) -> str:

@@ -10,13 +10,16 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
+import batchjob.job.results_cache
 from batchjob.job.exit_codes import EXIT_OK
 from batchjob.job.output.state import OutputDir
 from batchjob.job.plan import plan_job
@@ -83,6 +86,19 @@ def test_a_rerun_computes_only_the_edited_row_and_gives_the_from_scratch_output(
     assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "scratch")
     hit = pq.read_table(tmp_path / "out2" / "data").to_pylist()[0]
     assert hit["cached_tokens"] == hit["prompt_tokens"] and hit["total_time_s"] is None  # nothing computed, nor timed
+
+
+def test_status_of_a_job_in_input_order_counts_its_hits(tmp_path):
+    """The sorted files of `order: input` replace the parts and their counts: status takes the summary's."""
+    docs = documents(20)
+    data = write_parquet(tmp_path / "a.parquet", docs)
+    output = {"order": "input", "checkpoint_rows": 3}
+    run(cached_job(data, tmp_path / "out1", tmp_path / "cache", output=output))
+    docs[2]["text"] = "changed"
+    run(cached_job(write_parquet(tmp_path / "b.parquet", docs), tmp_path / "out2", tmp_path / "cache", output=output))
+    status = OutputDir(tmp_path / "out2").status()
+    assert status["state"] == "done" and (status["cache_hits"], status["cache_misses"]) == (19, 1)
+    assert all(b"batchjob.cache" not in (pq.read_schema(p).metadata or {}) for p in (tmp_path / "out2/data").iterdir())
 
 
 def test_unseeded_sampling_is_never_cached_and_seeded_sampling_is(tmp_path):
@@ -173,19 +189,35 @@ def test_two_jobs_at_once_on_one_cache(tmp_path, max_size):
     assert not [p for p in (tmp_path / "c").rglob("*") if p.name.endswith(".tmp")]
 
 
-def test_a_cache_on_s3(s3, tmp_path):  # noqa: F811 (the fixture)
-    data = write_parquet(tmp_path / "a.parquet", documents(20))
-    url = f"s3://{BUCKET}/results-cache"
+def test_a_cache_on_s3(s3, tmp_path, monkeypatch):  # noqa: F811 (the fixture)
+    """A damaged entry is a miss there too; a hit marks its entry used by writing it again (S3 has no utime), and
+    eviction keeps the entries so marked."""
+    docs = documents(20)
+    data = write_parquet(tmp_path / "a.parquet", docs)
+    url, prefix = f"s3://{BUCKET}/results-cache", f"{BUCKET}/results-cache"
     assert run(cached_job(data, tmp_path / "out1", url)).computed == 20
-    s3.invalidate_cache()
-    entries = s3.find(f"{BUCKET}/results-cache")
-    assert len(entries) == 20
-    s3.pipe(entries[0], b'{"key": "truncat')  # a damaged entry
+
+    def entries() -> dict[str, dict]:
+        s3.invalidate_cache()
+        return s3.find(prefix, detail=True)
+
+    s3.pipe(next(iter(entries())), b'{"key": "truncat')  # a damaged entry
     assert run(cached_job(data, tmp_path / "out2", url)).computed == 1
     assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "out1")
-    cache = ResultsCache(CacheSpec(path=url, max_size=2000))
+    before = entries()
+    time.sleep(1.1)  # S3's LastModified counts whole seconds
+    monkeypatch.setattr(batchjob.job.results_cache, "TOUCH_AFTER_S", 0.0)  # each hit marks its entry
+    five = write_parquet(tmp_path / "b.parquet", docs[:5])
+    assert run(cached_job(five, tmp_path / "out3", url)).computed == 0
+    marked = {name for name, info in entries().items() if info["LastModified"] > before[name]["LastModified"]}
+    assert len(marked) == 5
+    cache = ResultsCache(
+        CacheSpec(
+            path=url, max_size=int(sum(before[n]["size"] for n in marked) / batchjob.job.results_cache.EVICT_TO) + 1
+        )
+    )
     cache.evict()
-    assert 0 < cache.size() <= 2000 and len(s3.find(f"{BUCKET}/results-cache")) < 20
+    assert set(entries()) == marked
 
 
 def test_openai_batch_lines_are_keyed_as_other_rows(tmp_path):
@@ -282,13 +314,16 @@ def test_the_issue_test_one_row_edited_in_200_on_the_real_model(tmp_path):
 @pytest.mark.slow
 def test_an_embedding_job_takes_its_rows_from_the_cache(tmp_path, minilm):
     """The second run computes nothing and writes the same embeddings; an OpenAI Batch line of one of the texts,
-    with its own `dimensions`, takes the same entry."""
+    with its own `dimensions` (a Matryoshka model's), takes the same entry, cut and normalised to them."""
+    model = shutil.copytree(minilm, tmp_path / "matryoshka")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [128, 384]}))
     rows = [{"id": f"t{i}", "text": f"A sentence about the number {i}."} for i in range(30)]
     data = write_parquet(tmp_path / "a.parquet", rows)
     cache = {"path": str(tmp_path / "cache")}
 
     def job(name: str, data: Path, **more) -> str:
-        sections = {"model": str(minilm), "task": "embed", "input": {"path": str(data)}, "cache": cache, **more}
+        sections = {"model": str(model), "task": "embed", "input": {"path": str(data)}, "cache": cache, **more}
         return str(write_job(tmp_path / f"{name}.yaml", output={"path": str(tmp_path / name)}, **sections))
 
     for name in ("out1", "out2"):
@@ -304,11 +339,12 @@ def test_an_embedding_job_takes_its_rows_from_the_cache(tmp_path, minilm):
         "custom_id": "one",
         "method": "POST",
         "url": "/v1/embeddings",
-        "body": {"input": rows[4]["text"], "dimensions": 384},
+        "body": {"input": rows[4]["text"], "dimensions": 128},
     }
     batch = write_jsonl(tmp_path / "b.jsonl", [line])
     openai = cli("run", job("out3", batch, input={"path": str(batch), "format": "openai-batch"}))
     assert openai.returncode == 0, openai.stdout + openai.stderr
     assert summary_cache(tmp_path / "out3") == {"hits": 1, "misses": 0}
     row = pq.read_table(tmp_path / "out3" / "data").to_pylist()[0]
-    assert row["embeddings"] == [first[[r["id"] for r in first].index("t4")]["embedding"]]
+    full = np.asarray(first[[r["id"] for r in first].index("t4")]["embedding"])
+    assert np.allclose(row["embeddings"], [full[:128] / np.linalg.norm(full[:128])], atol=1e-6)

@@ -414,6 +414,9 @@ class OutputDir:
             state = "not started"
         if damaged:
             state += f"; {len(damaged)} damaged part(s), moved aside and redone by the next run"
+        summary = self.read_summary() if state == "done" else None
+        # `order: input`'s sorted files do not carry the parts' cache counts: a finished job's are in its summary
+        cache = (summary or {}).get("cache", {"hits": committed.cache_hits, "misses": committed.cache_misses})
         return {
             "folder": display(self.path),
             "state": state,
@@ -423,11 +426,11 @@ class OutputDir:
             "rows_failed": committed.failed,
             "prompt_tokens": committed.prompt_tokens,
             "output_tokens": committed.output_tokens,
-            "cache_hits": committed.cache_hits,
-            "cache_misses": committed.cache_misses,
+            "cache_hits": cache["hits"],
+            "cache_misses": cache["misses"],
             "parts": len(parts),
             "last_commit_s_ago": round(time.time() - max(mtime(p) for p in parts)) if parts else None,
-            "summary": self.read_summary() if state == "done" else None,
+            "summary": summary,
         }
 
 

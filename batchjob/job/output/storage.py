@@ -82,9 +82,11 @@ def put_whole(path: UPath, write: Callable[[BinaryIO], Any]) -> None:
 TMP_PREFIX = ".batchjob-"  # temporary files are named .batchjob-<name>.<random>.tmp; recover() removes only those
 
 
-def write_atomic(path: Location, write: Callable[[BinaryIO], Any]) -> None:
+def write_atomic(path: Location, write: Callable[[BinaryIO], Any], durable: bool = True) -> None:
     """Write `path` whole or not at all. The temporary file is created new (O_EXCL) and never through a symlink, so a
-    link planted in a shared folder cannot redirect the write; os.replace then swaps the name, not a link's target."""
+    link planted in a shared folder cannot redirect the write; os.replace then swaps the name, not a link's target.
+    Not `durable` (no fsync: milliseconds less a file): for a file that a reader checks, where a power loss may leave
+    it empty or cut short."""
     if is_remote(path):
         put_whole(path, write)
         return
@@ -94,12 +96,14 @@ def write_atomic(path: Location, write: Callable[[BinaryIO], Any]) -> None:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:
