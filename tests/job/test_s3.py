@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchjob.job.output import lease as lease_module
 from batchjob.job.output.lease import LeaseLost
 from batchjob.job.output.lock import LockHeld
 from batchjob.job.output.state import OutputDir, StateError
@@ -111,13 +112,41 @@ def test_a_recursive_glob_that_covers_the_output_folder_reruns_after_a_stop_and_
     assert [f["path"] for f in meta["fingerprint"]["input"]["files"]] == [f"s3://{BUCKET}/D/a/docs.parquet"]
 
 
-def test_a_run_is_refused_while_another_holds_the_lease_and_takes_over_an_expired_one(s3, tmp_path, progress):
+@pytest.fixture
+def lease_clock(monkeypatch):
+    """The leases' clock, stopped and moved by the test: a lease expires when the test says, not when a loaded host
+    happens to fall behind a 1 s deadline."""
+
+    class Clock:
+        t = time.time()
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    monkeypatch.setattr(lease_module, "now", clock)
+    return clock
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_run_is_refused_while_another_holds_the_lease_and_takes_over_an_expired_one(
+    s3, tmp_path, progress, lease_clock
+):
     url = f"s3://{BUCKET}/leased"
     data = write_parquet(tmp_path / "in.parquet", documents(5))
     job = make_job(data, url, output={"lease_seconds": 1.0})
     holder = OutputDir(url, lease_seconds=1.0)
-    with holder.lock():
-        time.sleep(1.5)  # past one lease length: the holder's renewals keep it
+    with holder.lock() as lease:
+        taken = lease.valid_until
+        lease_clock.t += 0.9
+        wait_for(lambda: lease.valid_until >= taken + 0.9)  # the renewal thread's own renewal, however late it runs
+        lease_clock.t += 0.6  # past the first lease's expiry: the renewed one holds
         with pytest.raises(LockHeld, match="in use by another run"):
             run_job(job, progress, engine_factory=fake_factory())
         assert holder.status()["state"] == "running"
@@ -132,14 +161,14 @@ def test_a_run_is_refused_while_another_holds_the_lease_and_takes_over_an_expire
 def test_a_lease_taken_by_another_run_is_never_overwritten_by_a_renewal_nor_deleted_by_the_release(s3):
     other = {"pid": 1, "host": "other", "started": "2026-01-01T00:00:00+00:00", "token": "other", "expires": 2e9}
     held = OutputDir(f"s3://{BUCKET}/stolen", lease_seconds=0.4)
-    with pytest.raises(LeaseLost, match="another run took over this run's lease"), held.lock():
+    with pytest.raises(LeaseLost, match="another run took over this run's lease"), held.lock() as lease:
         s3.pipe_file(f"{BUCKET}/stolen/_lock", json.dumps(other).encode())  # as a run that took it over would
-        time.sleep(0.3)  # three renewals' time: each is conditional on the version this run wrote, so fails
+        wait_for(lambda: lease.lost)  # the next renewal is conditional on the version this run wrote, so fails
         held.check_held()
     assert json.loads(s3.cat_file(f"{BUCKET}/stolen/_lock")) == other
 
 
-def test_a_run_that_cannot_renew_its_lease_stops_committing_before_it_expires(s3, monkeypatch):
+def test_a_run_that_cannot_renew_its_lease_stops_committing_before_it_expires(s3, monkeypatch, lease_clock):
     held = OutputDir(f"s3://{BUCKET}/cut-off", lease_seconds=0.4)
     with held.lock() as lease:
 
@@ -148,7 +177,7 @@ def test_a_run_that_cannot_renew_its_lease_stops_committing_before_it_expires(s3
 
         monkeypatch.setattr(lease.object, "replace", unreachable)  # the network, not the lease, fails here
         held.check_held()  # the lease just taken still has more than half its time
-        time.sleep(0.25)
+        lease_clock.t += 0.25
         with pytest.raises(LeaseLost, match="could not renew its lease"):
             held.check_held()
         monkeypatch.undo()
