@@ -31,6 +31,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", "ignore")
 
+    def escape(self, data: str) -> str:
+        return data  # its tokens are bytes: no text of a row is a special token
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = self.template_head + "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")

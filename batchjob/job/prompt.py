@@ -26,6 +26,9 @@ class PromptBuilder:
         self.context_len = context_len
         self.fields = [name for name in job.prompt.fields if name != self.text_column]  # parsed once, not per row
         self.chat = job.prompt.chat_template and job.task == "generate"  # an embedding model reads plain text
+        # Row data is text: its special-token strings never become tokens (the chat template's markup and the job
+        # file's own text may hold them). An embedding job's spec says true: its text goes to the Embedder as it is.
+        self.data = (lambda text: text) if job.prompt.special_tokens_in_data else self.tokenizer.escape
 
     def build_many(self, rows: list[Row], max_tokens: list[int]) -> list[tuple[list[int], bool] | RowError]:
         """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads), and chat
@@ -91,7 +94,7 @@ class PromptBuilder:
             if keep <= 0:
                 break
             main_ids = main_ids[len(main_ids) - keep :] if policy == "truncate_left" else main_ids[:keep]
-            ids = encode(self.tokenizer.decode(main_ids))
+            ids = encode(self.data(self.tokenizer.decode(main_ids)))
         # Without its text the prompt would still be too long (a huge system text or message history): cut the
         # whole prompt's tokens, which keeps the row's text on the side the policy keeps.
         return (full[-limit:] if policy == "truncate_left" else full[:limit]), True
@@ -107,7 +110,7 @@ class PromptBuilder:
         hole message holds it; and that text."""
         if self.format == "openai-batch":
             if "prompt" in row.values:  # a /v1/completions line: the prompt as given, no template
-                return (lambda text: text), _text(row.values["prompt"], "body.prompt")
+                return (lambda text: text), self.data(_text(row.values["prompt"], "body.prompt"))
             if self.tokenizer.chat_template is None:
                 raise RowError(
                     "a /v1/chat/completions line needs a chat template, and this model has none "
@@ -116,8 +119,8 @@ class PromptBuilder:
             return self._messages_parts(row.values["messages"])
         if self.messages_column:
             return self._messages_parts(row.values[self.messages_column])
-        main = _text(row.values.get(self.text_column), self.text_column)
-        fields = {name: _scalar(row.values.get(name), name) for name in self.fields} if self.fields else {}
+        main = self.data(_text(row.values.get(self.text_column), self.text_column))
+        fields = {name: self.data(_scalar(row.values.get(name), name)) for name in self.fields}
         template, system, chat = self.prompt.template, self.prompt.system, self.chat
 
         def compose(text: str) -> str | Chat:
@@ -133,7 +136,7 @@ class PromptBuilder:
         return compose, main
 
     def _messages_parts(self, messages) -> tuple[Callable[[str], Chat], str]:
-        messages = _messages(messages)
+        messages = [{**m, "content": self.data(m["content"])} for m in _messages(messages)]
         if self.prompt.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.prompt.system})
         longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
@@ -200,12 +203,28 @@ def _messages(value) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RowError(f"messages[{i}] must be an object with a role")
         content = message.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if not all(isinstance(t, str) for t in texts):
-                raise RowError(f"messages[{i}].content: a text part's text must be text")
-            content = "".join(texts)
+        if isinstance(content, list):  # OpenAI content parts
+            content = "".join(_text_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content))
         if not isinstance(content, str):
             raise RowError(f"messages[{i}].content must be text")
         out.append({"role": message["role"], "content": content})
     return out
+
+
+# The text of each content part a text model reads, by type: OpenAI's text, and an assistant's refusal as vLLM reads it.
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
+def _text_part(part, name: str) -> str:
+    """A content part's text; RowError for a part a text model cannot read (an image, audio, a file), which would
+    otherwise be answered as if it were not there, as OpenAI's API and vLLM refuse it."""
+    if not isinstance(part, dict):
+        raise RowError(f"{name} must be an object with a type")
+    kind = part.get("type")
+    if kind not in TEXT_PARTS:
+        what = "has no type" if kind is None else f"is of type {kind!r}"
+        raise RowError(f"{name} {what}: this model reads text only (parts of type 'text')")
+    text = part.get(TEXT_PARTS[kind])
+    if not isinstance(text, str):
+        raise RowError(f"{name}.{TEXT_PARTS[kind]} must be text")
+    return text

@@ -13,12 +13,13 @@ from typing import Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.output.schema import EMBEDDING_COLUMNS, REASONING_COLUMNS, RESULT_COLUMNS
 from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+from batchjob.model.tokenizer import RENDERER_VARIABLES
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
@@ -88,28 +89,36 @@ class PromptSpec(_Section):
     )
     on_too_long: Literal["error", "truncate_left", "truncate_right"] = "error"
 
+    special_tokens_in_data: bool = Field(
+        False,
+        description="true: special-token strings in row data (<|im_end|>, ...) are read as those tokens; default: "
+        "row data is text, and only the chat template writes special tokens (generate only)",
+    )
+
     @property
     def fields(self) -> list[str]:
-        """The template's placeholders, with those nested in a format spec (`{text:>{width}}` has text and width)."""
-        return _placeholders(self.template or "")
+        """The template's placeholders (column names)."""
+        return [name for _, name, _, _ in string.Formatter().parse(self.template or "") if name is not None]
 
+    @field_validator("template")
+    @classmethod
+    def _plain_placeholders(cls, template: str | None) -> str | None:
+        for _, name, format_spec, conversion in string.Formatter().parse(template or ""):
+            if format_spec or conversion:
+                # A width is memory to allocate ({text:>999999999999} exhausts it) and a conversion (!r) quotes the
+                # text: neither is a prompt's business.
+                spec = f"!{conversion}" * bool(conversion) + f":{format_spec}" * bool(format_spec)
+                raise ValueError(
+                    f"{{{name}{spec}}}: format specs and conversions are not allowed; write the column as {{{name}}}"
+                )
+        return template
 
-def _placeholders(template: str) -> list[str]:
-    out = []
-    for _, name, format_spec, _ in string.Formatter().parse(template):
-        if name is not None:
-            out += [name, *_placeholders(format_spec or "")]
-    return out
-
-
-def _check_text_format(template: str, text_column: str) -> None:
-    """The text column is always a string: a format spec that no string takes (`{text:d}`) would fail every row."""
-    for _, name, format_spec, _ in string.Formatter().parse(template):
-        if name == text_column and format_spec and "{" not in format_spec:
-            try:
-                format("text", format_spec)
-            except ValueError as e:
-                raise ValueError(f"prompt.template: {{{name}:{format_spec}}} does not format a text: {e}") from None
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_renderer_variables(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if clash := sorted(RENDERER_VARIABLES & set(kwargs)):
+            raise ValueError(f"{', '.join(clash)}: set by the chat template's renderer itself, not by a job file")
+        return kwargs
 
 
 class ScheduleSpec(_Section):
@@ -203,7 +212,6 @@ class JobSpec(_Section):
                     f"prompt.template: must contain {{{inp.text_column}}} (input.text_column), "
                     f"the text that is checked and truncated; it has {prompt.fields}"
                 )
-            _check_text_format(prompt.template, inp.text_column)
         if self.cache is not None and self.executor == "ray":
             raise ValueError("cache: not yet used with executor 'ray' (its workers do not look rows up)")
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
@@ -216,7 +224,7 @@ class JobSpec(_Section):
         unused = ["sampling"] if "sampling" in self.model_fields_set else []
         unused += [
             f"prompt.{name}"
-            for name in ("system", "chat_template", "chat_template_kwargs")
+            for name in ("system", "chat_template", "chat_template_kwargs", "special_tokens_in_data")
             if name in self.prompt.model_fields_set
         ]
         unused += ["output.split_reasoning"] if self.output.split_reasoning else []
@@ -232,6 +240,9 @@ class JobSpec(_Section):
             )
         if "model" not in self.model_fields_set:
             object.__setattr__(self, "model", DEFAULT_EMBEDDING_MODEL)
+        # An embedding model's text is tokenized as sentence-transformers tokenizes it ([SEP] in a text is the
+        # token): it has no turns to forge, and its vectors stay those of the reference. The fingerprint says so.
+        object.__setattr__(self.prompt, "special_tokens_in_data", True)
         if "on_too_long" not in self.prompt.model_fields_set:
             # An embedding model reads a text's start, as sentence-transformers cuts it; `truncated` says so.
             object.__setattr__(self.prompt, "on_too_long", "truncate_right")

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Encoding, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from batchjob.model.chat_shape import Chat, ChatShape, splits_at_added_tokens, template_inserts_content_verbatim
@@ -33,6 +34,10 @@ _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4
 _GEMMA_GGUF = {"gemma", "gemma2", "gemma3"}  # architectures whose "llama" (SentencePiece) vocabulary is Gemma's
 MAX_CHAT_SHAPES = 4096  # kept between calls; past this many the cache starts over
+# Row data is text (Tokenizer.escape): a special-token string in it becomes a mark, private-use characters that no
+# tokenizer or template reads as a token and no filter (trim, upper) changes, and encoding writes it back as text.
+MARK_OPEN, MARK_CLOSE, MARK_DIGIT_0 = "\ue000", "\ue001", 0xE100
+_MARK = re.compile(f"{MARK_OPEN}([{chr(MARK_DIGIT_0)}-{chr(MARK_DIGIT_0 + 9)}]+){MARK_CLOSE}")
 
 
 class Tokenizer:
@@ -88,10 +93,66 @@ class Tokenizer:
         return self.vocab_kind == "byte_fallback" and bool(pieces) and pieces[0].startswith("\u2581")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if _MARK.search(text):
+            return self._encode_marked(text, add_special_tokens)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        marked = [bool(_MARK.search(t)) for t in texts]
+        plain = [i for i, m in enumerate(marked) if not m]
+        out = [self._encode_marked(t, add_special_tokens) if m else [] for t, m in zip(texts, marked)]
+        encoded = self.backend.encode_batch([texts[i] for i in plain], add_special_tokens=add_special_tokens)
+        for i, e in zip(plain, encoded):
+            out[i] = e.ids
+        return out
+
+    def escape(self, data: str) -> str:
+        """`data` (a row's text) as text that encode() and encode_chats() read as this text and never as special
+        tokens, however a chat template places it: each special-token string (and the mark character) in it becomes
+        a mark. Text without them comes back as it is, so its token ids are what they always were."""
+        if not self._escape_pattern.search(data):
+            return data
+        index = {s: i for i, s in enumerate(self._escaped)}
+        digits = lambda n: "".join(chr(MARK_DIGIT_0 + int(d)) for d in str(n))  # noqa: E731
+        return self._escape_pattern.sub(lambda m: MARK_OPEN + digits(index[m.group()]) + MARK_CLOSE, data)
+
+    @cached_property
+    def _escaped(self) -> list[str]:
+        """What each mark stands for: the special tokens' strings, longest first (so a regex of them finds the
+        longest at a place, as the tokenizer does), and the mark character itself."""
+        special = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
+        return [*sorted(special, key=len, reverse=True), MARK_OPEN]
+
+    @cached_property
+    def _escape_pattern(self) -> re.Pattern:
+        return re.compile("|".join(map(re.escape, self._escaped)))
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        special = self._escaped[:-1]
+        return re.compile("|".join(map(re.escape, special))) if special else None
+
+    @cached_property
+    def _text_backend(self) -> HFTokenizer:
+        """The tokenizer reading special-token strings as text (transformers' split_special_tokens)."""
+        backend = HFTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def _encode_marked(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids of a text holding marks: its own special tokens (the template's and the job's text: all its
+        special-token strings, since the row's became marks) are tokens, and the text between them is tokenized with
+        the marks written back, as text."""
+        unmark = lambda piece: _MARK.sub(  # noqa: E731
+            lambda m: self._escaped[int("".join(str(ord(c) - MARK_DIGIT_0) for c in m.group(1)))], piece
+        )
+        pieces, at = [], 0
+        for m in self._special_pattern.finditer(text) if self._special_pattern else ():
+            pieces.append(self._text_backend.encode(unmark(text[at : m.start()]), add_special_tokens=False))
+            pieces.append(self.backend.encode(m.group(), add_special_tokens=False))
+            at = m.end()
+        pieces.append(self._text_backend.encode(unmark(text[at:]), add_special_tokens=False))
+        return self.backend.post_process(Encoding.merge(pieces), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -112,6 +173,8 @@ class Tokenizer:
         chat_template_kwargs; the same tokenizer when there are none."""
         if not kwargs:
             return self
+        if clash := sorted(RENDERER_VARIABLES & set(kwargs)):
+            raise ValueError(f"chat_template_kwargs: {', '.join(clash)} is set by the renderer itself")
         other = copy.copy(self)
         other._template_kwargs, other._shapes = {**self._template_kwargs, **kwargs}, {}
         return other
@@ -127,7 +190,9 @@ class Tokenizer:
         out: list = [None] * len(chats)
         groups: dict[tuple | None, list[int]] = {}
         for i, (messages, hole) in enumerate(chats):
-            groups.setdefault(self._shape_key(messages, hole) if self._verbatim else None, []).append(i)
+            # A chat holding marks (escape) is rendered and tokenized whole: a shape's head and tail are not.
+            marked = any(_MARK.search(m["content"]) for m in messages if isinstance(m.get("content"), str))
+            groups.setdefault(self._shape_key(messages, hole) if self._verbatim and not marked else None, []).append(i)
         whole: list[tuple[int, str]] = []
         cut: list[tuple[int, ChatShape, str]] = []
         for key, members in groups.items():
@@ -308,6 +373,10 @@ def _gemma_backend(tokens: list[str], types: list[int], unk: str) -> HFTokenizer
 
 
 def _compile(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     """As transformers does: sandboxed, trim_blocks + lstrip_blocks, with raise_exception and strftime_now."""
 
     def raise_exception(message):
@@ -319,4 +388,10 @@ def _compile(source: str) -> jinja2.Template:
     )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+# The names a chat template sees that the renderer gives it (apply_chat_template's own arguments, and the globals:
+# jinja2's range, namespace, ... and raise_exception, strftime_now): a chat_template_kwargs key of one of these names
+# would clash with it (a TypeError at every render) or hide it from the template.
+RENDERER_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", *_environment().globals})

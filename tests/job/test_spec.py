@@ -59,8 +59,8 @@ def test_unknown_keys_name_the_file_the_path_and_the_allowed_keys(tmp_path):
     assert str(tmp_path / "job.yaml") in message
     assert "engine.max_num_seqz: unknown key; allowed:" in message and "max_num_seqs" in message
     assert (
-        "prompt.sytem: unknown key; allowed: chat_template, chat_template_kwargs, on_too_long, system, template"
-        in message
+        "prompt.sytem: unknown key; allowed: chat_template, chat_template_kwargs, on_too_long, special_tokens_in_data, "
+        "system, template" in message
     )
 
 
@@ -96,8 +96,9 @@ def test_missing_sections_and_unclear_formats(tmp_path):
 
 def test_template_must_use_the_text_column_and_fit_the_input_kind(tmp_path):
     assert "must contain {text}" in error_of(tmp_path, MINIMAL + "prompt: {template: 'Say {title}'}\n")
-    assert "{text:d} does not format a text" in error_of(tmp_path, MINIMAL + "prompt: {template: 'Say {text:d}'}\n")
-    assert load(tmp_path, MINIMAL + "prompt: {template: 'Say {text:>12}'}\n").prompt.template == "Say {text:>12}"
+    assert "{text:d}: format specs and conversions are not allowed" in error_of(
+        tmp_path, MINIMAL + "prompt: {template: 'Say {text:d}'}\n"
+    )
     both = MINIMAL.replace("docs.parquet}", "docs.parquet, messages_column: chat}")
     assert "not used with input.messages_column" in error_of(tmp_path, both + "prompt: {template: '{text}'}\n")
     openai = "input: {path: b.jsonl, format: openai-batch, text_column: body}\noutput: {path: o}\n"

@@ -53,7 +53,8 @@ COUNTED_COLUMNS = ("id", "error", "prompt_tokens", "output_tokens", "cached_toke
 # What the fingerprint parts that an earlier batchjob did not record stood for then.
 FINGERPRINT_DEFAULTS = {
     "task": "generate",
-    "prompt": {"chat_template_kwargs": {}},
+    # Before row data was text, special-token strings in it were read as special tokens.
+    "prompt": {"chat_template_kwargs": {}, "special_tokens_in_data": True},
     "output": {"split_reasoning": False},
 }
 # The files batchjob writes beside data/ (recorded in _job.json's "files" before it first writes them).
@@ -305,10 +306,11 @@ class OutputDir:
         fingerprint = _with_defaults(fingerprint, FINGERPRINT_DEFAULTS)
         changed = [k for k in keys if stored.get(k) != fingerprint[k]]
         if changed:
+            settings = ", ".join(s for k in changed for s in _changed_settings(k, stored.get(k), fingerprint[k]))
             raise StateError(
                 f"{self.path} holds results of a different job (started {meta.get('created')}): "
-                f"{', '.join(changed)} changed since. Use --restart to discard them and start over, "
-                "or choose another output.path"
+                f"{', '.join(changed)} changed since{f' ({settings})' if settings else ''}. "
+                "Use --restart to discard them and start over, or choose another output.path"
             )
 
     @property
@@ -456,6 +458,13 @@ def _footer_rows(part: Location) -> int | None:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _changed_settings(key: str, stored, now) -> list[str]:
+    """The settings of a changed fingerprint section that changed (prompt.special_tokens_in_data, say)."""
+    if not (isinstance(stored, dict) and isinstance(now, dict)):
+        return []
+    return [f"{key}.{k}" for k in sorted(stored.keys() | now.keys()) if stored.get(k) != now.get(k)]
 
 
 def _with_defaults(stored: dict, defaults: dict) -> dict:
