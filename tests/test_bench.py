@@ -238,11 +238,11 @@ def test_the_host_cpu_is_named_with_the_isa_flags_that_decide_kernels():
     assert set(here["flags"]) == set(kind["flags"]) and here["model_name"]
 
 
-def test_llama_server_runs_n_slots_on_one_shared_pool_and_is_sent_each_request_as_token_ids():
+def test_llama_server_runs_n_slots_each_with_room_for_the_longest_request_and_is_sent_each_request_as_token_ids():
     cmd = llama_server.server_command(Path("/b/llama-server"), Path("/m/x.gguf"), 8123, slots=64, threads=2, ctx=4096)
     args = " ".join(cmd[1:])
     assert cmd[0] == "/b/llama-server" and "-m /m/x.gguf" in args and "--port 8123" in args
-    assert "-np 64 -cb -kvu -c 4096 -t 2 -tb 2" in args
+    assert "-np 64 -cb -c 4096 -t 2 -tb 2" in args
     wl = synthetic(1000, 3, 20, 5, range_ratio=0.5)
     longest = max(len(r.prompt_token_ids) + r.params.max_tokens for r in wl.requests)
     assert llama_server.context_size(wl, 4) == 4 * longest
