@@ -7,7 +7,7 @@ variable: the first use of `Engine` applies the OpenMP settings (`configure_thre
 from batchjob.env import configure_threads
 
 __version__ = "0.1.0"
-__all__ = ["Embedder", "Engine", "SamplingParams", "RequestOutput", "configure_threads"]
+__all__ = ["Embedder", "Engine", "SamplingParams", "RequestOutput", "configure_threads", "run_job"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from batchjob import engine
 
         return getattr(engine, name)
+    if name == "run_job":  # `batchjob run` from Python (batchjob/job/api.py)
+        from batchjob.job.api import run
+
+        return run
     raise AttributeError(f"module 'batchjob' has no attribute {name!r}")

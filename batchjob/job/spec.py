@@ -5,6 +5,7 @@ typo in a job that runs overnight should fail in the first second, not in the mo
 
 from __future__ import annotations
 
+import copy
 import string
 import typing
 from collections.abc import Hashable
@@ -272,15 +273,20 @@ def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobSpec:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise JobFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    raw = _parse_yaml(text, str(path))
+    return job_from_mapping(_parse_yaml(text, str(path)), path, overrides)
+
+
+def job_from_mapping(raw: Any, source: str | Path = "job", overrides: typing.Sequence[str] = ()) -> JobSpec:
+    """A job from its sections as the YAML reads (a dict), with --set overrides; JobFileError names `source`."""
     if not isinstance(raw, dict):
-        raise JobFileError(f"{path}: the job file must be a mapping of sections (model, input, prompt, ...)")
-    set_paths = [_apply_override(raw, item, path) for item in overrides]
+        raise JobFileError(f"{source}: the job file must be a mapping of sections (model, input, prompt, ...)")
+    raw = copy.deepcopy(raw)  # the overrides write into it
+    set_paths = [_apply_override(raw, item, source) for item in overrides]
     try:
         return JobSpec.model_validate(raw)
     except pydantic.ValidationError as e:
         lines = [_describe(err, set_paths) for err in e.errors()]
-        raise JobFileError(f"{path}: invalid job file\n" + "\n".join(f"  {line}" for line in lines)) from None
+        raise JobFileError(f"{source}: invalid job file\n" + "\n".join(f"  {line}" for line in lines)) from None
 
 
 class _Loader(yaml.SafeLoader):
@@ -340,7 +346,7 @@ def _count_values(value: Any, counted: dict[int, int], open_: set[int]) -> int:
     return n
 
 
-def _apply_override(raw: dict, item: str, path: Path) -> tuple[str, ...]:
+def _apply_override(raw: dict, item: str, path: str | Path) -> tuple[str, ...]:
     key, sep, text = item.partition("=")
     keys = tuple(key.strip().split("."))
     if not sep or not all(keys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -27,7 +28,10 @@ class Stopper:
         self.interrupt_at = 0  # within interruptible(): the signal count that raises Interrupted; 0 outside
 
     def __enter__(self) -> Stopper:
-        self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
+        # Python takes signals in the main thread only: a run in another thread (the Python API's caller's) keeps
+        # the process's handlers and stops only with the process.
+        main = threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL} if main else {}
         return self
 
     def __exit__(self, *exc) -> None:
