@@ -238,6 +238,17 @@ def test_the_host_cpu_is_named_with_the_isa_flags_that_decide_kernels():
     assert set(here["flags"]) == set(kind["flags"]) and here["model_name"]
 
 
+def test_an_emulated_avx2_host_builds_llama_cpp_for_avx2_in_a_folder_of_its_own(monkeypatch):
+    monkeypatch.delenv("BATCHJOB_CPU_ISA", raising=False)
+    native, native_folder = llama_server.cmake_flags(), llama_server.build_folder()
+    assert "-DGGML_NATIVE=ON" in native and llama_server.build_label() == "GGML_NATIVE"
+    monkeypatch.setenv("BATCHJOB_CPU_ISA", "avx2")
+    flags = llama_server.cmake_flags()
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags and "-DGGML_NATIVE=ON" not in flags
+    assert not any("AVX512" in f for f in flags) and llama_server.build_label() == "built for AVX2"
+    assert llama_server.build_folder() != native_folder
+
+
 def test_llama_server_runs_n_slots_each_with_room_for_the_longest_request_and_is_sent_each_request_as_token_ids():
     cmd = llama_server.server_command(Path("/b/llama-server"), Path("/m/x.gguf"), 8123, slots=64, threads=2, ctx=4096)
     args = " ".join(cmd[1:])

@@ -46,6 +46,17 @@ CMAKE_FLAGS = (
     "-DBUILD_SHARED_LIBS=OFF",  # binaries that run from the cache folder without their build tree's libraries
     "-DLLAMA_BUILD_TESTS=OFF",
 )
+# BATCHJOB_CPU_ISA=avx2 (an AVX2-only host emulated): llama.cpp built for such a CPU too, not -march=native.
+ISA_CMAKE_FLAGS = {
+    "avx2": (
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+    ),
+}
 TARGETS = ("llama-server", "llama-quantize")
 BUILD_JOBS = 2
 _NICE = ("nice", "-n", "10")  # the build shares the host with whatever else runs
@@ -54,9 +65,23 @@ START_WAIT_S = 120.0  # for the server to load the model and answer /health
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q4_K_M", "BF16", "F16")  # for --requantize
 
 
+def cmake_flags() -> tuple[str, ...]:
+    """CMAKE_FLAGS, or under BATCHJOB_CPU_ISA its ISA's in place of GGML_NATIVE."""
+    isa = env.cpu_isa()
+    if isa is None:
+        return CMAKE_FLAGS
+    return tuple(f for f in CMAKE_FLAGS if not f.startswith("-DGGML_NATIVE=")) + ISA_CMAKE_FLAGS[isa]
+
+
+def build_label() -> str:
+    """How the binaries were built, for a report: GGML_NATIVE, or the ISA they were held to."""
+    isa = env.cpu_isa()
+    return "GGML_NATIVE" if isa is None else f"built for {isa.upper()}"
+
+
 def build_folder() -> Path:
     """Where the binaries of this sdist, flags and CPU are (or will be) cached."""
-    parts = [SDIST, VERSION, SDIST_SHA256, *CMAKE_FLAGS, *TARGETS, cpu_flags()]
+    parts = [SDIST, VERSION, SDIST_SHA256, *cmake_flags(), *TARGETS, cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
     return cache_dir() / "llama-cpp" / f"{VERSION}-{key}"
 
@@ -89,13 +114,13 @@ def _build(folder: Path) -> None:
     try:
         src = _unpacked_sdist(tmp)
         build = tmp / "build"
-        _check([*_NICE, "cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], tmp)
+        _check([*_NICE, "cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *cmake_flags()], tmp)
         _check([*_NICE, "cmake", "--build", str(build), "--target", *TARGETS, "-j", str(BUILD_JOBS)], tmp)
         out = tmp / "bin"
         out.mkdir()
         for t in TARGETS:
             shutil.copy2(build / "bin" / t, out / t)
-        (out / "build.json").write_text(json.dumps({"sdist": f"{SDIST}=={VERSION}", "cmake": CMAKE_FLAGS}, indent=2))
+        (out / "build.json").write_text(json.dumps({"sdist": f"{SDIST}=={VERSION}", "cmake": cmake_flags()}, indent=2))
         out.chmod(0o755)
         shutil.rmtree(folder, ignore_errors=True)  # a folder missing a binary: rename needs it gone
         out.rename(folder)
@@ -297,5 +322,5 @@ def run_llama_server(binary: Path, gguf_path: Path, wl: Workload, slots: int, th
         max_batch=min(slots, len(wl.requests)),
     )
     result.outputs = {r.request_id: c.token_ids for r, c in zip(wl.requests, done)}
-    result.note = f"llama.cpp ({SDIST} {VERSION}, GGML_NATIVE) {slots} slots, -cb, {threads} threads; {weights}"
+    result.note = f"llama.cpp ({SDIST} {VERSION}, {build_label()}) {slots} slots, -cb, {threads} threads; {weights}"
     return result
