@@ -47,11 +47,13 @@ class RequestMetrics:
 
 @dataclass
 class TokenLogprob:
-    """One output token's log-probability under the model, and the `top_logprobs` likeliest (id, logprob) there."""
+    """One output token's log-probability under the model, and the `top_logprobs` likeliest (id, logprob) there;
+    for a prompt token, its rank too (vLLM's Logprob.rank: 1 + the number of tokens likelier than it)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ class PromptLogprobRows:
     spans: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, first token index, count)
     k: int = 0  # the most alternatives any of the step's sequences asks for
     chosen: torch.Tensor | None = None  # [rows] float32, on the device until assign() reads it
+    ranks: torch.Tensor | None = None  # [rows] int64, each prompt token's rank, on the device too
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # [rows, k] values and token ids, when k
 
     def compute(self, hidden: torch.Tensor, compute_logits, slice_rows: int) -> None:
@@ -30,28 +31,30 @@ class PromptLogprobRows:
         left on the device."""
         rows = torch.tensor(self.rows, device=hidden.device)
         targets = torch.tensor(self.targets, device=hidden.device)
-        chosen, values, ids = [], [], []
+        chosen, ranks, values, ids = [], [], [], []
         for i in range(0, len(self.rows), slice_rows):
             logprobs = compute_logits(hidden[rows[i : i + slice_rows]]).log_softmax(-1)
-            chosen.append(logprobs.gather(1, targets[i : i + slice_rows, None]).squeeze(1))
+            picked = logprobs.gather(1, targets[i : i + slice_rows, None])
+            chosen.append(picked.squeeze(1))
+            ranks.append((logprobs > picked).sum(-1) + 1)
             if self.k:
                 top = logprobs.topk(self.k, -1)
                 values.append(top.values)
                 ids.append(top.indices)
-        self.chosen = torch.cat(chosen)
+        self.chosen, self.ranks = torch.cat(chosen), torch.cat(ranks)
         if self.k:
             self.top = (torch.cat(values), torch.cat(ids))
 
     def assign(self) -> None:
         """Read by the host: each result into its sequence's prompt_logprobs, at the index of its token."""
-        chosen = self.chosen.tolist()
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
         values, ids = (self.top[0].tolist(), self.top[1].tolist()) if self.top is not None else ([], [])
         j = 0
         for seq, first, count in self.spans:
             k = seq.params.prompt_logprobs
             for idx in range(first, first + count):
                 top = list(zip(ids[j][:k], values[j][:k])) if k else []
-                seq.prompt_logprobs[idx] = TokenLogprob(self.targets[j], chosen[j], top)
+                seq.prompt_logprobs[idx] = TokenLogprob(self.targets[j], chosen[j], top, ranks[j])
                 j += 1
 
 

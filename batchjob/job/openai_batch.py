@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from batchjob.engine.sampling_params import MAX_TOP_LOGPROBS
+
 CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 URLS_BY_TASK = {"generate": (CHAT_URL, COMPLETIONS_URL), "embed": (EMBEDDINGS_URL,)}
 MAX_EMBEDDING_INPUTS = 2048  # inputs of one /v1/embeddings line, as OpenAI's API allows
-# Body fields that become per-request sampling settings, by SamplingParams name. top_k, min_p and
-# repetition_penalty are vLLM's extensions to the OpenAI API. Of two fields for one setting, the later here wins.
+# Body fields that become per-request sampling settings, by SamplingParams name. top_k, min_p, repetition_penalty and
+# prompt_logprobs are vLLM's extensions to the OpenAI API. Of two fields for one setting, the later here wins.
 SAMPLING_FIELDS = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
@@ -34,10 +36,16 @@ SAMPLING_FIELDS = {
     "n": "n",
     "logprobs": "logprobs",
     "top_logprobs": "top_logprobs",
+    "prompt_logprobs": "prompt_logprobs",
     "response_format": "response_format",
 }
-# Honoured too: the prompt, `model` (every line names one; the job's model answers it) and `stream: false`.
-OTHER_FIELDS = {CHAT_URL: {"messages", "model", "stream"}, COMPLETIONS_URL: {"prompt", "model", "stream"}}
+# Honoured too: the prompt, `model` (every line names one; the job's model answers it), `stream: false`, and on
+# /v1/completions `echo` (the prompt before the completion, with its logprobs: the legacy way to score a text; on a
+# chat line only `echo: false`).
+OTHER_FIELDS = {
+    CHAT_URL: {"messages", "model", "stream", "echo"},
+    COMPLETIONS_URL: {"prompt", "model", "stream", "echo"},
+}
 # `user` only names the end user for the provider's abuse monitoring: nothing to honour offline.
 EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 
@@ -63,6 +71,11 @@ def parse_request(obj: dict, task: str = "generate") -> tuple[dict, dict]:
         raise RequestLineError("body must be an object")
     if url == EMBEDDINGS_URL:
         return _embedding_request(body), {}
+    if url == CHAT_URL and body.get("echo"):
+        raise RequestLineError(
+            "unsupported field echo: only /v1/completions lines echo their prompt (vLLM's chat echo, which repeats "
+            "the last message, is not supported); prompt_logprobs gives a chat prompt's logprobs"
+        )
     unsupported = sorted(k for k in body if k not in SAMPLING_FIELDS and k not in OTHER_FIELDS[url])
     if unsupported:
         raise RequestLineError(f"unsupported field {', '.join(unsupported)}")
@@ -73,20 +86,35 @@ def parse_request(obj: dict, task: str = "generate") -> tuple[dict, dict]:
     overrides = {name: body[k] for k, name in SAMPLING_FIELDS.items() if body.get(k) is not None}
     if isinstance(overrides.get("stop"), str):
         overrides["stop"] = [overrides["stop"]]
-    if url == COMPLETIONS_URL and "logprobs" in overrides:
+    if "prompt_logprobs" in overrides:
+        _check_count("prompt_logprobs", overrides["prompt_logprobs"])
+    if url == CHAT_URL:
+        if "messages" not in body:
+            raise RequestLineError("body.messages is required for /v1/chat/completions")
+        return {"messages": body["messages"]}, overrides
+    if "logprobs" in overrides:
         # /v1/completions: `logprobs: k` asks for the k likeliest tokens at each position.
         if "top_logprobs" in overrides:
             raise RequestLineError("unsupported field top_logprobs (/v1/completions takes logprobs: k)")
         k = overrides.pop("logprobs")
         if k is not False:
-            overrides.update(logprobs=True, top_logprobs=0 if k is True else k)
-    if url == CHAT_URL:
-        if "messages" not in body:
-            raise RequestLineError("body.messages is required for /v1/chat/completions")
-        return {"messages": body["messages"]}, overrides
+            overrides.update(logprobs=True, top_logprobs=0 if k is True else _check_count("logprobs", k))
     if "prompt" not in body:
         raise RequestLineError("body.prompt is required for /v1/completions")
-    return {"prompt": body["prompt"]}, overrides
+    echo = body.get("echo") or False  # null: the default, as for the other fields
+    if not isinstance(echo, bool):
+        raise RequestLineError(f"body.echo must be true or false, got {echo!r}")
+    if echo and overrides.get("logprobs"):
+        # The echoed prompt's logprobs are its prompt logprobs: with the line's own count, or logprobs' (as vLLM).
+        overrides.setdefault("prompt_logprobs", overrides["top_logprobs"])
+    return {"prompt": body["prompt"], **({"echo": True} if echo else {})}, overrides
+
+
+def _check_count(name: str, k: Any) -> int:
+    """A count of likeliest tokens (logprobs: k, prompt_logprobs: k): an integer the engine gives."""
+    if not (_is_token_id(k) and k <= MAX_TOP_LOGPROBS):
+        raise RequestLineError(f"body.{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
+    return k
 
 
 def _embedding_request(body: dict) -> dict:
@@ -131,17 +159,41 @@ def _chat_logprobs(entries: list[dict]) -> dict:
     }
 
 
-def _completion_logprobs(entries: list[dict]) -> dict:
-    offsets, at = [], 0
+def _completion_logprobs(entries: list[dict], at: int = 0) -> dict:
+    """The legacy completions API's logprobs of `entries` (an echoed prompt's, then the completion's: a prompt's
+    first token has none, hence its nulls), their text offsets counted from `at`."""
+    offsets = []
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
+
+
+def _prompt_logprobs(entries: list[dict]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}
+    of the token itself and its likeliest alternatives."""
+
+    def one(e: dict, rank: int) -> dict:
+        return {"logprob": e["logprob"], "rank": rank, "decoded_token": e["token"]}
+
+    out: list[dict | None] = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        ranked = {str(e["token_id"]): one(e, e["rank"])}
+        for rank, t in enumerate(e["top_logprobs"], 1):
+            ranked.setdefault(str(t["token_id"]), one(t, rank))
+        out.append(ranked)
+    return out
 
 
 def format_response(row: dict, model: str) -> dict:
@@ -159,16 +211,27 @@ def format_response(row: dict, model: str) -> dict:
     chat = row.get("url") != COMPLETIONS_URL
     choices: list[dict[str, Any]] = []
     texts, reasons = row.get("outputs") or [row["output"]], row.get("finish_reasons") or [row["finish_reason"]]
+    # vLLM's prompt_logprobs field: in each choice of a completion, at the top of a chat completion's body
+    prompt_logprobs = None if row.get("prompt_logprobs") is None else _prompt_logprobs(row["prompt_logprobs"])
+    echo = row.get("echo")  # the prompt as the engine read it, on a /v1/completions line with echo: true
     for i, (text, reason) in enumerate(zip(texts, reasons)):
         choice: dict[str, Any] = {"index": i, "finish_reason": reason, "logprobs": None}
-        if row.get("logprobs") is not None:
-            choice["logprobs"] = (_chat_logprobs if chat else _completion_logprobs)(row["logprobs"][i])
+        if row.get("logprobs") is not None and chat:
+            choice["logprobs"] = _chat_logprobs(row["logprobs"][i])
+        elif row.get("logprobs") is not None:
+            # an echoed prompt's logprobs come first; without them (echo, but logprobs from the job file) the
+            # completion's offsets still count the echoed text
+            echoed = (row.get("prompt_logprobs") or []) if echo is not None else []
+            at = len(echo) if echo is not None and not echoed else 0
+            choice["logprobs"] = _completion_logprobs(echoed + row["logprobs"][i], at)
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
             if row.get("reasonings") is not None:  # output.split_reasoning, as vLLM's reasoning parsers answer
                 choice["message"]["reasoning_content"] = row["reasonings"][i]
         else:
-            choice["text"] = text
+            choice["text"] = text if echo is None else echo + text
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
         choices.append(choice)
     body = {
         "id": ("chatcmpl-" if chat else "cmpl-") + request_id[10:],
@@ -183,6 +246,8 @@ def format_response(row: dict, model: str) -> dict:
             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]},
         },
     }
+    if chat and prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     return _response(request_id, row["id"], body)
 
 

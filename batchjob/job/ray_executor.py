@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.executor import Pending, embedding_calls, embedding_records
-from batchjob.job.output.schema import embedding_schema, failed_row, result_rows, result_schema
+from batchjob.job.output.schema import embedding_schema, failed_row, prompt_columns, result_rows, result_schema
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import is_url
 from batchjob.job.planner import EmbeddingPlanner, job_planner, requests
@@ -79,7 +79,8 @@ class EngineWorker:
             schema = embedding_schema(passthrough, self.engine.dimension, self.per_line)
         else:
             self.planner = job_planner(job, self.engine, on_error)
-            schema = result_schema(passthrough, reasoning=job.output.split_reasoning)
+            prompt = prompt_columns(job.input.format, job.sampling.prompt_logprobs)
+            schema = result_schema(passthrough, reasoning=job.output.split_reasoning, prompt=prompt)
         self.schema = schema.with_metadata({MODEL: json.dumps(model_identity(self.engine))})
 
     def run_shard(self, shard: pa.Table | RowRange) -> pa.Table:

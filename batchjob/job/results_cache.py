@@ -211,9 +211,14 @@ def open_cache(job: JobSpec, engine: JobEngine | Embedder) -> RunCache | None:
 
 
 def _output_entry(output: RequestOutput) -> dict:
+    prompt = output.prompt_logprobs
     return {
         "text": output.text,
         "finish_reason": output.finish_reason,
+        # with sampling's prompt_logprobs: per prompt token [id, logprob, top, rank], null for the first
+        "prompt_logprobs": None
+        if prompt is None
+        else [lp and [lp.token_id, lp.logprob, lp.top, lp.rank] for lp in prompt],
         "samples": [
             {
                 "text": s.text,
@@ -244,6 +249,9 @@ def _output(entry: Any, work: Work) -> RequestOutput | None:
             for i, s in enumerate(entry["samples"])
         ]
         first = samples[0]
+        prompt = _prompt_logprobs(entry.get("prompt_logprobs"), work)
+        if work.params.prompt_logprobs is not None and prompt is None:
+            return None  # an entry without the prompt logprobs the row asks for is no result for it
         # the whole prompt counts as cached, as for a duplicate row: nothing of it was computed
         return RequestOutput(
             work.request_id,
@@ -254,9 +262,23 @@ def _output(entry: Any, work: Work) -> RequestOutput | None:
             num_cached_tokens=len(work.token_ids),
             logprobs=first.logprobs,
             outputs=samples,
+            prompt_logprobs=prompt,
         )
     except (KeyError, TypeError, ValueError, IndexError):
         return None
+
+
+def _prompt_logprobs(stored: Any, work: Work) -> list[TokenLogprob | None] | None:
+    """An entry's prompt logprobs, if it holds them whole: one per prompt token, each of that token, the first
+    without."""
+    if not isinstance(stored, list) or len(stored) != len(work.token_ids) or stored[0] is not None:
+        return None
+    out: list[TokenLogprob | None] = [None]
+    for token_id, (t, v, top, rank) in zip(work.token_ids[1:], stored[1:]):
+        if t != token_id:
+            return None
+        out.append(TokenLogprob(t, v, [tuple(x) for x in top], rank))
+    return out
 
 
 def _vectors_fit(vectors: Any, work: EmbeddingWork) -> bool:

@@ -13,7 +13,7 @@ from batchjob.job.contracts import JobEngine
 from batchjob.job.executor import Executor, LocalExecutor, Pending, load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGNAL
 from batchjob.job.output.lock import describe
-from batchjob.job.output.schema import result_schema
+from batchjob.job.output.schema import prompt_columns, result_schema
 from batchjob.job.output.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
 from batchjob.job.output.storage import display
 from batchjob.job.output.writer import PartWriter, sort_parts, write_openai_output
@@ -129,7 +129,11 @@ class JobRun:
         job, out = self.job, self.out
         writer = PartWriter(
             out.data,
-            result_schema(scan.passthrough_schema, reasoning=job.output.split_reasoning),
+            result_schema(
+                scan.passthrough_schema,
+                reasoning=job.output.split_reasoning,
+                prompt=prompt_columns(job.input.format, job.sampling.prompt_logprobs),
+            ),
             checkpoint_rows=job.output.checkpoint_rows,
             checkpoint_seconds=job.output.checkpoint_seconds,
             next_part=out.next_part_number(),

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, mo
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.output.schema import EMBEDDING_COLUMNS, REASONING_COLUMNS, RESULT_COLUMNS
+from batchjob.job.output.schema import EMBEDDING_COLUMNS, PROMPT_COLUMNS, REASONING_COLUMNS, RESULT_COLUMNS
 from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchjob.model.tokenizer import RENDERER_VARIABLES
 
@@ -64,7 +64,7 @@ class InputSpec(_Section):
         twice = sorted({c for c in self.passthrough if self.passthrough.count(c) > 1})
         if twice:
             raise ValueError(f"passthrough: {', '.join(twice)} named more than once")
-        ours = RESULT_COLUMNS | EMBEDDING_COLUMNS | REASONING_COLUMNS
+        ours = RESULT_COLUMNS | EMBEDDING_COLUMNS | REASONING_COLUMNS | PROMPT_COLUMNS
         clashes = sorted(ours & set(self.passthrough))
         if clashes:
             raise ValueError(
@@ -197,8 +197,6 @@ class JobSpec(_Section):
         inp, prompt = self.input, self.prompt
         if self.task == "embed":
             self._check_embed()
-        if self.sampling.prompt_logprobs is not None:  # rather than a setting the output would silently drop
-            raise ValueError("sampling.prompt_logprobs: a job's output has no column for it (Engine.score has)")
         if inp.messages_column is not None:
             if prompt.template is not None:
                 raise ValueError("prompt.template: not used with input.messages_column (the messages are the prompt)")

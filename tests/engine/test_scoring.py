@@ -57,6 +57,10 @@ def test_score_equals_one_forward_pass_and_counts_only_asked_rows(engine, texts,
         assert s.num_scored_tokens == len(i) - 1 == len(s.token_logprobs)
         assert max(abs(t.logprob - w) for t, w in zip(s.token_logprobs, want)) <= TOL
         assert [t.token_id for t in s.token_logprobs] == i[1:]
+        # vLLM's rank: 1 + the tokens likelier than it (give or take those within TOL, which float32 may swap)
+        chosen = ref[torch.arange(len(i) - 1), i[1:]][:, None]
+        lo, hi = (ref[:-1] > chosen + TOL).sum(-1) + 1, (ref[:-1] > chosen - TOL).sum(-1) + 1
+        assert all(a <= t.rank <= b for a, b, t in zip(lo.tolist(), hi.tolist(), s.token_logprobs))
         top = ref[:-1].topk(2, -1)
         assert [[t for t, _ in lp.top] for lp in s.token_logprobs] == top.indices.tolist()
         assert s.sum_nll == pytest.approx(-math.fsum(want), abs=TOL * len(i))

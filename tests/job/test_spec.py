@@ -73,15 +73,13 @@ def test_bad_values_say_what_is_allowed(tmp_path):
     assert "sampling.temperature: Input should be greater than or equal to 0 (got -1)" in message
 
 
-def test_prompt_logprobs_and_max_tokens_0_are_not_job_settings(tmp_path):
-    """The engine takes them for scoring (Engine.score); a generate job's output has no column for them, so a job
-    file asking for them fails rather than being run without them."""
-    assert "sampling.prompt_logprobs: a job's output has no column" in error_of(
-        tmp_path, MINIMAL + "sampling: {prompt_logprobs: 2}\n"
-    )
+def test_prompt_logprobs_are_a_job_setting_and_max_tokens_0_needs_them(tmp_path):
+    """A generate job's rows get a prompt_logprobs column with them; max_tokens 0 (no token drawn) is scoring only."""
+    assert load(tmp_path, MINIMAL + "sampling: {prompt_logprobs: 2, max_tokens: 0}\n").sampling.prompt_logprobs == 2
     assert "max_tokens: 0 (no token drawn) is for scoring" in error_of(
         tmp_path, MINIMAL + "sampling: {max_tokens: 0}\n"
     )
+    assert "would clash with result columns" in error_of(tmp_path, MINIMAL.replace("}", ", passthrough: [echo]}", 1))
 
 
 def test_missing_sections_and_unclear_formats(tmp_path):

@@ -206,6 +206,22 @@ def test_staged_sorted_files_replace_the_parts_once_complete(tmp_path):
     assert pq.read_table(out.data).column("id").to_pylist() == ["r0", "r1", "r2", "r3"]
 
 
+def test_parts_written_before_the_prompt_columns_sort_with_those_after(tmp_path):
+    """An OpenAI Batch folder resumed by a batchjob with the prompt columns: its older parts lack them."""
+    out = OutputDir(tmp_path)
+    out.recover()
+    writer(out.data, rows=1).add(record(1))
+    w = PartWriter(
+        out.data, result_schema(PASSTHROUGH, prompt=True), checkpoint_rows=1, checkpoint_seconds=3600, next_part=1
+    )
+    w.add({**record(0), "echo": "hi"})
+    w.flush()
+    out.staging.mkdir()
+    sort_parts(out.parts(), out.staging, 10)
+    table = pq.read_table(out.staging)
+    assert table.column("id").to_pylist() == ["r0", "r1"] and table.column("echo").to_pylist() == ["hi", None]
+
+
 def test_committed_rows_come_from_the_parts(tmp_path):
     out = committed_dir(tmp_path, [record(i, error="bad" if i == 4 else None) for i in range(5)], rows=2)
     done = out.committed()

@@ -41,6 +41,10 @@ def assert_prompt_logprobs_match(
         ours = torch.tensor([v for _, v in lp.top])
         assert (ours - values).abs().max().item() <= tol, f"{label}: token {i}'s top-{TOP} differ"
         assert all(ref[i - 1, t].item() == pytest.approx(v, abs=tol) for t, v in lp.top), label
+        # vLLM's rank: 1 + the tokens likelier than it, give or take those within tol of it
+        chosen = ref[i - 1, ids[i]]
+        lo, hi = ((ref[i - 1] > chosen + d).sum().item() + 1 for d in (tol, -tol))
+        assert lo <= lp.rank <= hi, f"{label}: token {i}'s rank {lp.rank} is not within [{lo}, {hi}]"
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pyarrow as pa
 
 TOP_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
 TOKEN_LOGPROB = pa.struct([("token", pa.string()), ("logprob", pa.float64()), ("top_logprobs", pa.list_(TOP_LOGPROB))])
+# A prompt token's: TOKEN_LOGPROB's fields with the token ids and the token's rank, which vLLM's prompt_logprobs give
+# (keyed by token id). The first prompt token has no logprob (nothing before it): its logprob, rank and top are null.
+PROMPT_TOP_LOGPROB = pa.struct([*TOP_LOGPROB, ("token_id", pa.int32())])
+PROMPT_LOGPROB = pa.struct(
+    [
+        *TOKEN_LOGPROB.fields[:2],
+        ("top_logprobs", pa.list_(PROMPT_TOP_LOGPROB)),
+        ("token_id", pa.int32()),
+        ("rank", pa.int32()),
+    ]
+)
 RESULT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -31,6 +45,8 @@ RESULT_COLUMNS = frozenset(RESULT_SCHEMA.names)
 # per input, each cut to the line's `dimensions`) with the line's encoding_format for its response.
 EMBEDDING_COLUMNS = frozenset({"embedding", "embeddings", "encoding_format"})
 REASONING_COLUMNS = frozenset({"reasoning", "reasonings"})  # with output.split_reasoning
+# With sampling.prompt_logprobs, or OpenAI Batch input (a line's prompt_logprobs, or echo: the prompt the engine read).
+PROMPT_COLUMNS = frozenset({"prompt_logprobs", "echo"})
 # A part's schema metadata: how many of its rows the results cache gave (hits) and how many it lacked (misses).
 CACHE_METADATA = b"batchjob.cache"
 
@@ -54,9 +70,17 @@ def result_rows(work, output, tokenizer, reasoning: bool = False) -> list[dict]:
     """The output rows of a finished planner Work: one per input row it stands for, duplicates included; with
     `reasoning`, each sample's reasoning block split off its text."""
     m, samples = output.metrics, output.samples
-    logprobs = None
+    token = _token_strings(tokenizer)
+    logprobs = prompt_logprobs = None
     if work.params.logprobs:
-        logprobs = [[_token_logprob(lp, tokenizer) for lp in s.logprobs or []] for s in samples]
+        logprobs = [[_token_logprob(lp, token) for lp in s.logprobs or []] for s in samples]
+    if work.params.prompt_logprobs is not None and output.prompt_logprobs is not None and output.error is None:
+        prompt_logprobs = [
+            _prompt_logprob(i, lp, token) for i, lp in zip(output.prompt_token_ids, output.prompt_logprobs)
+        ]
+    echo = None
+    if any(row.values.get("echo") for row in work.rows):  # an OpenAI Batch /v1/completions line's echo: true
+        echo = tokenizer.decode(work.token_ids, skip_special_tokens=False)
     texts = [s.text for s in samples]
     thoughts = None
     if reasoning:
@@ -72,6 +96,8 @@ def result_rows(work, output, tokenizer, reasoning: bool = False) -> list[dict]:
             "finish_reasons": [s.finish_reason for s in samples],
             "output_token_counts": [len(s.token_ids) for s in samples],
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "echo": echo if row.values.get("echo") else None,
             "prompt_tokens": len(work.token_ids),
             "output_tokens": sum(len(s.token_ids) for s in samples),
             # A duplicate reuses the whole computed result, its prompt included.
@@ -87,10 +113,12 @@ def result_rows(work, output, tokenizer, reasoning: bool = False) -> list[dict]:
     ]
 
 
-def _token_logprob(lp, tokenizer) -> dict:
-    def token(i: int) -> str:
-        return tokenizer.decode([i], skip_special_tokens=False)
+def _token_strings(tokenizer) -> Callable[[int], str]:
+    """Each token id's text, decoded once per call: a prompt's alternatives repeat the same few tokens."""
+    return functools.lru_cache(maxsize=None)(lambda i: tokenizer.decode([i], skip_special_tokens=False))
 
+
+def _token_logprob(lp, token: Callable[[int], str]) -> dict:
     return {
         "token": token(lp.token_id),
         "logprob": lp.logprob,
@@ -98,15 +126,32 @@ def _token_logprob(lp, tokenizer) -> dict:
     }
 
 
+def _prompt_logprob(token_id: int, lp, token: Callable[[int], str]) -> dict:
+    """A prompt token's entry: `lp` is None for the first token, which has no logprob."""
+    if lp is None:
+        return {"token": token(token_id), "token_id": token_id, "logprob": None, "rank": None, "top_logprobs": None}
+    top = [{"token": token(i), "token_id": i, "logprob": v} for i, v in lp.top]
+    return {"token": token(token_id), "token_id": token_id, "logprob": lp.logprob, "rank": lp.rank, "top_logprobs": top}
+
+
 def failed_row(row, error: str) -> dict:
     """The output row of an input row that never reached the engine."""
     return {**row.passthrough, "id": row.id, "error": error, "row_index": row.index}
 
 
-def result_schema(passthrough: pa.Schema, reasoning: bool = False) -> pa.Schema:
-    """A generation job's columns; with `reasoning` (output.split_reasoning), the split-off reasoning too."""
+def result_schema(passthrough: pa.Schema, reasoning: bool = False, prompt: bool = False) -> pa.Schema:
+    """A generation job's columns; with `reasoning` (output.split_reasoning), the split-off reasoning too; with
+    `prompt` (prompt_columns), the prompt's logprobs and echo."""
     split = [("reasoning", pa.string()), ("reasonings", pa.list_(pa.string()))] if reasoning else []
-    return pa.schema([*RESULT_SCHEMA, *split, *passthrough])
+    scored = [("prompt_logprobs", pa.list_(PROMPT_LOGPROB)), ("echo", pa.string())] if prompt else []
+    return pa.schema([*RESULT_SCHEMA, *split, *scored, *passthrough])
+
+
+def prompt_columns(input_format: str, prompt_logprobs: int | None) -> bool:
+    """Whether a generation job's rows may have prompt logprobs or an echo (PROMPT_COLUMNS): with
+    sampling.prompt_logprobs, or OpenAI Batch input, any of whose lines may ask. Other jobs' columns stay as they
+    were, so that the parts of an output folder written before these columns existed match those written after."""
+    return prompt_logprobs is not None or input_format == "openai-batch"
 
 
 def embedding_schema(passthrough: pa.Schema, dimension: int, per_line: bool) -> pa.Schema:

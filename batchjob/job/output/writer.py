@@ -84,7 +84,8 @@ def sort_parts(parts: list[Location], staging: Location, rows_per_file: int) -> 
         pieces = [_rows_between(p, start, stop) for (lo, hi), p in ranges if lo < stop and hi >= start]
         pieces = [t for t in pieces if t.num_rows]
         if pieces:
-            table = pa.concat_tables(pieces).sort_by("row_index")
+            # An OpenAI Batch folder resumed from a batchjob without the prompt columns has parts without them.
+            table = pa.concat_tables(pieces, promote_options="default").sort_by("row_index")
             # A part's cache counts are its own rows', not this file's (_summary.json keeps the totals).
             metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != CACHE_METADATA}
             write_table(staging / f"sorted-{number:06d}.parquet", table.replace_schema_metadata(metadata or None))
