@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -36,16 +37,23 @@ RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_t
 TOUCH_AFTER_S = 3600.0  # a hit marks its entry used if its last mark is older: LRU to the hour, at one write an hour
 EVICT_TO = 0.9  # of max_size, so that the next writes do not each evict again
 STALE_TMP_S = 86400.0  # a temporary file this old is a killed writer's; eviction removes it
+# Eviction takes only these (an entry, or a killed writer's temporary file of one, in its shard folder): anything else
+# in the cache folder (a user's files, an output folder's) is not batchjob's to delete.
+ENTRY_NAME = re.compile(
+    rf"(?P<shard>[0-9a-f]{{2}})/(?:(?P=shard)[0-9a-f]{{62}}\.json"
+    rf"|(?P<tmp>{re.escape(TMP_PREFIX)})(?P=shard)[0-9a-f]{{62}}\.json\.[0-9a-f]+\.tmp)"
+)
 
 
 class ResultsCache:
     """The entries under one folder: get, put, and eviction down to max_size."""
 
-    def __init__(self, spec: CacheSpec):
+    def __init__(self, spec: CacheSpec, warn: Callable[[str], None] = lambda message: None):
         self.root = location(spec.path, spec.storage_options)
         self.fs, self.fs_root = url_to_fs(spec.path, spec.storage_options)
         self.max_size = int(spec.max_size)
         self.written_since_evict = 0
+        self.warn, self.unwritable = warn, False
 
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
@@ -69,23 +77,39 @@ class ResultsCache:
         return self._path(key).exists()
 
     def put(self, key: str, result: Any) -> None:
+        """Store `result`. A cache that cannot be written (read-only, full, not a folder) costs only its use: the
+        run goes on without storing, with one warning."""
+        if self.unwritable:
+            return
         body = _canonical(result)
         data = _canonical({"key": key, "sha256": _sha256(body), "result": result})
         path = self._path(key)
-        if not is_remote(path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
+        try:
+            if not is_remote(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
+        except OSError as e:
+            self._cannot_write(e)
+            return
         self.written_since_evict += len(data)
         if self.written_since_evict > self.max_size * (1 - EVICT_TO):
             self.evict()
 
     def _touch(self, path, data: bytes) -> None:
-        if time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
+        """Mark an entry used; on a cache this run cannot write, a hit stays a hit, unmarked."""
+        if self.unwritable or time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
             return
-        if is_remote(path):
-            write_atomic(path, lambda f: f.write(data), durable=False)
-        else:
-            os.utime(path)
+        try:
+            if is_remote(path):
+                write_atomic(path, lambda f: f.write(data), durable=False)
+            else:
+                os.utime(path)
+        except OSError as e:
+            self._cannot_write(e)
+
+    def _cannot_write(self, error: OSError) -> None:
+        self.unwritable = True
+        self.warn(f"results cache: cannot write in {self.root} ({error}); this run stores and marks nothing more there")
 
     def size(self) -> int:
         return sum(size for _, size, _ in self._entries())
@@ -100,7 +124,7 @@ class ResultsCache:
         for name, size, _ in sorted(entries, key=lambda e: e[2]):
             if total <= self.max_size * EVICT_TO:
                 break
-            with contextlib.suppress(FileNotFoundError):  # another job evicted it first
+            with contextlib.suppress(OSError):  # another job evicted it first, or the cache is read-only
                 self.fs.rm_file(name)
             total -= size
 
@@ -110,12 +134,15 @@ class ResultsCache:
             found = self.fs.find(self.fs_root, detail=True)
         except FileNotFoundError:
             return []
-        entries = []
+        entries, root = [], self.fs_root.rstrip("/") + "/"
         for name, info in found.items():
-            base, used = name.rsplit("/", 1)[-1], _mtime(info)
-            if base.startswith(TMP_PREFIX) and time.time() - used > STALE_TMP_S:
-                self.fs.rm_file(name)
-            elif base.endswith(".json") and not base.startswith(TMP_PREFIX):
+            match, used = ENTRY_NAME.fullmatch(name.removeprefix(root)), _mtime(info)
+            if match is None:
+                continue
+            if match["tmp"] and time.time() - used > STALE_TMP_S:
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(name)
+            elif not match["tmp"]:
                 entries.append((name, int(info.get("size") or 0), used))
         return entries
 
@@ -206,8 +233,10 @@ class RunCache:
         self.cache.put(self.work_key(work), vectors)
 
 
-def open_cache(job: JobSpec, engine: JobEngine | Embedder) -> RunCache | None:
-    return RunCache(ResultsCache(job.cache), job, engine) if job.cache is not None else None
+def open_cache(
+    job: JobSpec, engine: JobEngine | Embedder, warn: Callable[[str], None] = lambda message: None
+) -> RunCache | None:
+    return RunCache(ResultsCache(job.cache, warn), job, engine) if job.cache is not None else None
 
 
 def _output_entry(output: RequestOutput) -> dict:

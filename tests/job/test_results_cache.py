@@ -163,6 +163,52 @@ def test_a_run_keeps_its_cache_within_max_size(tmp_path):
     assert 0 < len(sizes) < 60 and sum(sizes) <= 4000
 
 
+def test_eviction_deletes_only_entries_never_other_files_in_the_folder(tmp_path):
+    """A cache folder shared with a user's files, or that is also the output folder: eviction empties the cache of
+    entries and leaves every other file, however old and whatever its name."""
+    data = write_parquet(tmp_path / "a.parquet", documents(10))
+    folder = tmp_path / "shared"
+    theirs = [folder / "notes.json", folder / "ab" / "ab.json", folder / "sub" / "ab" / f"{'ab' * 32}.json"]
+    theirs.append(folder / "sub" / f".batchjob-{'ab' * 32}.json.0123abcd.tmp")
+    killed = folder / "ab" / f".batchjob-{'ab' * 32}.json.0123abcd.tmp"  # a killed writer's, a day old: batchjob's
+    for path in [*theirs, killed]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x" * 5000)
+        os.utime(path, (0, 0))  # used longest ago of all
+    run(cached_job(data, folder, folder))  # the output folder is the cache folder too
+    ResultsCache(CacheSpec(path=str(folder), max_size=1)).evict()
+    assert [p for p in folder.glob("??/*.json") if len(p.stem) == 64] == []  # every entry went
+    assert all(path.exists() for path in theirs) and not killed.exists()
+    assert OutputDir(folder).status()["state"] == "done"  # _summary.json, _job.json and the parts stayed
+
+
+def test_a_cache_that_cannot_be_written_costs_only_its_use(tmp_path, monkeypatch):
+    """A cache path that is a file, or a folder in an entry's place: the run gives every row right and says once
+    that it stores nothing more. A read-only cache (marking a hit used fails) still gives its hits."""
+    data = write_parquet(tmp_path / "a.parquet", documents(6))
+    run(make_job(data, tmp_path / "scratch"))
+    (tmp_path / "file").write_text("not a folder")
+    messages = Messages()
+    assert run_job(cached_job(data, tmp_path / "o1", tmp_path / "file"), messages, engine_factory=Counting()) == 0
+    assert rows_of(tmp_path / "o1") == rows_of(tmp_path / "scratch")
+    assert len([m for m in messages.messages if m.startswith("results cache: cannot write in")]) == 1
+    run(cached_job(data, tmp_path / "o2", tmp_path / "c"))
+    entries = sorted((tmp_path / "c").rglob("*.json"))
+    entries[0].unlink()
+    entries[0].mkdir()
+    assert run(cached_job(data, tmp_path / "o3", tmp_path / "c")).computed == 1
+    assert rows_of(tmp_path / "o3") == rows_of(tmp_path / "scratch")
+    for entry in entries[1:]:
+        os.utime(entry, (0, 0))  # last used long ago: a hit marks it
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(os, "utime", read_only)
+    assert run(cached_job(data, tmp_path / "o4", tmp_path / "c")).computed == 1
+    assert rows_of(tmp_path / "o4") == rows_of(tmp_path / "scratch")
+
+
 def run_in_process(data: str, out: str, cache: str, max_size: int) -> int:
     job = cached_job(Path(data), Path(out), cache, cache={"max_size": max_size})
     return run_job(job, Messages(), engine_factory=Counting())
