@@ -212,9 +212,11 @@ class RunCache:
         return work.request_id in self.keys
 
     def store(self, work: Work, output: RequestOutput) -> None:
-        """Store a finished request's result; an error or a cut-short request is not a result to keep."""
+        """Store a finished request's result; an error, an aborted request or one that elastic compression cut short
+        (its length is the run's memory pressure, not its key's) is not a result to keep."""
         key = self.keys.pop(work.request_id, None)
-        if key is None or output.error is not None or output.finish_reason in ("abort", "error"):
+        reasons = {output.finish_reason, *(s.finish_reason for s in output.samples)}
+        if key is None or output.error is not None or reasons & {"abort", "error", "length_capped"}:
             return
         self.cache.put(key, _output_entry(output))
 

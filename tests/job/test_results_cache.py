@@ -209,6 +209,33 @@ def test_a_cache_that_cannot_be_written_costs_only_its_use(tmp_path, monkeypatch
     assert rows_of(tmp_path / "o4") == rows_of(tmp_path / "scratch")
 
 
+class Capping(Counting):
+    """Engines that cut every output short as elastic compression does under memory pressure (length_capped)."""
+
+    def __call__(self, job) -> FakeEngine:
+        engine = super().__call__(job)
+        answer = engine._answer
+
+        def capped(request, metrics):
+            output = answer(request, metrics)
+            output.token_ids = output.token_ids[:2]
+            output.text, output.finish_reason = engine.tokenizer.decode(output.token_ids), "length_capped"
+            return output
+
+        engine._answer = capped
+        return engine
+
+
+def test_an_output_cut_short_by_elastic_compression_is_not_stored(tmp_path):
+    """Its length is the run's memory pressure, not its key's: a later run computes the row whole."""
+    data = write_parquet(tmp_path / "a.parquet", documents(5))
+    run(cached_job(data, tmp_path / "o1", tmp_path / "c"), Capping())
+    assert {r["finish_reason"] for r in rows_of(tmp_path / "o1").values()} == {"length_capped"}
+    assert run(cached_job(data, tmp_path / "o2", tmp_path / "c")).computed == 5
+    run(make_job(data, tmp_path / "scratch"))
+    assert rows_of(tmp_path / "o2") == rows_of(tmp_path / "scratch")
+
+
 def run_in_process(data: str, out: str, cache: str, max_size: int) -> int:
     job = cached_job(Path(data), Path(out), cache, cache={"max_size": max_size})
     return run_job(job, Messages(), engine_factory=Counting())
