@@ -97,13 +97,17 @@ class ResultsCache:
 
     def _touch(self, path, data: bytes) -> None:
         """Mark an entry used; on a cache this run cannot write, a hit stays a hit, unmarked."""
-        if self.unwritable or time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
+        if self.unwritable:
             return
         try:
+            if time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
+                return
             if is_remote(path):
                 write_atomic(path, lambda f: f.write(data), durable=False)
             else:
                 os.utime(path)
+        except FileNotFoundError:  # another job evicted it since it was read: the hit stands
+            pass
         except OSError as e:
             self._cannot_write(e)
 

@@ -209,6 +209,26 @@ def test_a_cache_that_cannot_be_written_costs_only_its_use(tmp_path, monkeypatch
     assert rows_of(tmp_path / "o4") == rows_of(tmp_path / "scratch")
 
 
+def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, monkeypatch):
+    """Read whole, then deleted by another job's eviction before it is marked used: the hit stands, and the run
+    goes on storing."""
+    cache = ResultsCache(CacheSpec(path=str(tmp_path / "c")))
+    key, other = "ab" * 32, "cd" * 32
+    cache.put(key, {"text": "stored"})
+    entry = tmp_path / "c" / key[:2] / f"{key}.json"
+    os.utime(entry, (0, 0))  # used long ago: a hit marks it
+    real = os.utime
+
+    def evicted_first(path, *args, **kwargs):
+        Path(path).unlink()
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", evicted_first)
+    assert cache.get(key) == {"text": "stored"}
+    cache.put(other, {"text": "more"})
+    assert cache.get(other) == {"text": "more"}
+
+
 class Capping(Counting):
     """Engines that cut every output short as elastic compression does under memory pressure (length_capped)."""
 
