@@ -70,7 +70,7 @@ class InputSource:
         # A URL is read through fsspec (credentials and endpoint from the environment or input.storage_options);
         # a local path as it always was, so its synthetic ids and fingerprint stay the same.
         self.fs, root = url_to_fs(spec.path, spec.storage_options) if is_url(spec.path) else (None, spec.path)
-        self.files = list(versions or ()) or self._list(root, job.output.path, job.output.storage_options)
+        self.files = list(versions or ()) or self._list(root, job)
         if self.format == "openai-batch":
             self.prompt_columns: list[str] = []
             self.passthrough = ["url", *[c for c in spec.passthrough if c != "url"]]
@@ -127,11 +127,15 @@ class InputSource:
         self._parquet[path] = metadata
         self._passthrough_schemas.append(pa.schema([schema.field(c) for c in self.passthrough]))
 
-    def _list(self, root: str, output: str, output_options: dict[str, Any] | None) -> list[str]:
-        """input.path's files, never one in the job's output folder (`output`): a glob that covers it would read the
-        job's own files (its timeline, its parts) once a run has written them, and a file named inside it would be
-        next to the folder's cleanup."""
-        inside = self._inside_folder(output, output_options)
+    def _list(self, root: str, job: JobSpec) -> list[str]:
+        """input.path's files, never one in the job's output folder: a glob that covers it would read the job's own
+        files (its timeline, its parts) once a run has written them, and a file named inside it would be next to the
+        folder's cleanup. Nor one in the results cache's folder, for the same first reason."""
+        output = job.output.path
+        inside = self._inside_folder(output, job.output.storage_options)
+        if job.cache is not None:
+            in_cache = self._inside_folder(job.cache.path, job.cache.storage_options)
+            inside = lambda path, in_output=inside: in_output(path) or in_cache(path)  # noqa: E731
         if not glob.has_magic(root):
             if inside(root):
                 raise InputError(
@@ -141,7 +145,8 @@ class InputSource:
         matches = sorted(self.fs.glob(root) if self.fs else glob.glob(root))
         files = [path for path in matches if not inside(path)]
         if not files:
-            outside = f" outside the output folder {output}, which is never input" if matches else ""
+            folders = f"the output folder {output}" + (f" and the cache folder {job.cache.path}" if job.cache else "")
+            outside = f" outside {folders}, which {'are' if job.cache else 'is'} never input" if matches else ""
             raise InputError(f"input.path: no file matches {self.spec.path!r}{outside}")
         return files
 

@@ -229,6 +229,16 @@ def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, mon
     assert cache.get(other) == {"text": "more"}
 
 
+def test_a_cache_folder_inside_the_input_glob_is_never_input(tmp_path):
+    """A glob over a folder that holds the cache too reads the input files only, run after run."""
+    data = tmp_path / "in"
+    data.mkdir()
+    write_parquet(data / "a.parquet", documents(5))
+    for k in (1, 2):
+        job = cached_job(data / "*", tmp_path / f"o{k}", data / "cache", input={"format": "parquet"})
+        assert run(job).computed == 5 * (k == 1)
+
+
 class Capping(Counting):
     """Engines that cut every output short as elastic compression does under memory pressure (length_capped)."""
 
