@@ -38,9 +38,11 @@ def run(
     log_interval: float = 10.0,
 ) -> JobResult:
     """Run a job file (a path), or a job given as the mapping its YAML would read as, to its output folder,
-    resuming it as `batchjob run` does; `overrides` are --set's KEY=VALUE items. Progress goes to `log` (default
-    stderr), a line every `log_interval` seconds. Signals stop the run gracefully only when it runs in the main
-    thread (only there can Python take them)."""
+    resuming it as `batchjob run` does; `overrides` are --set's KEY=VALUE items (a string is one). Progress goes to
+    `log` (default stderr), a line every `log_interval` seconds. Signals stop the run gracefully only when it runs in
+    the main thread (only there can Python take them)."""
+    if isinstance(overrides, str):  # one item, not its characters
+        overrides = [overrides]
     job = job_from_mapping(dict(job), "job", overrides) if isinstance(job, Mapping) else load_job(job, overrides)
     progress = LogProgress(log or sys.stderr, interval=log_interval)
     code = run_job(job, progress, restart=restart, allow_numerics_change=allow_numerics_change, grace=grace)
