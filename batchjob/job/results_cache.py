@@ -53,7 +53,7 @@ class ResultsCache:
         self.fs, self.fs_root = url_to_fs(spec.path, spec.storage_options)
         self.max_size = int(spec.max_size)
         self.written_since_evict = 0
-        self.warn, self.unwritable = warn, False
+        self.warn, self.unwritable, self.unlistable = warn, False, False
 
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
@@ -137,6 +137,11 @@ class ResultsCache:
         try:
             found = self.fs.find(self.fs_root, detail=True)
         except FileNotFoundError:
+            return []
+        except OSError as e:  # a folder or bucket this run may write but not list: it cannot evict there
+            if not self.unlistable:
+                self.warn(f"results cache: cannot list {self.root} ({e}); this run evicts nothing there")
+            self.unlistable = True
             return []
         entries, root = [], self.fs_root.rstrip("/") + "/"
         for name, info in found.items():

@@ -14,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+import fsspec.implementations.local
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -207,6 +208,22 @@ def test_a_cache_that_cannot_be_written_costs_only_its_use(tmp_path, monkeypatch
     monkeypatch.setattr(os, "utime", read_only)
     assert run(cached_job(data, tmp_path / "o4", tmp_path / "c")).computed == 1
     assert rows_of(tmp_path / "o4") == rows_of(tmp_path / "scratch")
+
+
+def test_a_cache_that_cannot_be_listed_is_written_and_the_run_ends_well(tmp_path, monkeypatch):
+    """A drop folder (write, no read: `chmod 733`) or a bucket without list permission: eviction cannot see the
+    entries; the run stores them, gives every row, and says once that it evicts nothing."""
+    data = write_parquet(tmp_path / "a.parquet", documents(6))
+
+    def no_list(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "find", no_list)
+    messages = Messages()
+    job = cached_job(data, tmp_path / "o1", tmp_path / "c", cache={"max_size": 1000})
+    assert run_job(job, messages, engine_factory=Counting()) == EXIT_OK
+    assert summary_cache(tmp_path / "o1") == {"hits": 0, "misses": 6}
+    assert len([m for m in messages.messages if m.startswith("results cache: cannot list")]) == 1
 
 
 def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, monkeypatch):
