@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchjob
+from batchjob.job.reader import InputError
 from batchjob.job.spec import JobFileError
 from tests.helpers import write_parquet
 
@@ -74,4 +75,7 @@ def test_a_bad_job_raises_the_cli_s_one_line_error_naming_the_key(tmp_path):
         batchjob.run_job({**job(data, tmp_path), "engine": {"max_num_seqz": 4}})
     with pytest.raises(JobFileError, match="cannot read the job file"):
         batchjob.run_job(tmp_path / "missing.yaml")
+    paths = {"input": {"path": tmp_path / "missing.parquet"}, "output": {"path": tmp_path / "unused"}}
+    with pytest.raises(InputError, match="missing.parquet"):  # pathlib paths are taken as the YAML's strings
+        batchjob.run_job({**paths, "cache": {"path": tmp_path / "cache"}})
     assert not (tmp_path / "unused").exists()
