@@ -29,6 +29,7 @@ from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.output.storage import TMP_PREFIX, is_remote, location, url_to_fs, write_atomic
 from batchjob.job.planner import EmbeddingWork, Work
 from batchjob.job.spec import CacheSpec, JobSpec
+from batchjob.model.cpu_features import ISA_FLAGS, cpu_flags
 
 FORMAT = 1  # of the key and the entries: a change makes every earlier entry a miss
 # Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in
@@ -170,6 +171,7 @@ class RunCache:
                 "task": job.task,
                 "model_digest": identity["model_digest"],
                 "numerics": identity["numerics"],
+                "cpu_isa": _cpu_isa(identity["numerics"]),
                 "engine": job.engine.model_dump(mode="json", include=RESULT_ENGINE_SETTINGS),
             }
         )
@@ -248,6 +250,13 @@ def open_cache(
     job: JobSpec, engine: JobEngine | Embedder, warn: Callable[[str], None] = lambda message: None
 ) -> RunCache | None:
     return RunCache(ResultsCache(job.cache, warn), job, engine) if job.cache is not None else None
+
+
+def _cpu_isa(numerics: dict) -> list[str] | None:
+    """On a CPU, the instruction sets its kernels (oneDNN's, the C++ ones) dispatch on: an AVX2 host and an AVX-512
+    one (or BATCHJOB_CPU_ISA=avx2) sum in other orders and differ in the last bits, where "numerics" says only `cpu`.
+    A cache shared by such hosts gives each the results it computes itself."""
+    return sorted(set(ISA_FLAGS) & set(cpu_flags().split())) if numerics.get("device") == "cpu" else None
 
 
 def _output_entry(output: RequestOutput) -> dict:

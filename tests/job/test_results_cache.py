@@ -256,6 +256,15 @@ def test_a_cache_folder_inside_the_input_glob_is_never_input(tmp_path):
         assert run(job).computed == 5 * (k == 1)
 
 
+def test_hosts_with_other_cpu_instruction_sets_do_not_share_entries(tmp_path, monkeypatch):
+    """An AVX2 host's results differ from an AVX-512 host's in their last bits (its logprobs: see the commit), and
+    "numerics" names both `cpu`: a cache they share keeps their results apart."""
+    data = write_parquet(tmp_path / "a.parquet", documents(4))
+    for k, flags in enumerate(["fpu avx2 fma avx512f avx512_bf16", "fpu avx2 fma", "fpu avx2 fma avx512f avx512_bf16"]):
+        monkeypatch.setattr(batchjob.job.results_cache, "cpu_flags", lambda flags=flags: flags, raising=False)
+        assert run(cached_job(data, tmp_path / f"o{k}", tmp_path / "c")).computed == (4 if k < 2 else 0)
+
+
 class Capping(Counting):
     """Engines that cut every output short as elastic compression does under memory pressure (length_capped)."""
 
