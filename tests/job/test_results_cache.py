@@ -246,14 +246,16 @@ def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, mon
     assert cache.get(other) == {"text": "more"}
 
 
-def test_a_cache_folder_inside_the_input_glob_is_never_input(tmp_path):
-    """A glob over a folder that holds the cache too reads the input files only, run after run."""
-    data = tmp_path / "in"
-    data.mkdir()
-    write_parquet(data / "a.parquet", documents(5))
-    for k in (1, 2):
-        job = cached_job(data / "*", tmp_path / f"o{k}", data / "cache", input={"format": "parquet"})
-        assert run(job).computed == 5 * (k == 1)
+def test_the_cache_s_entries_are_never_input_and_its_folder_may_hold_the_input(tmp_path):
+    """A glob over a folder that holds the cache, or is it, reads the input files only, run after run; an input file
+    named in the cache folder is read."""
+    runs = [("in1", "*", "cache")] * 2 + [("in2", "*", ".")] * 2 + [("in2", "a.parquet", ".")]
+    for k, (folder, pattern, cache) in enumerate(runs):
+        data = tmp_path / folder
+        data.mkdir(exist_ok=True)
+        write_parquet(data / "a.parquet", documents(5))
+        job = cached_job(data / pattern, tmp_path / f"o{k}", data / cache, input={"format": "parquet"})
+        assert run(job).computed == 5 * (k in (0, 2))
 
 
 def test_hosts_with_other_cpu_instruction_sets_do_not_share_entries(tmp_path, monkeypatch):
