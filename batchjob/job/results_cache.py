@@ -89,7 +89,7 @@ class ResultsCache:
             if not is_remote(path):
                 path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
-        except OSError as e:
+        except Exception as e:  # whatever the store calls it (an unreachable endpoint is no OSError)
             self._cannot_write(e)
             return
         self.written_since_evict += len(data)
@@ -109,10 +109,10 @@ class ResultsCache:
                 os.utime(path)
         except FileNotFoundError:  # another job evicted it since it was read: the hit stands
             pass
-        except OSError as e:
+        except Exception as e:
             self._cannot_write(e)
 
-    def _cannot_write(self, error: OSError) -> None:
+    def _cannot_write(self, error: Exception) -> None:
         self.unwritable = True
         self.warn(f"results cache: cannot write in {self.root} ({error}); this run stores and marks nothing more there")
 
@@ -129,7 +129,7 @@ class ResultsCache:
         for name, size, _ in sorted(entries, key=lambda e: e[2]):
             if total <= self.max_size * EVICT_TO:
                 break
-            with contextlib.suppress(OSError):  # another job evicted it first, or the cache is read-only
+            with contextlib.suppress(Exception):  # another job evicted it first, or the cache is read-only
                 self.fs.rm_file(name)
             total -= size
 
@@ -139,7 +139,7 @@ class ResultsCache:
             found = self.fs.find(self.fs_root, detail=True)
         except FileNotFoundError:
             return []
-        except OSError as e:  # a folder or bucket this run may write but not list: it cannot evict there
+        except Exception as e:  # a folder or bucket this run may write but not list, or cannot reach
             if not self.unlistable:
                 self.warn(f"results cache: cannot list {self.root} ({e}); this run evicts nothing there")
             self.unlistable = True
@@ -150,7 +150,7 @@ class ResultsCache:
             if match is None:
                 continue
             if match["tmp"] and time.time() - used > STALE_TMP_S:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(Exception):
                     self.fs.rm_file(name)
             elif not match["tmp"]:
                 entries.append((name, int(info.get("size") or 0), used))

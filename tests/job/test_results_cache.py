@@ -226,6 +226,24 @@ def test_a_cache_that_cannot_be_listed_is_written_and_the_run_ends_well(tmp_path
     assert len([m for m in messages.messages if m.startswith("results cache: cannot list")]) == 1
 
 
+def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
+    """An endpoint that refuses connections (botocore's errors are no OSError): every row computed and right, one
+    warning for the writes and one for the eviction's listing."""
+    data = write_parquet(tmp_path / "a.parquet", documents(3))
+    config = {"connect_timeout": 1, "retries": {"max_attempts": 1}}
+    unreachable = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "config_kwargs": config}
+    messages = Messages()
+    job = cached_job(data, tmp_path / "o1", "s3://bucket/cache", cache={"storage_options": unreachable})
+    assert run_job(job, messages, engine_factory=Counting()) == EXIT_OK
+    run(make_job(data, tmp_path / "scratch"))
+    assert rows_of(tmp_path / "o1") == rows_of(tmp_path / "scratch")
+    warned = [m.split(" (")[0] for m in messages.messages if m.startswith("results cache: ")]
+    assert warned == [
+        "results cache: cannot write in s3://bucket/cache",
+        "results cache: cannot list s3://bucket/cache",
+    ]
+
+
 def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, monkeypatch):
     """Read whole, then deleted by another job's eviction before it is marked used: the hit stands, and the run
     goes on storing."""
