@@ -54,13 +54,15 @@ class ResultsCache:
         self.fs, self.fs_root = url_to_fs(spec.path, spec.storage_options)
         self.max_size = int(spec.max_size)
         self.written_since_evict = 0
-        self.warn, self.unwritable, self.unlistable = warn, False, False
+        self.warn, self.unwritable, self.unlistable, self.unreachable = warn, False, False, False
 
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> Any:
         """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too."""
+        if self.unreachable:
+            return None
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -69,13 +71,29 @@ class ResultsCache:
             if entry["key"] != key or entry["sha256"] != _sha256(_canonical(result)):
                 return None
             self._touch(path, data)
-        except Exception:  # missing, unreadable or not an entry: whatever the store or the parser calls it
+        except (OSError, ValueError, LookupError, TypeError):  # missing, unreadable or not an entry
+            return None
+        except Exception as e:  # the store itself fails (botocore's errors are no OSError)
+            self._cannot_reach(e)
             return None
         return result
 
     def contains(self, key: str) -> bool:
         """Whether `key` has an entry (not read: `plan`'s estimate)."""
-        return self._path(key).exists()
+        if self.unreachable:
+            return False
+        try:
+            return self._path(key).exists()
+        except OSError:
+            return False
+        except Exception as e:
+            self._cannot_reach(e)
+            return False
+
+    def _cannot_reach(self, error: Exception) -> None:
+        """A store that fails each request (an endpoint that cannot be reached) would cost each row its retries."""
+        self.unreachable = self.unwritable = True
+        self.warn(f"results cache: cannot reach {self.root} ({error}); this run looks nothing more up there")
 
     def put(self, key: str, result: Any) -> None:
         """Store `result`. A cache that cannot be written (read-only, full, not a folder) costs only its use: the

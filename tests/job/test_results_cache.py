@@ -227,8 +227,8 @@ def test_a_cache_that_cannot_be_listed_is_written_and_the_run_ends_well(tmp_path
 
 
 def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
-    """An endpoint that refuses connections (botocore's errors are no OSError): every row computed and right, one
-    warning for the writes and one for the eviction's listing."""
+    """An endpoint that refuses connections (botocore's errors are no OSError): every row computed and right, the
+    store given up after its first failure, not tried for each row, and said so; `plan` counts no hit."""
     data = write_parquet(tmp_path / "a.parquet", documents(3))
     config = {"connect_timeout": 1, "retries": {"max_attempts": 1}}
     unreachable = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "config_kwargs": config}
@@ -238,10 +238,8 @@ def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
     run(make_job(data, tmp_path / "scratch"))
     assert rows_of(tmp_path / "o1") == rows_of(tmp_path / "scratch")
     warned = [m.split(" (")[0] for m in messages.messages if m.startswith("results cache: ")]
-    assert warned == [
-        "results cache: cannot write in s3://bucket/cache",
-        "results cache: cannot list s3://bucket/cache",
-    ]
+    assert warned == ["results cache: cannot reach s3://bucket/cache", "results cache: cannot list s3://bucket/cache"]
+    assert plan_job(job, calibrate=False, engine_factory=Counting())["rows_from_results_cache"] == 0
 
 
 def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, monkeypatch):
