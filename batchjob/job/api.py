@@ -4,6 +4,7 @@ LockHeld, ModelError, ...) instead of becoming exit codes; the run's own outcome
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,11 +39,22 @@ def run(
     log_interval: float = 10.0,
 ) -> JobResult:
     """Run a job file (a path), or a job given as the mapping its YAML would read as, to its output folder,
-    resuming it as `batchjob run` does; `overrides` are --set's KEY=VALUE items. Progress goes to `log` (default
-    stderr), a line every `log_interval` seconds. Signals stop the run gracefully only when it runs in the main
-    thread (only there can Python take them)."""
-    job = job_from_mapping(dict(job), "job", overrides) if isinstance(job, Mapping) else load_job(job, overrides)
+    resuming it as `batchjob run` does; `overrides` are --set's KEY=VALUE items (a string is one). Progress goes to
+    `log` (default stderr), a line every `log_interval` seconds. Signals stop the run gracefully only when it runs in
+    the main thread (only there can Python take them)."""
+    if isinstance(overrides, str):  # one item, not its characters
+        overrides = [overrides]
+    job = job_from_mapping(_plain(job), "job", overrides) if isinstance(job, Mapping) else load_job(job, overrides)
     progress = LogProgress(log or sys.stderr, interval=log_interval)
     code = run_job(job, progress, restart=restart, allow_numerics_change=allow_numerics_change, grace=grace)
     out = OutputDir(job.output.path, job.output.storage_options, job.output.lease_seconds)
     return JobResult(code, str(job.output.path), out.read_summary())
+
+
+def _plain(value: Any) -> Any:
+    """A job mapping as its YAML would read: a path object (pathlib's, as Python code holds paths) as its string."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return os.fspath(value) if isinstance(value, os.PathLike) else value

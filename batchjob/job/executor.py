@@ -92,7 +92,7 @@ class LocalExecutor:
                 self.engine = self.engine_factory(pending.job)
         except Interrupted:
             return
-        self.cache = open_cache(pending.job, self.engine)
+        self.cache = open_cache(pending.job, self.engine, pending.progress.message)
         try:
             if pending.job.task == "embed":
                 self.embed(pending, self.engine)

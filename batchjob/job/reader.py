@@ -36,6 +36,15 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+# The results cache's folder, a shard folder of it or what is in one (results_cache.py: DIR/<key[:2]>/<key>.json),
+# relative to the cache folder.
+CACHE_SHARD = re.compile(r"(?:[0-9a-f]{2}(?:/.*)?)?", re.DOTALL)
+
+
+def _cache_entry(relative: str | None) -> bool:
+    return relative is not None and CACHE_SHARD.fullmatch(relative) is not None
+
+
 class InputError(Exception):
     """The input cannot be used at all: no file, an unreadable file, missing columns, duplicate ids."""
 
@@ -70,7 +79,7 @@ class InputSource:
         # A URL is read through fsspec (credentials and endpoint from the environment or input.storage_options);
         # a local path as it always was, so its synthetic ids and fingerprint stay the same.
         self.fs, root = url_to_fs(spec.path, spec.storage_options) if is_url(spec.path) else (None, spec.path)
-        self.files = list(versions or ()) or self._list(root, job.output.path, job.output.storage_options)
+        self.files = list(versions or ()) or self._list(root, job)
         if self.format == "openai-batch":
             self.prompt_columns: list[str] = []
             self.passthrough = ["url", *[c for c in spec.passthrough if c != "url"]]
@@ -127,36 +136,46 @@ class InputSource:
         self._parquet[path] = metadata
         self._passthrough_schemas.append(pa.schema([schema.field(c) for c in self.passthrough]))
 
-    def _list(self, root: str, output: str, output_options: dict[str, Any] | None) -> list[str]:
-        """input.path's files, never one in the job's output folder (`output`): a glob that covers it would read the
-        job's own files (its timeline, its parts) once a run has written them, and a file named inside it would be
-        next to the folder's cleanup."""
-        inside = self._inside_folder(output, output_options)
+    def _list(self, root: str, job: JobSpec) -> list[str]:
+        """input.path's files, never one in the job's output folder: a glob that covers it would read the job's own
+        files (its timeline, its parts) once a run has written them, and a file named inside it would be next to the
+        folder's cleanup. Nor, of a glob's matches, the results cache's entries (its XX/ shard folders), for the same
+        first reason; the cache folder may hold the input otherwise."""
+        output = job.output.path
+        in_output = self._relative_to(output, job.output.storage_options)
+        in_cache = self._relative_to(job.cache.path, job.cache.storage_options) if job.cache else lambda path: None
         if not glob.has_magic(root):
-            if inside(root):
+            if in_output(root) is not None:
                 raise InputError(
                     f"input.path: {root} is inside the output folder {output}; give output.path a folder of its own"
                 )
             return [root]
         matches = sorted(self.fs.glob(root) if self.fs else glob.glob(root))
-        files = [path for path in matches if not inside(path)]
+        files = [p for p in matches if in_output(p) is None and not _cache_entry(in_cache(p))]
         if not files:
-            outside = f" outside the output folder {output}, which is never input" if matches else ""
+            folders = f"the output folder {output}" + (f" and the results cache {job.cache.path}" if job.cache else "")
+            outside = f" outside {folders}, which {'are' if job.cache else 'is'} never input" if matches else ""
             raise InputError(f"input.path: no file matches {self.spec.path!r}{outside}")
         return files
 
-    def _inside_folder(self, folder: str, options: dict[str, Any] | None) -> Callable[[str], bool]:
-        """Whether an input path (as this source names it before `names`) is `folder` or under it."""
+    def _relative_to(self, folder: str, options: dict[str, Any] | None) -> Callable[[str], str | None]:
+        """An input path (as this source names it before `names`) relative to `folder`, "" for the folder itself;
+        None for a path outside it."""
         if self.fs is None:
             if is_url(folder):
-                return lambda path: False
+                return lambda path: None
             top = Path(folder.removeprefix("file://")).resolve()
-            return lambda path: Path(path).resolve().is_relative_to(top)
+
+            def relative(path: str) -> str | None:
+                resolved = Path(path).resolve()
+                return "/".join(resolved.relative_to(top).parts) if resolved.is_relative_to(top) else None
+
+            return relative
         fs, top = url_to_fs(folder, options)
         if not is_url(folder) or fs.protocol != self.fs.protocol:
-            return lambda path: False
+            return lambda path: None
         top = top.rstrip("/")
-        return lambda path: path == top or path.startswith(f"{top}/")
+        return lambda path: "" if path == top else path[len(top) + 1 :] if path.startswith(f"{top}/") else None
 
     def identity(self) -> list[dict]:
         """What the input is, for the job fingerprint: its whole content (digest.py), so a copy or a touch leaves it

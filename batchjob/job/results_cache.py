@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +29,7 @@ from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.output.storage import TMP_PREFIX, is_remote, location, url_to_fs, write_atomic
 from batchjob.job.planner import EmbeddingWork, Work
 from batchjob.job.spec import CacheSpec, JobSpec
+from batchjob.model.cpu_features import ISA_FLAGS, cpu_flags
 
 FORMAT = 1  # of the key and the entries: a change makes every earlier entry a miss
 # Truncation (max_model_len), output lengths (elastic_*) and sampling draws (seed). The dtypes count as resolved, in
@@ -36,22 +38,31 @@ RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_t
 TOUCH_AFTER_S = 3600.0  # a hit marks its entry used if its last mark is older: LRU to the hour, at one write an hour
 EVICT_TO = 0.9  # of max_size, so that the next writes do not each evict again
 STALE_TMP_S = 86400.0  # a temporary file this old is a killed writer's; eviction removes it
+# Eviction takes only these (an entry, or a killed writer's temporary file of one, in its shard folder): anything else
+# in the cache folder (a user's files, an output folder's) is not batchjob's to delete.
+ENTRY_NAME = re.compile(
+    rf"(?P<shard>[0-9a-f]{{2}})/(?:(?P=shard)[0-9a-f]{{62}}\.json"
+    rf"|(?P<tmp>{re.escape(TMP_PREFIX)})(?P=shard)[0-9a-f]{{62}}\.json\.[0-9a-f]+\.tmp)"
+)
 
 
 class ResultsCache:
     """The entries under one folder: get, put, and eviction down to max_size."""
 
-    def __init__(self, spec: CacheSpec):
+    def __init__(self, spec: CacheSpec, warn: Callable[[str], None] = lambda message: None):
         self.root = location(spec.path, spec.storage_options)
         self.fs, self.fs_root = url_to_fs(spec.path, spec.storage_options)
         self.max_size = int(spec.max_size)
         self.written_since_evict = 0
+        self.warn, self.unwritable, self.unlistable, self.unreachable = warn, False, False, False
 
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> Any:
         """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too."""
+        if self.unreachable:
+            return None
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -60,32 +71,68 @@ class ResultsCache:
             if entry["key"] != key or entry["sha256"] != _sha256(_canonical(result)):
                 return None
             self._touch(path, data)
-        except Exception:  # missing, unreadable or not an entry: whatever the store or the parser calls it
+        except (OSError, ValueError, LookupError, TypeError):  # missing, unreadable or not an entry
+            return None
+        except Exception as e:  # the store itself fails (botocore's errors are no OSError)
+            self._cannot_reach(e)
             return None
         return result
 
     def contains(self, key: str) -> bool:
         """Whether `key` has an entry (not read: `plan`'s estimate)."""
-        return self._path(key).exists()
+        if self.unreachable:
+            return False
+        try:
+            return self._path(key).exists()
+        except OSError:
+            return False
+        except Exception as e:
+            self._cannot_reach(e)
+            return False
+
+    def _cannot_reach(self, error: Exception) -> None:
+        """A store that fails each request (an endpoint that cannot be reached) would cost each row its retries."""
+        self.unreachable = self.unwritable = True
+        self.warn(f"results cache: cannot reach {self.root} ({error}); this run looks nothing more up there")
 
     def put(self, key: str, result: Any) -> None:
+        """Store `result`. A cache that cannot be written (read-only, full, not a folder) costs only its use: the
+        run goes on without storing, with one warning."""
+        if self.unwritable:
+            return
         body = _canonical(result)
         data = _canonical({"key": key, "sha256": _sha256(body), "result": result})
         path = self._path(key)
-        if not is_remote(path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
+        try:
+            if not is_remote(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
+        except Exception as e:  # whatever the store calls it (an unreachable endpoint is no OSError)
+            self._cannot_write(e)
+            return
         self.written_since_evict += len(data)
         if self.written_since_evict > self.max_size * (1 - EVICT_TO):
             self.evict()
 
     def _touch(self, path, data: bytes) -> None:
-        if time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
+        """Mark an entry used; on a cache this run cannot write, a hit stays a hit, unmarked."""
+        if self.unwritable:
             return
-        if is_remote(path):
-            write_atomic(path, lambda f: f.write(data), durable=False)
-        else:
-            os.utime(path)
+        try:
+            if time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
+                return
+            if is_remote(path):
+                write_atomic(path, lambda f: f.write(data), durable=False)
+            else:
+                os.utime(path)
+        except FileNotFoundError:  # another job evicted it since it was read: the hit stands
+            pass
+        except Exception as e:
+            self._cannot_write(e)
+
+    def _cannot_write(self, error: Exception) -> None:
+        self.unwritable = True
+        self.warn(f"results cache: cannot write in {self.root} ({error}); this run stores and marks nothing more there")
 
     def size(self) -> int:
         return sum(size for _, size, _ in self._entries())
@@ -100,7 +147,7 @@ class ResultsCache:
         for name, size, _ in sorted(entries, key=lambda e: e[2]):
             if total <= self.max_size * EVICT_TO:
                 break
-            with contextlib.suppress(FileNotFoundError):  # another job evicted it first
+            with contextlib.suppress(Exception):  # another job evicted it first, or the cache is read-only
                 self.fs.rm_file(name)
             total -= size
 
@@ -110,12 +157,20 @@ class ResultsCache:
             found = self.fs.find(self.fs_root, detail=True)
         except FileNotFoundError:
             return []
-        entries = []
+        except Exception as e:  # a folder or bucket this run may write but not list, or cannot reach
+            if not self.unlistable:
+                self.warn(f"results cache: cannot list {self.root} ({e}); this run evicts nothing there")
+            self.unlistable = True
+            return []
+        entries, root = [], self.fs_root.rstrip("/") + "/"
         for name, info in found.items():
-            base, used = name.rsplit("/", 1)[-1], _mtime(info)
-            if base.startswith(TMP_PREFIX) and time.time() - used > STALE_TMP_S:
-                self.fs.rm_file(name)
-            elif base.endswith(".json") and not base.startswith(TMP_PREFIX):
+            match, used = ENTRY_NAME.fullmatch(name.removeprefix(root)), _mtime(info)
+            if match is None:
+                continue
+            if match["tmp"] and time.time() - used > STALE_TMP_S:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(name)
+            elif not match["tmp"]:
                 entries.append((name, int(info.get("size") or 0), used))
         return entries
 
@@ -134,6 +189,7 @@ class RunCache:
                 "task": job.task,
                 "model_digest": identity["model_digest"],
                 "numerics": identity["numerics"],
+                "cpu_isa": _cpu_isa(identity["numerics"]),
                 "engine": job.engine.model_dump(mode="json", include=RESULT_ENGINE_SETTINGS),
             }
         )
@@ -185,9 +241,11 @@ class RunCache:
         return work.request_id in self.keys
 
     def store(self, work: Work, output: RequestOutput) -> None:
-        """Store a finished request's result; an error or a cut-short request is not a result to keep."""
+        """Store a finished request's result; an error, an aborted request or one that elastic compression cut short
+        (its length is the run's memory pressure, not its key's) is not a result to keep."""
         key = self.keys.pop(work.request_id, None)
-        if key is None or output.error is not None or output.finish_reason in ("abort", "error"):
+        reasons = {output.finish_reason, *(s.finish_reason for s in output.samples)}
+        if key is None or output.error is not None or reasons & {"abort", "error", "length_capped"}:
             return
         self.cache.put(key, _output_entry(output))
 
@@ -206,8 +264,17 @@ class RunCache:
         self.cache.put(self.work_key(work), vectors)
 
 
-def open_cache(job: JobSpec, engine: JobEngine | Embedder) -> RunCache | None:
-    return RunCache(ResultsCache(job.cache), job, engine) if job.cache is not None else None
+def open_cache(
+    job: JobSpec, engine: JobEngine | Embedder, warn: Callable[[str], None] = lambda message: None
+) -> RunCache | None:
+    return RunCache(ResultsCache(job.cache, warn), job, engine) if job.cache is not None else None
+
+
+def _cpu_isa(numerics: dict) -> list[str] | None:
+    """On a CPU, the instruction sets its kernels (oneDNN's, the C++ ones) dispatch on: an AVX2 host and an AVX-512
+    one (or BATCHJOB_CPU_ISA=avx2) sum in other orders and differ in the last bits, where "numerics" says only `cpu`.
+    A cache shared by such hosts gives each the results it computes itself."""
+    return sorted(set(ISA_FLAGS) & set(cpu_flags().split())) if numerics.get("device") == "cpu" else None
 
 
 def _output_entry(output: RequestOutput) -> dict:

@@ -432,11 +432,12 @@ def _gguf_config(meta: dict, has_output: bool, rope_factors: dict[str, list[floa
 
 
 def _digest_memo(path: Path) -> str:
-    """The file's sha256, remembered by (path, size, mtime) so that a repeat load does not read it again."""
+    """The file's sha256, remembered by (path, size, mtime, inode, ctime) so that a repeat load does not read it
+    again. The inode and ctime because a file swapped in with its size and mtime kept (`cp -p`, `rsync -a`, builds
+    with fixed timestamps) must not pass for the one it replaced: no tool sets a ctime."""
     st = path.stat()
-    memo = (
-        cache_dir() / "digests" / hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    )
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+    memo = cache_dir() / "digests" / hashlib.sha256(stamp.encode()).hexdigest()
     if memo.exists():
         return memo.read_text()
     digest = file_digest([path])

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchjob
+from batchjob.job.reader import InputError
 from batchjob.job.spec import JobFileError
 from tests.helpers import write_parquet
 
@@ -68,8 +69,13 @@ def test_a_bad_job_raises_the_cli_s_one_line_error_naming_the_key(tmp_path):
     data = write_parquet(tmp_path / "a.parquet", ROWS)
     with pytest.raises(JobFileError, match=r"sampling.max_tokens: .*\[set on the command line\]"):
         batchjob.run_job(job(data, tmp_path), ["sampling.max_tokens=-1"])
+    with pytest.raises(JobFileError, match=r"sampling.max_tokens: "):  # one override as a string: not its letters
+        batchjob.run_job(job(data, tmp_path), "sampling.max_tokens=-1")
     with pytest.raises(JobFileError, match="engine.max_num_seqz: unknown key"):
         batchjob.run_job({**job(data, tmp_path), "engine": {"max_num_seqz": 4}})
     with pytest.raises(JobFileError, match="cannot read the job file"):
         batchjob.run_job(tmp_path / "missing.yaml")
+    paths = {"input": {"path": tmp_path / "missing.parquet"}, "output": {"path": tmp_path / "unused"}}
+    with pytest.raises(InputError, match="missing.parquet"):  # pathlib paths are taken as the YAML's strings
+        batchjob.run_job({**paths, "cache": {"path": tmp_path / "cache"}})
     assert not (tmp_path / "unused").exists()

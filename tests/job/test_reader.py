@@ -294,7 +294,7 @@ def test_a_json_lone_surrogate_fails_its_row_and_a_pair_is_text(tmp_path):
     assert rows[2].error is None and rows[2].values["text"] == "pair \U0001f600 and a backslash \\ud800"
 
 
-def test_the_input_identity_is_the_whole_content_remembered_by_size_mtime_and_inode(tmp_path, monkeypatch):
+def test_the_input_identity_is_the_whole_content_remembered_by_size_mtime_ctime_and_inode(tmp_path, monkeypatch):
     monkeypatch.setattr(batchjob.job.output.digest, "cache_dir", lambda: tmp_path / "cache")
     rows = [{"id": f"r{i}", "text": "x" * 100} for i in range(3000)]  # well over 2 x 64 KiB
     path = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -311,3 +311,8 @@ def test_the_input_identity_is_the_whole_content_remembered_by_size_mtime_and_in
     path.write_bytes(bytes(data))  # a same-length edit in the middle, a second later
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
     assert InputSource(job).identity()[0]["sha256"] not in (first, "remembered")  # the next run's source
+    second = InputSource(job).identity()[0]["sha256"]
+    data[len(data) // 3] ^= 1
+    path.write_bytes(bytes(data))  # another same-length edit, its mtime put back (cp -p, rsync -a --inplace)
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+    assert InputSource(job).identity()[0]["sha256"] not in (first, second, "remembered")

@@ -14,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+import fsspec.implementations.local
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -161,6 +162,152 @@ def test_a_run_keeps_its_cache_within_max_size(tmp_path):
     run(cached_job(data, tmp_path / "out", tmp_path / "c", cache={"max_size": "4kB"}))
     sizes = [p.stat().st_size for p in (tmp_path / "c").rglob("*.json")]
     assert 0 < len(sizes) < 60 and sum(sizes) <= 4000
+
+
+def test_eviction_deletes_only_entries_never_other_files_in_the_folder(tmp_path):
+    """A cache folder shared with a user's files, or that is also the output folder: eviction empties the cache of
+    entries and leaves every other file, however old and whatever its name."""
+    data = write_parquet(tmp_path / "a.parquet", documents(10))
+    folder = tmp_path / "shared"
+    theirs = [folder / "notes.json", folder / "ab" / "ab.json", folder / "sub" / "ab" / f"{'ab' * 32}.json"]
+    theirs.append(folder / "sub" / f".batchjob-{'ab' * 32}.json.0123abcd.tmp")
+    killed = folder / "ab" / f".batchjob-{'ab' * 32}.json.0123abcd.tmp"  # a killed writer's, a day old: batchjob's
+    for path in [*theirs, killed]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x" * 5000)
+        os.utime(path, (0, 0))  # used longest ago of all
+    run(cached_job(data, folder, folder))  # the output folder is the cache folder too
+    ResultsCache(CacheSpec(path=str(folder), max_size=1)).evict()
+    assert [p for p in folder.glob("??/*.json") if len(p.stem) == 64] == []  # every entry went
+    assert all(path.exists() for path in theirs) and not killed.exists()
+    assert OutputDir(folder).status()["state"] == "done"  # _summary.json, _job.json and the parts stayed
+
+
+def test_a_cache_that_cannot_be_written_costs_only_its_use(tmp_path, monkeypatch):
+    """A cache path that is a file, or a folder in an entry's place: the run gives every row right and says once
+    that it stores nothing more. A read-only cache (marking a hit used fails) still gives its hits."""
+    data = write_parquet(tmp_path / "a.parquet", documents(6))
+    run(make_job(data, tmp_path / "scratch"))
+    (tmp_path / "file").write_text("not a folder")
+    messages = Messages()
+    assert run_job(cached_job(data, tmp_path / "o1", tmp_path / "file"), messages, engine_factory=Counting()) == 0
+    assert rows_of(tmp_path / "o1") == rows_of(tmp_path / "scratch")
+    assert len([m for m in messages.messages if m.startswith("results cache: cannot write in")]) == 1
+    run(cached_job(data, tmp_path / "o2", tmp_path / "c"))
+    entries = sorted((tmp_path / "c").rglob("*.json"))
+    entries[0].unlink()
+    entries[0].mkdir()
+    assert run(cached_job(data, tmp_path / "o3", tmp_path / "c")).computed == 1
+    assert rows_of(tmp_path / "o3") == rows_of(tmp_path / "scratch")
+    for entry in entries[1:]:
+        os.utime(entry, (0, 0))  # last used long ago: a hit marks it
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(os, "utime", read_only)
+    assert run(cached_job(data, tmp_path / "o4", tmp_path / "c")).computed == 1
+    assert rows_of(tmp_path / "o4") == rows_of(tmp_path / "scratch")
+
+
+def test_a_cache_that_cannot_be_listed_is_written_and_the_run_ends_well(tmp_path, monkeypatch):
+    """A drop folder (write, no read: `chmod 733`) or a bucket without list permission: eviction cannot see the
+    entries; the run stores them, gives every row, and says once that it evicts nothing."""
+    data = write_parquet(tmp_path / "a.parquet", documents(6))
+
+    def no_list(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "find", no_list)
+    messages = Messages()
+    job = cached_job(data, tmp_path / "o1", tmp_path / "c", cache={"max_size": 1000})
+    assert run_job(job, messages, engine_factory=Counting()) == EXIT_OK
+    assert summary_cache(tmp_path / "o1") == {"hits": 0, "misses": 6}
+    assert len([m for m in messages.messages if m.startswith("results cache: cannot list")]) == 1
+
+
+def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
+    """An endpoint that refuses connections (botocore's errors are no OSError): every row computed and right, the
+    store given up after its first failure, not tried for each row, and said so; `plan` counts no hit."""
+    data = write_parquet(tmp_path / "a.parquet", documents(3))
+    config = {"connect_timeout": 1, "retries": {"max_attempts": 1}}
+    unreachable = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "config_kwargs": config}
+    messages = Messages()
+    job = cached_job(data, tmp_path / "o1", "s3://bucket/cache", cache={"storage_options": unreachable})
+    assert run_job(job, messages, engine_factory=Counting()) == EXIT_OK
+    run(make_job(data, tmp_path / "scratch"))
+    assert rows_of(tmp_path / "o1") == rows_of(tmp_path / "scratch")
+    warned = [m.split(" (")[0] for m in messages.messages if m.startswith("results cache: ")]
+    assert warned == ["results cache: cannot reach s3://bucket/cache", "results cache: cannot list s3://bucket/cache"]
+    assert plan_job(job, calibrate=False, engine_factory=Counting())["rows_from_results_cache"] == 0
+
+
+def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, monkeypatch):
+    """Read whole, then deleted by another job's eviction before it is marked used: the hit stands, and the run
+    goes on storing."""
+    cache = ResultsCache(CacheSpec(path=str(tmp_path / "c")))
+    key, other = "ab" * 32, "cd" * 32
+    cache.put(key, {"text": "stored"})
+    entry = tmp_path / "c" / key[:2] / f"{key}.json"
+    os.utime(entry, (0, 0))  # used long ago: a hit marks it
+    real = os.utime
+
+    def evicted_first(path, *args, **kwargs):
+        Path(path).unlink()
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", evicted_first)
+    assert cache.get(key) == {"text": "stored"}
+    cache.put(other, {"text": "more"})
+    assert cache.get(other) == {"text": "more"}
+
+
+def test_the_cache_s_entries_are_never_input_and_its_folder_may_hold_the_input(tmp_path):
+    """A glob over a folder that holds the cache, or is it, reads the input files only, run after run; an input file
+    named in the cache folder is read."""
+    runs = [("in1", "*", "cache")] * 2 + [("in2", "*", ".")] * 2 + [("in2", "a.parquet", ".")]
+    for k, (folder, pattern, cache) in enumerate(runs):
+        data = tmp_path / folder
+        data.mkdir(exist_ok=True)
+        write_parquet(data / "a.parquet", documents(5))
+        job = cached_job(data / pattern, tmp_path / f"o{k}", data / cache, input={"format": "parquet"})
+        assert run(job).computed == 5 * (k in (0, 2))
+
+
+def test_hosts_with_other_cpu_instruction_sets_do_not_share_entries(tmp_path, monkeypatch):
+    """An AVX2 host's results differ from an AVX-512 host's in their last bits (its logprobs: see the commit), and
+    "numerics" names both `cpu`: a cache they share keeps their results apart."""
+    data = write_parquet(tmp_path / "a.parquet", documents(4))
+    for k, flags in enumerate(["fpu avx2 fma avx512f avx512_bf16", "fpu avx2 fma", "fpu avx2 fma avx512f avx512_bf16"]):
+        monkeypatch.setattr(batchjob.job.results_cache, "cpu_flags", lambda flags=flags: flags, raising=False)
+        assert run(cached_job(data, tmp_path / f"o{k}", tmp_path / "c")).computed == (4 if k < 2 else 0)
+
+
+class Capping(Counting):
+    """Engines that cut every output short as elastic compression does under memory pressure (length_capped)."""
+
+    def __call__(self, job) -> FakeEngine:
+        engine = super().__call__(job)
+        answer = engine._answer
+
+        def capped(request, metrics):
+            output = answer(request, metrics)
+            output.token_ids = output.token_ids[:2]
+            output.text, output.finish_reason = engine.tokenizer.decode(output.token_ids), "length_capped"
+            return output
+
+        engine._answer = capped
+        return engine
+
+
+def test_an_output_cut_short_by_elastic_compression_is_not_stored(tmp_path):
+    """Its length is the run's memory pressure, not its key's: a later run computes the row whole."""
+    data = write_parquet(tmp_path / "a.parquet", documents(5))
+    run(cached_job(data, tmp_path / "o1", tmp_path / "c"), Capping())
+    assert {r["finish_reason"] for r in rows_of(tmp_path / "o1").values()} == {"length_capped"}
+    assert run(cached_job(data, tmp_path / "o2", tmp_path / "c")).computed == 5
+    run(make_job(data, tmp_path / "scratch"))
+    assert rows_of(tmp_path / "o2") == rows_of(tmp_path / "scratch")
 
 
 def run_in_process(data: str, out: str, cache: str, max_size: int) -> int:

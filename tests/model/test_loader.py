@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -477,6 +478,23 @@ def test_a_gguf_converted_by_two_processes_at_once_leaves_one_cache_and_no_part(
     assert len(digests) == 1
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted(digests)
     assert load_model(str(path)).config.vocab_size == 300
+
+
+def test_a_gguf_replaced_in_place_with_its_size_and_mtime_kept_is_loaded_anew(tmp_path, monkeypatch):
+    """`cp -p`, `rsync -a` or builds with fixed timestamps swap a fine-tune of the same size in at the same path: the
+    new weights are loaded and its digest (the resume fingerprint's, the results cache's key's) is the new one."""
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    path, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    write_tiny_gguf(path, np.random.default_rng(0))
+    write_tiny_gguf(other, np.random.default_rng(1))
+    assert path.stat().st_size == other.stat().st_size
+    before, stat = load_model(str(path)), path.stat()
+    path.write_bytes(other.read_bytes())
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = load_model(str(path))
+    assert after.digest == hashlib.sha256(other.read_bytes()).hexdigest() != before.digest
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(after.weights[name], load_model(str(other)).weights[name])
 
 
 @pytest.mark.parametrize("changed", model_loader.HF_RESULT_FILES)

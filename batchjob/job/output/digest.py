@@ -1,7 +1,7 @@
 """The full-content sha256 of an input file, for the job fingerprint: any edit, a same-length one in the middle
 included, changes it. Reading a large input again on every resume would be slow, so the digest is remembered under
-the cache folder by what changes whenever the content does: size, mtime and inode locally (ETag or mtime on an object
-store)."""
+the cache folder by what changes whenever the content does: size, mtime, ctime and inode locally (ETag or mtime on
+an object store)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from batchjob.model.builtin import cache_dir
 
 
 def file_version(path: str, fs: Any = None) -> list:
-    """What changes whenever a file's content does: device, inode, size and mtime locally (a replace gives another
-    inode, an append another size, an edit another mtime); size and ETag (or mtime) on an object store."""
+    """What changes whenever a file's content does: device, inode, size, mtime and ctime locally (a replace gives
+    another inode, an append another size, an edit another mtime, and another ctime even when its mtime is put back
+    as `cp -p` or `rsync -a --inplace` do); size and ETag (or mtime) on an object store."""
     if fs is None:
         st = Path(path).stat()
-        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     fs.invalidate_cache(path)  # the listing cache would answer with what the file was
     info = fs.info(path)
     return [info.get("size"), str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or "")]
