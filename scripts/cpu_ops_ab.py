@@ -1,5 +1,5 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention|job|dtype|invariance|sampler]
-   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE)
+"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|int8|run|attention|job|dtype|invariance|sampler]
+   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
@@ -7,6 +7,10 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   DTYPE sets the engine's dtype (default: its own).
 - gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for oneDNN's GEMM
   (model/linear.py), at 8 to 2,048 rows.
+- int8: the same matmuls (and with HEAD=1 the LM head) per row count (ROWS, default 1 to 2,048), interleaved in one
+  run: float32 and bfloat16 packed for oneDNN (model/linear.py), W8A8 through oneDNN's int8 GEMM on packed weights
+  (model/int8_linear.py, activation quantization and scaling included) and through torch._int_mm: GFLOP/s and the
+  ratio to float32. Under BATCHJOB_CPU_ISA=avx2 (oneDNN and MKL capped at AVX2) the bf16 column is left out.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
 - attention: the C++ paged attention alone at SmolLM2's shapes (9 query heads, 3 KV heads of 64), best of 15 calls:
@@ -49,6 +53,7 @@ from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.cpu_native import native_ops
+from batchjob.model.int8_linear import Int8Linear, quantize_rows, quantize_weight
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "steps"
 rng = random.Random(0)
@@ -156,6 +161,41 @@ def gemm_ab() -> None:
             f"(x{ta / tb:.2f})  load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
+
+
+def int8_ab() -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] + ([(49152, 576)] if os.environ.get("HEAD") else [])
+    weights = [torch.randn(n, k, generator=g) * 0.05 for n, k in shapes]
+    fp32 = [linear.Linear(w, keep_weight=True) for w in weights]
+    int8 = [Int8Linear(w) for w in weights]
+    # torch._int_mm: int8 x int8 -> int32 on W [K, N] as it lies (no packing), the same quantization and scaling
+    int_mm = [(q.T.contiguous(), s) for q, s in map(quantize_weight, weights)]
+
+    def int_mm_linear(x, i):
+        q, s = quantize_rows(x)
+        w, sw = int_mm[i]
+        return torch._int_mm((q.view(torch.int8) ^ -128).view(torch.int8), w).float().mul_(s).mul_(sw)
+
+    paths = {"fp32": lambda x, i: fp32[i](x), "int8 onednn": lambda x, i: int8[i](x), "int8 _int_mm": int_mm_linear}
+    if os.environ.get("BATCHJOB_CPU_ISA") != "avx2" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        bf16 = [linear.Linear(w.bfloat16()) for w in weights]
+        paths["bf16"] = lambda x, i: bf16[i](x)
+    for rows in [int(r) for r in os.environ.get("ROWS", "1,8,64,256,2048").split(",")]:
+        xs = [torch.randn(rows, k, generator=g) for _, k in shapes]
+        inputs = {name: [x.bfloat16() for x in xs] if name == "bf16" else xs for name in paths}
+        reps, secs = max(2, 400 // rows), dict.fromkeys(paths, 0.0)
+        for r in range(6):  # interleaved, alternating order: the host's load shifts in between
+            for name in paths if r % 2 == 0 else reversed(paths):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for i, x in enumerate(inputs[name]):
+                        paths[name](x, i)
+                secs[name] += time.perf_counter() - t
+        flops = sum(2 * rows * n * k for n, k in shapes) * reps * 6
+        rates = "  ".join(f"{name} {flops / s / 1e9:.0f}" for name, s in secs.items())
+        ratios = " ".join(f"{name} {secs['fp32'] / s:.2f}" for name, s in secs.items() if name != "fp32")
+        print(f"{rows} rows: {rates} GFLOP/s; x fp32: {ratios}  load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def run_ab() -> None:
@@ -455,6 +495,7 @@ def roofline() -> None:
     "steps": steps_ab,
     "prof": steps_ab,
     "gemm": gemm_ab,
+    "int8": int8_ab,
     "run": run_ab,
     "attention": attention,
     "job": job_phases,
