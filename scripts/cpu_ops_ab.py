@@ -1,4 +1,4 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|int8|run|attention|job|dtype|invariance|sampler]
+"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|int8|run|attention|job|dtype|weights|invariance|sampler]
    (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
@@ -25,6 +25,9 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   256 --output-len 64`'s workload, through the bench's run_engine), ROUNDS rounds of: the engine in float32, in
   bfloat16, and in bfloat16 with the LM head in bf16 too (bf16 logits): tok/s, prefill and decode-only step times,
   and the greedy outputs' agreement with float32 (whole sequences, first tokens).
+- weights: the summarize job's first N (64) rows, ROUNDS rounds of the engine with `weights: dequantize` and
+  `weights: int8` interleaved (DTYPE sets both engines' dtype, default auto): wall time, tok/s, prefill and
+  decode-only step times, and how many greedy outputs the two share.
 - invariance: 32 prompts (as tests/engine/test_engine.py's) per dtype, 12 greedy tokens: how many equal the prompt's
   tokens alone when run in one batch, and in 64-token steps (chunked prefill).
 - sampler: one step of N (64) rows over SmolLM2's vocabulary per sampling setting (temperature, top-p, top-k,
@@ -354,6 +357,30 @@ def dtype_ab() -> None:
             print(f"round {r} {name}: greedy equal to float32 {same}/{len(ref)}, first token {first}/{len(ref)}")
 
 
+def weights_ab() -> None:
+    n = int(os.environ.get("N", "64"))
+    engines = {w: Engine("smollm2-135m-instruct", weights=w, **dtype_setting()) for w in ("dequantize", "int8")}
+    job = load_job("jobs/summarize.yaml")
+    wl = job_workload(job, engines["int8"], n)
+    for engine in engines.values():  # warm-up: builds, first touch of each KV pool
+        run_engine(engine, job_workload(job, engine, 4))
+    for r in range(int(os.environ.get("ROUNDS", "2"))):
+        outs = {}
+        for name in list(engines) if r % 2 == 0 else list(reversed(engines)):
+            res = run_engine(engines[name], wl)
+            outs[name] = res.outputs
+            print(
+                f"round {r} {name} ({engines[name].numerics['dtype']}, {engines[name].numerics['matmul']}): "
+                f"{res.wall:.1f} s wall ({(res.prompt_tokens + res.output_tokens) / res.wall:.0f} tok/s in+out), "
+                f"prefill and mixed steps {res.prefill_time:.1f} s, decode-only steps {res.decode_time:.1f} s  "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        ref = outs["dequantize"]
+        same = sum(outs["int8"][k] == ref[k] for k in ref)
+        print(f"round {r}: int8 greedy equal to dequantize {same}/{len(ref)}", flush=True)
+
+
 def invariance() -> None:
     docs = pq.read_table("sample_data/documents.parquet").column("text").to_pylist()
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -500,6 +527,7 @@ def roofline() -> None:
     "attention": attention,
     "job": job_phases,
     "dtype": dtype_ab,
+    "weights": weights_ab,
     "invariance": invariance,
     "roofline": roofline,
 }[MODE]()

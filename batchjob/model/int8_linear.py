@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from batchjob.model.cpu_features import has_vnni
+from batchjob.model.cpu_native import native_ops_for
 
 QMAX = 127  # symmetric int8: -127..127, so that negating a value never overflows
 QMAX_WITHOUT_VNNI = 63  # 7-bit weights: vpmaddubsw's int16 pair sums stay below 32,767
@@ -37,11 +38,19 @@ def quantize_weight(weight: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tenso
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (uint8 [T, K] holding int8 + 128, fp32 scale [T, 1]): each row's largest magnitude maps to QMAX."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY) / QMAX
-    q = torch.round(xf / scale).add_(_ZERO_POINT)  # in 1..255: |x / scale| <= QMAX
-    return q.to(torch.uint8), scale
+    """x [T, K] -> (uint8 [T, K] holding int8 + 128, fp32 scale [T, 1]): each row's largest magnitude maps to QMAX.
+    The C++ kernel's result where it is built (one pass), else torch's, the same bits."""
+    native = native_ops_for(x.device, x.dtype)
+    if native is not None and x.dim() == 2 and x.stride(-1) == 1:
+        return native.quantize_rows(x)
+    return quantize_rows_torch(x)
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in torch's ops, the reference: x * (QMAX / max|x|), rounded half to even, shifted by 128."""
+    amax = x.float().abs().amax(dim=1, keepdim=True).clamp_(min=_TINY)
+    q = torch.round(x.float() * (QMAX / amax)).clamp_(-QMAX, QMAX).add_(_ZERO_POINT)
+    return q.to(torch.uint8), amax * (1 / QMAX)
 
 
 class Int8Linear:

@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.model import int8_linear
-from batchjob.model.int8_linear import QMAX, QMAX_WITHOUT_VNNI, Int8Linear, quantize_rows, quantize_weight
+from batchjob.model.int8_linear import (
+    QMAX,
+    QMAX_WITHOUT_VNNI,
+    Int8Linear,
+    quantize_rows,
+    quantize_rows_torch,
+    quantize_weight,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's int8 GEMM")
 
@@ -36,11 +43,24 @@ def test_quantization_maps_each_channel_and_row_onto_its_own_scale():
     assert torch.equal(qw.abs().amax(dim=1), torch.full((96,), QMAX, dtype=torch.int8))  # each channel's full range
     torch.testing.assert_close(qw.float() * sw[:, None], w, rtol=0, atol=float(sw.max()) / 2)
     assert ((qw.float() * sw[:, None] - w).abs() <= sw[:, None] / 2 + 1e-7).all()  # rounding: half a step at most
-    qx, sx = quantize_rows(x)
+    qx, sx = quantize_rows_torch(x)
     assert qx.dtype == torch.uint8 and sx.shape == (5, 1)
     values = qx.int() - 128
     assert torch.equal(values.abs().amax(dim=1), torch.full((5,), QMAX, dtype=torch.int32))
     assert ((values.float() * sx - x).abs() <= sx / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_row_quantization_gives_torchs_bits(dtype):
+    """One pass in C++ (where built) against the torch ops it replaces: the same bytes and scales, ties and zero rows
+    included."""
+    x = _rows(300, 576, seed=14).to(dtype)
+    x[3] = 0
+    x[5, :4] = torch.tensor([0.5, -0.5, 1.5, 127.0]).to(dtype)  # x * 127 / 127 lands on halves: round half to even
+    q, s = quantize_rows(x)
+    ref_q, ref_s = quantize_rows_torch(x)
+    assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+    assert torch.equal(q[3], torch.full((576,), 128, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 300, 2048])
