@@ -39,7 +39,8 @@ def quantize_weight(weight: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tenso
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (uint8 [T, K] holding int8 + 128, fp32 scale [T, 1]): each row's largest magnitude maps to QMAX.
-    The C++ kernel's result where it is built (one pass), else torch's, the same bits."""
+    The C++ kernel's result where it is built (one pass), else torch's: the same but for a value within an ulp of a
+    half, which may round either way."""
     native = native_ops_for(x.device, x.dtype)
     if native is not None and x.dim() == 2 and x.stride(-1) == 1:
         return native.quantize_rows(x)
@@ -47,7 +48,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows in torch's ops, the reference: x * (QMAX / max|x|), rounded half to even, shifted by 128."""
+    """quantize_rows in torch's ops: x * (QMAX / max|x|), rounded half to even, shifted by 128."""
     amax = x.float().abs().amax(dim=1, keepdim=True).clamp_(min=_TINY)
     q = torch.round(x.float() * (QMAX / amax)).clamp_(-QMAX, QMAX).add_(_ZERO_POINT)
     return q.to(torch.uint8), amax * (1 / QMAX)

@@ -171,7 +171,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// Each row of x [T, K] quantized for the int8 matmuls (int8_linear.py's quantize_rows, to the bit): inv = 127 /
+// Each row of x [T, K] quantized for the int8 matmuls (int8_linear.py's quantize_rows_torch in one pass): inv = 127 /
 // max(max|x|, 1e-12), q = round-half-even(x * inv) + 128 as uint8 [T, K], scale = max(max|x|, 1e-12) * (1 / 127).
 // One pass over a row that stays in L1, where torch's ops take five over the whole activation, each a temporary.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
@@ -191,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
         for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(to_f32(xr[i])));
         m = std::max(m, 1e-12f);
         const float inv = 127.f / m;
-        sp[r] = m * (1.f / 127.f);  // as torch computes it: a product, which fast-math leaves as it is
+        sp[r] = m * (1.f / 127.f);  // as torch computes it, to the bit: a product, which fast-math leaves as it is
         uint8_t* qr = qp + r * n;
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
