@@ -75,8 +75,9 @@ def pick_dtype(config: EngineConfig | EmbedderConfig, device: torch.device) -> t
 
 
 def pick_weights(config: EngineConfig, device: torch.device) -> str:
-    """`int8` (W8A8 matmuls, model/int8_linear.py) where asked for and possible; `auto`: dequantize, int8 only where
-    it is measured faster than the float matmuls and within the quality bound (docs/cpu.md#int8-weights)."""
+    """`int8` (W8A8 matmuls, model/int8_linear.py) where asked for and possible. `auto` is dequantize on every CPU:
+    where int8 ran faster (AVX-512 VNNI), its NLL bound against fp32 is not established, and without VNNI it is
+    slower at decode sizes, on 7-bit weights (docs/cpu.md#int8-weights has the figures)."""
     if config.weights == "int8" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise DeviceSettingError(
             "weights: int8 runs on a CPU, through oneDNN's int8 GEMM, which torch here lacks or this device is not; "
