@@ -1,4 +1,5 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|int8|run|attention|job|dtype|weights|invariance|sampler]
+"""Usage: python scripts/cpu_ops_ab.py
+   [steps|prof|gemm|int8|run|attention|job|dtype|weights|int8-quality|invariance|sampler]
    (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
@@ -28,6 +29,9 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
 - weights: the summarize job's first N (64) rows, ROUNDS rounds of the engine with `weights: dequantize` and
   `weights: int8` interleaved (DTYPE sets both engines' dtype, default auto): wall time, tok/s, prefill and
   decode-only step times, and how many greedy outputs the two share.
+- int8-quality: `bench --quality`'s NLL without its transformers part: the summarize job's first N (24) rows, the
+  fp32 engine's greedy continuations scored by the fp32 engine and by the int8 one (float32 otherwise) with 8-bit and
+  with 7-bit weights (a CPU without VNNI's): mean NLL per token and its difference to fp32's.
 - invariance: 32 prompts (as tests/engine/test_engine.py's) per dtype, 12 greedy tokens: how many equal the prompt's
   tokens alone when run in one batch, and in 64-token steps (chunked prefill).
 - sampler: one step of N (64) rows over SmolLM2's vocabulary per sampling setting (temperature, top-p, top-k,
@@ -50,10 +54,12 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import batchjob.model.linear as linear
+from batchjob.bench.quality import continuation_nll
 from batchjob.bench.systems import run_engine
 from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
+from batchjob.model import int8_linear
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.cpu_native import native_ops
 from batchjob.model.int8_linear import Int8Linear, quantize_rows, quantize_weight
@@ -381,6 +387,20 @@ def weights_ab() -> None:
         print(f"round {r}: int8 greedy equal to dequantize {same}/{len(ref)}", flush=True)
 
 
+def int8_quality() -> None:
+    job = load_job("jobs/summarize.yaml")
+    fp32 = Engine(job.model, dtype="float32", weights="dequantize")
+    wl = job_workload(job, fp32, int(os.environ.get("N", "24")))
+    continuations = run_engine(fp32, wl).outputs
+    ref = continuation_nll(fp32, wl, continuations)
+    print(f"fp32: mean NLL {ref['mean_nll']:.5f} over {ref['tokens']} tokens", flush=True)
+    for qmax in (int8_linear.QMAX, int8_linear.QMAX_WITHOUT_VNNI):  # 8-bit weights (VNNI), 7-bit (without)
+        int8_linear.weight_qmax = lambda qmax=qmax: qmax  # exact either way here: this CPU sums both in int32
+        int8 = Engine(job.model, dtype="float32", weights="int8")
+        nll = continuation_nll(int8, wl, continuations)["mean_nll"]
+        print(f"{int8.numerics['matmul']}: mean NLL {nll:.5f}, {100 * (nll / ref['mean_nll'] - 1):+.3f} % against fp32")
+
+
 def invariance() -> None:
     docs = pq.read_table("sample_data/documents.parquet").column("text").to_pylist()
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -528,6 +548,7 @@ def roofline() -> None:
     "job": job_phases,
     "dtype": dtype_ab,
     "weights": weights_ab,
+    "int8-quality": int8_quality,
     "invariance": invariance,
     "roofline": roofline,
 }[MODE]()

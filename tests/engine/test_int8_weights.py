@@ -74,8 +74,9 @@ def test_the_decoder_layers_matmuls_are_int8_and_the_numerics_say_so(engines):
 
 def test_int8_scores_the_exact_continuation_almost_as_well(engines, prompts):
     """Per-token NLL of the float32 engine's greedy continuation, teacher-forced through each model: int8's within
-    3 % of float32's (`bench --quality --weights int8` measures the issue's 1 % on 200 documents). A scale on the
-    wrong axis or a misplaced zero point makes it many times larger."""
+    3 % of float32's on these short continuations (a sanity bound: on the summarize job's 64-token continuations int8
+    measured +4.6 %, outside the issue's 1 %, which is why `auto` does not pick it; docs/benchmarks.md). A scale on
+    the wrong axis or a misplaced zero point makes it many times larger."""
     int8, exact = engines
     conts = [o.token_ids for o in exact.generate(prompts, CONTINUATION)]
 
