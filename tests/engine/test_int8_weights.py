@@ -15,6 +15,7 @@ from batchjob.engine.config import EngineConfig
 from batchjob.engine.engine import Engine
 from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.spec import JobFileError, load_job
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
 from tests.conftest import forward_logits
@@ -30,6 +31,13 @@ def test_the_setting_is_validated():
     for bad in ("int4", "INT8", "", None, 8):
         with pytest.raises(pydantic.ValidationError, match="weights"):
             EngineConfig(weights=bad)
+
+
+def test_a_job_file_takes_the_setting_and_names_a_bad_value(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the job file's input path is relative to the repository root
+    assert load_job("jobs/summarize.yaml", ["engine.weights=int8"]).engine.weights == "int8"
+    with pytest.raises(JobFileError, match="engine.weights: Input should be 'auto', 'dequantize' or 'int8'"):
+        load_job("jobs/summarize.yaml", ["engine.weights=int4"])
 
 
 def test_int8_runs_on_a_cpu_only_and_auto_dequantizes():
