@@ -350,11 +350,19 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
     help="the engine's (and vLLM's) dtype; default: the job file's, else auto",
 )
+@click.option(
+    "--weights",
+    default=None,
+    type=click.Choice(["auto", "dequantize", "int8"]),
+    help="the engine's matmuls: in its dtype, or int8 (W8A8); default: the job file's, else auto; with --quality, "
+    "int8 measures int8 against fp32 instead of bf16",
+)
 @click.option("--enforce-eager", is_flag=True, help="decode without CUDA graphs (vLLM's flag)")
 @click.option(
     "--quality",
     is_flag=True,
-    help="instead of throughput: the bf16 engine's NLL of the fp32 engine's greedy continuations against fp32's, and "
+    help="instead of throughput: the bf16 (or with --weights int8 the int8) engine's NLL of the fp32 engine's greedy "
+    "continuations against fp32's, and "
     "where greedy outputs first differ (engine and transformers, bf16 and fp32), on a job's rows "
     "(default --job jobs/summarize.yaml)",
 )

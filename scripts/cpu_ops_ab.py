@@ -1,5 +1,6 @@
-"""Usage: python scripts/cpu_ops_ab.py [steps|prof|gemm|run|attention|job|dtype|invariance|sampler]
-   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE)
+"""Usage: python scripts/cpu_ops_ab.py
+   [steps|prof|gemm|int8|run|attention|job|dtype|weights|int8-quality|invariance|sampler]
+   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
@@ -7,6 +8,10 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   DTYPE sets the engine's dtype (default: its own).
 - gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for oneDNN's GEMM
   (model/linear.py), at 8 to 2,048 rows.
+- int8: the same matmuls (and with HEAD=1 the LM head) per row count (ROWS, default 1 to 2,048), interleaved in one
+  run: float32 and bfloat16 packed for oneDNN (model/linear.py), W8A8 through oneDNN's int8 GEMM on packed weights
+  (model/int8_linear.py, activation quantization and scaling included) and through torch._int_mm: GFLOP/s and the
+  ratio to float32. Under BATCHJOB_CPU_ISA=avx2 (oneDNN and MKL capped at AVX2) the bf16 column is left out.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
 - attention: the C++ paged attention alone at SmolLM2's shapes (9 query heads, 3 KV heads of 64), best of 15 calls:
@@ -21,6 +26,12 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   256 --output-len 64`'s workload, through the bench's run_engine), ROUNDS rounds of: the engine in float32, in
   bfloat16, and in bfloat16 with the LM head in bf16 too (bf16 logits): tok/s, prefill and decode-only step times,
   and the greedy outputs' agreement with float32 (whole sequences, first tokens).
+- weights: the summarize job's first N (64) rows, ROUNDS rounds of the engine with `weights: dequantize` and
+  `weights: int8` interleaved (DTYPE sets both engines' dtype, default auto): wall time, tok/s, prefill and
+  decode-only step times, and how many greedy outputs the two share.
+- int8-quality: `bench --quality`'s NLL without its transformers part: the summarize job's first N (24) rows, the
+  fp32 engine's greedy continuations scored by the fp32 engine and by the int8 one (float32 otherwise) with 8-bit and
+  with 7-bit weights (a CPU without VNNI's): mean NLL per token and its difference to fp32's.
 - invariance: 32 prompts (as tests/engine/test_engine.py's) per dtype, 12 greedy tokens: how many equal the prompt's
   tokens alone when run in one batch, and in 64-token steps (chunked prefill).
 - sampler: one step of N (64) rows over SmolLM2's vocabulary per sampling setting (temperature, top-p, top-k,
@@ -43,12 +54,15 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import batchjob.model.linear as linear
+from batchjob.bench.quality import continuation_nll
 from batchjob.bench.systems import run_engine
 from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
+from batchjob.model import int8_linear
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.cpu_native import native_ops
+from batchjob.model.int8_linear import Int8Linear, quantize_rows, quantize_weight
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "steps"
 rng = random.Random(0)
@@ -156,6 +170,41 @@ def gemm_ab() -> None:
             f"(x{ta / tb:.2f})  load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
+
+
+def int8_ab() -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] + ([(49152, 576)] if os.environ.get("HEAD") else [])
+    weights = [torch.randn(n, k, generator=g) * 0.05 for n, k in shapes]
+    fp32 = [linear.Linear(w, keep_weight=True) for w in weights]
+    int8 = [Int8Linear(w) for w in weights]
+    # torch._int_mm: int8 x int8 -> int32 on W [K, N] as it lies (no packing), the same quantization and scaling
+    int_mm = [(q.T.contiguous(), s) for q, s in map(quantize_weight, weights)]
+
+    def int_mm_linear(x, i):
+        q, s = quantize_rows(x)
+        w, sw = int_mm[i]
+        return torch._int_mm((q.view(torch.int8) ^ -128).view(torch.int8), w).float().mul_(s).mul_(sw)
+
+    paths = {"fp32": lambda x, i: fp32[i](x), "int8 onednn": lambda x, i: int8[i](x), "int8 _int_mm": int_mm_linear}
+    if os.environ.get("BATCHJOB_CPU_ISA") != "avx2" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        bf16 = [linear.Linear(w.bfloat16()) for w in weights]
+        paths["bf16"] = lambda x, i: bf16[i](x)
+    for rows in [int(r) for r in os.environ.get("ROWS", "1,8,64,256,2048").split(",")]:
+        xs = [torch.randn(rows, k, generator=g) for _, k in shapes]
+        inputs = {name: [x.bfloat16() for x in xs] if name == "bf16" else xs for name in paths}
+        reps, secs = max(2, 400 // rows), dict.fromkeys(paths, 0.0)
+        for r in range(6):  # interleaved, alternating order: the host's load shifts in between
+            for name in paths if r % 2 == 0 else reversed(paths):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for i, x in enumerate(inputs[name]):
+                        paths[name](x, i)
+                secs[name] += time.perf_counter() - t
+        flops = sum(2 * rows * n * k for n, k in shapes) * reps * 6
+        rates = "  ".join(f"{name} {flops / s / 1e9:.0f}" for name, s in secs.items())
+        ratios = " ".join(f"{name} {secs['fp32'] / s:.2f}" for name, s in secs.items() if name != "fp32")
+        print(f"{rows} rows: {rates} GFLOP/s; x fp32: {ratios}  load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def run_ab() -> None:
@@ -314,6 +363,44 @@ def dtype_ab() -> None:
             print(f"round {r} {name}: greedy equal to float32 {same}/{len(ref)}, first token {first}/{len(ref)}")
 
 
+def weights_ab() -> None:
+    n = int(os.environ.get("N", "64"))
+    engines = {w: Engine("smollm2-135m-instruct", weights=w, **dtype_setting()) for w in ("dequantize", "int8")}
+    job = load_job("jobs/summarize.yaml")
+    wl = job_workload(job, engines["int8"], n)
+    for engine in engines.values():  # warm-up: builds, first touch of each KV pool
+        run_engine(engine, job_workload(job, engine, 4))
+    for r in range(int(os.environ.get("ROUNDS", "2"))):
+        outs = {}
+        for name in list(engines) if r % 2 == 0 else list(reversed(engines)):
+            res = run_engine(engines[name], wl)
+            outs[name] = res.outputs
+            print(
+                f"round {r} {name} ({engines[name].numerics['dtype']}, {engines[name].numerics['matmul']}): "
+                f"{res.wall:.1f} s wall ({(res.prompt_tokens + res.output_tokens) / res.wall:.0f} tok/s in+out), "
+                f"prefill and mixed steps {res.prefill_time:.1f} s, decode-only steps {res.decode_time:.1f} s  "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        ref = outs["dequantize"]
+        same = sum(outs["int8"][k] == ref[k] for k in ref)
+        print(f"round {r}: int8 greedy equal to dequantize {same}/{len(ref)}", flush=True)
+
+
+def int8_quality() -> None:
+    job = load_job("jobs/summarize.yaml")
+    fp32 = Engine(job.model, dtype="float32", weights="dequantize")
+    wl = job_workload(job, fp32, int(os.environ.get("N", "24")))
+    continuations = run_engine(fp32, wl).outputs
+    ref = continuation_nll(fp32, wl, continuations)
+    print(f"fp32: mean NLL {ref['mean_nll']:.5f} over {ref['tokens']} tokens", flush=True)
+    for qmax in (int8_linear.QMAX, int8_linear.QMAX_WITHOUT_VNNI):  # 8-bit weights (VNNI), 7-bit (without)
+        int8_linear.weight_qmax = lambda qmax=qmax: qmax  # exact either way here: this CPU sums both in int32
+        int8 = Engine(job.model, dtype="float32", weights="int8")
+        nll = continuation_nll(int8, wl, continuations)["mean_nll"]
+        print(f"{int8.numerics['matmul']}: mean NLL {nll:.5f}, {100 * (nll / ref['mean_nll'] - 1):+.3f} % against fp32")
+
+
 def invariance() -> None:
     docs = pq.read_table("sample_data/documents.parquet").column("text").to_pylist()
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -455,10 +542,13 @@ def roofline() -> None:
     "steps": steps_ab,
     "prof": steps_ab,
     "gemm": gemm_ab,
+    "int8": int8_ab,
     "run": run_ab,
     "attention": attention,
     "job": job_phases,
     "dtype": dtype_ab,
+    "weights": weights_ab,
+    "int8-quality": int8_quality,
     "invariance": invariance,
     "roofline": roofline,
 }[MODE]()

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from batchjob import cli
-from batchjob.bench import llama_server
+from batchjob.bench import llama_server, quality
 from batchjob.bench.compare import LlamaServerOptions, run_bench, run_sweep
 from batchjob.bench.measure import agreement
 from batchjob.bench.quality import continuation_nll, divergence, run_quality
@@ -166,6 +166,27 @@ def test_quality_scores_the_fp32_continuations_with_each_engines_own_forward(mon
     text = format_quality(report)
     assert "mean NLL per token, bf16 engine" in text and ("PASS" in text or "FAIL" in text)
     assert "greedy engine fp32 vs hf fp32" in text and "2/2 equal throughout" in text
+
+
+def test_quality_with_weights_int8_sets_the_int8_engine_against_fp32(monkeypatch):
+    """`--weights int8`: the int8 engine (float32 otherwise: its matmuls the one change) scores the fp32 continuations,
+    named int8 in the report; transformers left out here (the test above runs it)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(quality, "peer_status", lambda: {"hf": "left out in this test"})
+    job = load_job("jobs/summarize.yaml", ["sampling.max_tokens=8"])
+    fp32, int8 = (Engine(job.model, dtype="float32", weights=w, num_kv_blocks=256) for w in ("dequantize", "int8"))
+    report = run_quality(fp32, int8, job_workload(job, fp32, 2), batch_size=2)
+    assert report["label"] == "int8" and list(report["nll"]) == ["fp32", "int8"]
+    assert report["dtypes"]["int8"]["weights"] == "int8" and "weights" not in report["dtypes"]["fp32"]
+    assert all(0 < v["mean_nll"] < 10 for v in report["nll"].values())
+    assert list(report["divergence"]) == ["engine int8 vs engine fp32"]
+    assert "int8 vs fp32 NLL" in format_quality(report)
+
+
+def test_bench_quality_takes_weights_int8_only():
+    result = CliRunner().invoke(cli.main, ["bench", "--quality", "--weights", "dequantize"])
+    assert result.exit_code == EXIT_USAGE
+    assert "--weights int8 sets int8 matmuls against fp32" in result.output and "Traceback" not in result.output
 
 
 def test_embed_texts_are_cut_on_word_boundaries_to_40_to_1200_characters_the_same_each_time():

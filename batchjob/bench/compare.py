@@ -288,6 +288,7 @@ class BenchOptions:
     load_format: str | None
     dtype: str | None
     enforce_eager: bool
+    weights: str | None
     quality: bool
     json_path: str | None
     slots: int = LlamaServerOptions.slots
@@ -342,6 +343,7 @@ def bench(o: BenchOptions) -> str:
             ("max_num_batched_tokens", o.max_num_batched_tokens),
             ("load_format", o.load_format),
             ("dtype", o.dtype),
+            ("weights", o.weights),
             ("enforce_eager", o.enforce_eager or None),  # a flag: absent leaves the job file's setting
         )
         if v is not None
@@ -352,21 +354,25 @@ def bench(o: BenchOptions) -> str:
         raise JobFileError(f"bench --requantize {o.requantize}: not one of {', '.join(llama_server.QUANT_TYPES)}")
     if o.quality and o.dtype:
         raise JobFileError("bench --quality runs the engine in float32 and in bfloat16: --dtype does not apply")
+    if o.quality and o.weights not in (None, "int8"):
+        raise JobFileError("bench --quality: --weights int8 sets int8 matmuls against fp32; other values do not apply")
     model, job = o.model, None
     job_file = o.job_file or (QUALITY_JOB if o.quality else None)
     if job_file:
         job = load_job(job_file)
         model = job.model
         overrides = {**job.engine.model_dump(exclude_unset=True), **overrides}
-    engine = _engine(model, {**overrides, "dtype": "float32"} if o.quality else overrides)
+    quality_fp32 = {**overrides, "dtype": "float32", "weights": "dequantize"}
+    engine = _engine(model, quality_fp32 if o.quality else overrides)
     if job:
         wl = job_workload(job, engine, o.num_prompts or (QUALITY_ROWS if o.quality else None))
     else:
         vocab = engine.model_config.vocab_size
         wl = synthetic(vocab, o.num_prompts or 64, o.input_len, o.output_len, o.range_ratio, o.prefix_len)
     if o.quality:
-        bf16 = _engine(model, {**overrides, "dtype": "bfloat16"})
-        report = run_quality(engine, bf16, wl, o.batch_size or QUALITY_HF_BATCH)
+        # int8 in float32 (its matmuls the one change from fp32), or bf16 with the weights as the job sets them
+        other = {**quality_fp32, "weights": "int8"} if o.weights else {**overrides, "dtype": "bfloat16"}
+        report = run_quality(engine, _engine(model, other), wl, o.batch_size or QUALITY_HF_BATCH)
         text = format_quality(report)
     elif o.budgets:
         report = run_sweep(engine, wl, o.budgets, o.repeats)

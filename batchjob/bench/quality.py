@@ -1,8 +1,9 @@
-"""`batchjob bench --quality`: what bf16 costs in quality on a job's real rows (issue 26's measure). The fp32
-engine's greedy continuations, scored teacher-forced under the fp32 and the bf16 engine: mean NLL per token, held to
-within NLL_BOUND of each other. Where greedy outputs first part: the bf16 engine against transformers in bf16 (is our
-bf16 as good as the reference's?), bf16 against fp32 in each, and the fp32 engine against transformers in fp32 (the
-exact mode)."""
+"""`batchjob bench --quality`: what bf16 (issue 26's measure), or int8 matmuls (`--weights int8`, issue 35), cost in
+quality on a job's real rows. The fp32 engine's greedy continuations, scored teacher-forced under the fp32 engine and
+under the other one: mean NLL per token, held to within NLL_BOUND of each other. Where greedy outputs first part: the
+other engine against fp32, and the fp32 engine against transformers in fp32 (the exact mode); for bf16 also the bf16
+engine against transformers in bf16 (is our bf16 as good as the reference's?) and transformers' bf16 against its
+fp32."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sequence import Sequence
 
-NLL_BOUND = 0.01  # the issue's: bf16's NLL of the fp32 continuations within 1 % of fp32's
+NLL_BOUND = 0.01  # the issues': the NLL of the fp32 continuations within 1 % of fp32's
 HIST_BIN = 8  # output tokens per bin of the first-divergence histogram
 
 
@@ -49,10 +50,19 @@ def divergence(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict
     return a
 
 
-def run_quality(fp32: Engine, bf16: Engine, wl: Workload, batch_size: int) -> dict:
+def quality_label(engine: Engine) -> str:
+    """The engine set against fp32, as the report names it: `int8` (W8A8 matmuls) or its dtype (`bf16`)."""
+    return "int8" if engine.numerics.get("weights") == "int8" else DTYPE_LABELS[engine.dtype]
+
+
+DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def run_quality(fp32: Engine, other: Engine, wl: Workload, batch_size: int) -> dict:
     """The NLL comparison and the greedy agreements (those with transformers where it is installed), with each
     phase's wall time."""
     seconds: dict[str, float] = {}
+    label = quality_label(other)
 
     def timed(name: str, fn):
         t0 = time.perf_counter()
@@ -62,26 +72,31 @@ def run_quality(fp32: Engine, bf16: Engine, wl: Workload, batch_size: int) -> di
 
     greedy = {
         "engine fp32": timed("engine fp32 greedy", lambda: run_engine(fp32, wl).outputs),
-        "engine bf16": timed("engine bf16 greedy", lambda: run_engine(bf16, wl).outputs),
+        f"engine {label}": timed(f"engine {label} greedy", lambda: run_engine(other, wl).outputs),
     }
     reference = greedy["engine fp32"]
     nll = {
         "fp32": timed("score fp32", lambda: continuation_nll(fp32, wl, reference)),
-        "bf16": timed("score bf16", lambda: continuation_nll(bf16, wl, reference)),
+        label: timed(f"score {label}", lambda: continuation_nll(other, wl, reference)),
     }
-    rel = (nll["bf16"]["mean_nll"] - nll["fp32"]["mean_nll"]) / nll["fp32"]["mean_nll"]
+    rel = (nll[label]["mean_nll"] - nll["fp32"]["mean_nll"]) / nll["fp32"]["mean_nll"]
     skipped = {k: v for k, v in peer_status().items() if k == "hf" and v}
-    pairs = [("engine bf16", "engine fp32")]
+    pairs = [(f"engine {label}", "engine fp32")]
     if not skipped:
         hf_model = load_hf_model(fp32, fp32.model_path)  # fp32 on a CPU
         greedy["hf fp32"] = timed("hf fp32 greedy", lambda: hf_greedy(wl, batch_size, hf_model, fp32.eos_token_ids))
-        hf_model.to(torch.bfloat16)
-        greedy["hf bf16"] = timed("hf bf16 greedy", lambda: hf_greedy(wl, batch_size, hf_model, bf16.eos_token_ids))
-        pairs += [("engine bf16", "hf bf16"), ("hf bf16", "hf fp32"), ("engine fp32", "hf fp32")]
+        if label != "int8":  # transformers in the other dtype: the reference's own cost of it
+            hf_model.to(other.dtype)
+            greedy[f"hf {label}"] = timed(
+                f"hf {label} greedy", lambda: hf_greedy(wl, batch_size, hf_model, other.eos_token_ids)
+            )
+            pairs += [(f"engine {label}", f"hf {label}"), (f"hf {label}", "hf fp32")]
+        pairs += [("engine fp32", "hf fp32")]
     return {
         "workload": wl.name,
         "requests": len(wl.requests),
-        "dtypes": {"fp32": fp32.numerics, "bf16": bf16.numerics},
+        "label": label,
+        "dtypes": {"fp32": fp32.numerics, label: other.numerics},
         "nll": nll,
         "nll_relative_difference": rel,
         "nll_bound": NLL_BOUND,

@@ -198,6 +198,8 @@ def engine_mode(engine: Engine) -> str:
     mode = dtype_name(engine.dtype)
     if engine.model_path.suffix == ".gguf" and engine.config.load_format != "dummy":
         mode += f", weights {weight_types(engine.model_path)} dequantized to {mode}"
+    if engine.numerics.get("weights") == "int8":
+        mode += ", int8 matmuls (W8A8)"
     if engine.config.kv_cache_dtype != "auto":
         mode += f", KV {engine.config.kv_cache_dtype}"
     return mode

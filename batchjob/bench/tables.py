@@ -197,7 +197,8 @@ def format_quality(report: dict) -> str:
     rows = [
         [f"mean NLL per token, {d} engine", f"{v['mean_nll']:.5f} over {v['tokens']:,} tokens"] for d, v in nll.items()
     ]
-    rows.append(["bf16 vs fp32 NLL", f"{100 * rel:+.3f}% (bound {100 * report['nll_bound']:g}%): {verdict}"])
+    bound = f"{100 * rel:+.3f}% (bound {100 * report['nll_bound']:g}%): {verdict}"
+    rows.append([f"{report['label']} vs fp32 NLL", bound])
     for pair, a in report["divergence"].items():
         where = ""
         if a["equal"] < a["total"]:

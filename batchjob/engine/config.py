@@ -44,6 +44,11 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     ops_backend: Literal["auto", "torch", "triton"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    weights: Literal["auto", "dequantize", "int8"] = Field(
+        "auto",
+        description="dequantize: the matmuls in `dtype`; int8: W8A8 int8 matmuls on a CPU (weights per output channel, "
+        "activations per token); auto: int8 where it is faster and within the quality bound (docs/cpu.md)",
+    )
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="dummy: random weights (seeded by `seed`) with the named model's config, nothing read"
     )

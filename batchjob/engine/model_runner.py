@@ -74,6 +74,20 @@ def pick_dtype(config: EngineConfig | EmbedderConfig, device: torch.device) -> t
     return torch.bfloat16 if device.type == "cuda" or has_native_bf16() else torch.float32
 
 
+def pick_weights(config: EngineConfig, device: torch.device) -> str:
+    """`int8` (W8A8 matmuls, model/int8_linear.py) where asked for and possible. `auto` is dequantize on every CPU:
+    where int8 ran faster (AVX-512 VNNI), its NLL bound against fp32 is not established, and without VNNI it is
+    slower at decode sizes, on 7-bit weights (docs/cpu.md#int8-weights has the figures)."""
+    if config.weights == "int8" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
+        raise DeviceSettingError(
+            "weights: int8 runs on a CPU, through oneDNN's int8 GEMM, which torch here lacks or this device is not; "
+            "use weights dequantize or auto"
+        )
+    if config.weights != "auto":
+        return config.weights
+    return "dequantize"
+
+
 def use_cuda_graphs(config: EngineConfig, device: torch.device, ops: OpsBackend) -> bool:
     """Decode steps through CUDA graphs: on a CUDA device, unless enforce_eager, with ops that never wait on the host
     inside a step (a capture fails on a host synchronisation)."""
@@ -89,6 +103,7 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = pick_dtype(config, self.device)
         self.ops_backend = pick_ops_backend(config, self.device)
+        self.weights = pick_weights(config, self.device)
         self.model = decoder_class(loaded.config)(
             loaded.config,
             # Taken out of `loaded`: weights drawn on the GPU (load_format dummy) would otherwise stay there unfused
@@ -98,6 +113,7 @@ class ModelRunner:
             loaded.rope_freqs,
             self.device,
             max_model_len,  # LongRoPE's long or short factors follow the context the engine allows
+            int8=self.weights == "int8",
         )
         self.block_size = config.block_size
         c = loaded.config
@@ -153,6 +169,8 @@ class ModelRunner:
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "ops_backend": ops,
             "matmul": self.model.matmul_backend,
+            # recorded where not the default, so that results from before the setting keep their numerics
+            **({"weights": self.weights} if self.weights != "dequantize" else {}),
         }
 
     def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:

@@ -171,7 +171,12 @@ class JobRun:
         if earlier == numerics:
             return None
         was = earlier or {}
-        differs = ", ".join(f"{k} {was.get(k, 'unrecorded')} -> {v}" for k, v in numerics.items() if was.get(k) != v)
+        keys = dict.fromkeys([*numerics, *was])  # a key of either: one recorded only where set ("weights: int8")
+        differs = ", ".join(
+            f"{k} {was.get(k, 'unrecorded')} -> {numerics.get(k, 'unrecorded')}"
+            for k in keys
+            if was.get(k) != numerics.get(k)
+        )
         if not self.allow_numerics_change:
             raise StateError(
                 f"{self.out.path} holds results computed under other numerics ({differs}): adding to them would mix "

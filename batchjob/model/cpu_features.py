@@ -14,13 +14,18 @@ from batchjob import env
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-# Flags a BATCHJOB_CPU_ISA=avx2 run hides: those an AVX2-only CPU (Zen 3, Intel client cores) lacks.
-_BEYOND_AVX2 = ("avx512", "amx")
+# Int8 dot products into int32 (vpdpbusd), in the 512-bit and the AVX2 encoding: without them oneDNN's int8 GEMM
+# multiplies in vpmaddubsw, whose pairs of u8 x s8 products add up in int16 and saturate past 7-bit weights.
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
+
+# Flags a BATCHJOB_CPU_ISA=avx2 run hides: those an AVX2-only CPU (Zen 3, Intel client cores before Alder Lake)
+# lacks; AVX-VNNI too, which oneDNN's ISA cap AVX2 leaves out.
+_BEYOND_AVX2 = ("avx512", "amx", "avx_vnni")
 
 
 @functools.cache
 def cpu_flags() -> str:
-    """The CPU's flags line, less the AVX-512 and AMX flags under BATCHJOB_CPU_ISA=avx2."""
+    """The CPU's flags line, less the AVX-512, AMX and AVX-VNNI flags under BATCHJOB_CPU_ISA=avx2."""
     try:
         line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -34,6 +39,12 @@ def has_native_bf16(flags: str | None = None) -> bool:
     """Whether the CPU (or a flags line as /proc/cpuinfo writes it) computes bf16 natively."""
     names = set((cpu_flags() if flags is None else flags).split())
     return any(f in names for f in NATIVE_BF16_FLAGS)
+
+
+def has_vnni(flags: str | None = None) -> bool:
+    """Whether the CPU (or a flags line) has int8 dot products into int32 (VNNI_FLAGS)."""
+    names = set((cpu_flags() if flags is None else flags).split())
+    return any(f in names for f in VNNI_FLAGS)
 
 
 # The flags that decide which kernels run fast here (llama.cpp's and ours): 256- and 512-bit FMA, bf16 dot products,

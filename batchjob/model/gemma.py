@@ -45,6 +45,7 @@ class GemmaModel(LlamaModel):
         rope_freqs: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
+        int8: bool = False,
     ):
         c = config
         # Read before LlamaModel takes the weights it shares with Llama.
@@ -55,7 +56,7 @@ class GemmaModel(LlamaModel):
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             extra.append({key: _one_plus(weights[p + name].to(device)) for key, name in names.items()})
-        super().__init__(config, weights, ops, rope_freqs, device, max_model_len)
+        super().__init__(config, weights, ops, rope_freqs, device, max_model_len, int8=int8)
         for layer, more in zip(self.layers, extra):
             layer["input_norm"], layer["post_norm"] = _one_plus(layer["input_norm"]), _one_plus(layer["post_norm"])
             layer.update(more)

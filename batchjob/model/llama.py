@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig, moe_weight_names
+from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
 from batchjob.model.moe import SparseMoeBlock
 
@@ -24,7 +25,7 @@ def _fused(w: dict[str, torch.Tensor], prefix: str, fused: str, parts: list[str]
 
 class LlamaModel:
     """Weights fused for fewer, larger matmuls: q/k/v in one, gate/up in one; each matmul a Linear (packed for the
-    CPU's GEMM where it can be)."""
+    CPU's GEMM where it can be), or with `int8` each decoder layer's dense matmul an Int8Linear (W8A8)."""
 
     def __init__(
         self,
@@ -35,10 +36,13 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
         lm_head: bool = True,
+        int8: bool = False,
     ):
         """Without `lm_head` (an embedding model's hidden states are its output) no head is built, and the weights
-        need none."""
+        need none. `int8` (a CPU's) leaves the LM head, the embedding and a sparse MoE layer's matmuls in the model's
+        dtype."""
         self.config, self.ops = config, ops
+        dense = Int8Linear if int8 else Linear
         c = config
         w = {k: v.to(device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
@@ -58,9 +62,9 @@ class LlamaModel:
             layer = {
                 "input_norm": w[p + "input_layernorm.weight"],
                 "post_norm": w[p + "post_attention_layernorm.weight"],
-                "qkv": Linear(qkv, torch.cat(bias) if bias else None),
+                "qkv": dense(qkv, torch.cat(bias) if bias else None),
                 # Llama's attention_bias also biases o_proj, and its mlp_bias all three MLP projections.
-                "o": Linear(w.pop(p + "self_attn.o_proj.weight"), w.get(p + "self_attn.o_proj.bias")),
+                "o": dense(w.pop(p + "self_attn.o_proj.weight"), w.get(p + "self_attn.o_proj.bias")),
                 "q_norm": w[p + "self_attn.q_norm.weight"] if c.qk_norm else None,
                 "k_norm": w[p + "self_attn.k_norm.weight"] if c.qk_norm else None,
                 "moe": None,
@@ -74,8 +78,8 @@ class LlamaModel:
                 gate_up = _fused(w, p + "mlp.", "gate_up_proj", ["gate_proj", "up_proj"])
                 bias_names = [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")]
                 mlp_bias = [w[n] for n in bias_names] if bias_names[0] in w else None
-                layer["gate_up"] = Linear(gate_up, torch.cat(mlp_bias) if mlp_bias else None)
-                layer["down"] = Linear(w.pop(p + "mlp.down_proj.weight"), w.get(p + "mlp.down_proj.bias"))
+                layer["gate_up"] = dense(gate_up, torch.cat(mlp_bias) if mlp_bias else None)
+                layer["down"] = dense(w.pop(p + "mlp.down_proj.weight"), w.get(p + "mlp.down_proj.bias"))
             self.layers.append(layer)
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
@@ -83,7 +87,7 @@ class LlamaModel:
         # [positions, rotary_dim]: the ops turn each head's first rotary_dim dims (partial rotary) and pass the rest.
         self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs, max_model_len).to(device)
 
-    def linears(self, layer: int) -> list[Linear]:
+    def linears(self, layer: int) -> list[Linear | Int8Linear]:
         """The decoder layer's matmuls that one token goes through: fused qkv, o, then fused gate_up and down, or a
         sparse layer's router and as many experts' gate_up and down as a token is routed to (all of one shape)."""
         w = self.layers[layer]
@@ -91,7 +95,7 @@ class LlamaModel:
             return [w["qkv"], w["o"], w["gate_up"], w["down"]]
         return [w["qkv"], w["o"]] + w["moe"].linears(w["moe"].top_k)
 
-    def all_linears(self) -> list[Linear]:
+    def all_linears(self) -> list[Linear | Int8Linear]:
         """Every matmul of the model: each layer's (every expert's), then the LM head (where there is one)."""
         every = []
         for w in self.layers:

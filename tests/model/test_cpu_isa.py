@@ -38,14 +38,15 @@ def fresh_flags():
     cpu_features.cpu_flags.cache_clear()
 
 
-def test_avx2_hides_the_avx512_and_amx_flags_so_dtype_auto_is_float32(monkeypatch, fresh_flags):
+def test_avx2_hides_the_avx512_amx_and_vnni_flags_so_dtype_auto_is_float32(monkeypatch, fresh_flags):
     native = cpu_features.cpu_flags().split()
     monkeypatch.setenv("BATCHJOB_CPU_ISA", "avx2")
     cpu_features.cpu_flags.cache_clear()
     flags = cpu_features.cpu_flags().split()
-    assert not [f for f in flags if f.startswith(("avx512", "amx"))]
-    assert flags == [f for f in native if not f.startswith(("avx512", "amx"))]  # the rest as they are
+    assert not [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni"))]
+    assert flags == [f for f in native if not f.startswith(("avx512", "amx", "avx_vnni"))]  # the rest as they are
     assert not cpu_features.has_native_bf16()
+    assert not cpu_features.has_vnni()  # oneDNN capped at AVX2 multiplies int8 without it
 
 
 def test_the_avx2_build_has_its_own_flags_and_folder(monkeypatch, fresh_flags):
@@ -69,6 +70,20 @@ def test_configure_threads_caps_onednn_mkl_and_aten_before_torch_loads_unless_th
     assert _child(SHOW_CAPS, **AVX2).stdout.split() == ["AVX2", "AVX2", "avx2", "AVX2"]
     mine = _child(SHOW_CAPS, **AVX2, ONEDNN_MAX_CPU_ISA="AVX")
     assert mine.stdout.split()[0] == "AVX"
+
+
+def test_int8_matmuls_are_exact_under_onednns_avx2_int8_gemm():
+    """tests/model/test_int8_linear.py in a child whose oneDNN runs AVX2 code (vpmaddubsw, no VNNI): the weights take
+    7 bits there, and the product of the quantized operands is still exact (8-bit weights saturate its int16 sums)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/model/test_int8_linear.py"],
+        env=os.environ | AVX2 | env.ISA_CAPS["avx2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -1,0 +1,115 @@
+"""`engine.weights`: int8 matmuls (W8A8) on the real model, end to end through the engine, against the exact
+(float32) mode; the setting validated, `auto`'s rule, and the numerics that record it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pydantic
+import pytest
+import torch
+
+from batchjob.engine import model_runner
+from batchjob.engine.config import EngineConfig
+from batchjob.engine.engine import Engine
+from batchjob.engine.errors import DeviceSettingError
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.spec import JobFileError, load_job
+from batchjob.model.int8_linear import Int8Linear
+from batchjob.model.linear import Linear
+from tests.conftest import forward_logits
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTINUATION = SamplingParams(max_tokens=24, ignore_eos=True)
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's int8 GEMM")
+
+
+def test_the_setting_is_validated():
+    assert EngineConfig().weights == "auto"
+    assert EngineConfig(weights="int8").weights == "int8"
+    for bad in ("int4", "INT8", "", None, 8):
+        with pytest.raises(pydantic.ValidationError, match="weights"):
+            EngineConfig(weights=bad)
+
+
+def test_a_job_file_takes_the_setting_and_names_a_bad_value(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the job file's input path is relative to the repository root
+    assert load_job("jobs/summarize.yaml", ["engine.weights=int8"]).engine.weights == "int8"
+    with pytest.raises(JobFileError, match="engine.weights: Input should be 'auto', 'dequantize' or 'int8'"):
+        load_job("jobs/summarize.yaml", ["engine.weights=int4"])
+
+
+def test_int8_runs_on_a_cpu_only_and_auto_dequantizes():
+    cpu = torch.device("cpu")
+    assert model_runner.pick_weights(EngineConfig(weights="int8"), cpu) == "int8"
+    assert model_runner.pick_weights(EngineConfig(weights="dequantize"), cpu) == "dequantize"
+    assert model_runner.pick_weights(EngineConfig(), cpu) == "dequantize"  # the rule: docs/cpu.md#int8-weights
+    with pytest.raises(DeviceSettingError, match="weights: int8 runs on a CPU"):
+        model_runner.pick_weights(EngineConfig(weights="int8"), torch.device("cuda"))
+    assert model_runner.pick_weights(EngineConfig(), torch.device("cuda")) == "dequantize"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    int8 = Engine("smollm2-135m-instruct", max_num_batched_tokens=512, dtype="float32", weights="int8")
+    exact = Engine("smollm2-135m-instruct", max_num_batched_tokens=512, dtype="float32")
+    return int8, exact
+
+
+@pytest.fixture(scope="module")
+def prompts(engines) -> list[list[int]]:
+    """12 summarize prompts of about 40 to 330 tokens from the sample documents."""
+    docs = pq.read_table(ROOT / "sample_data" / "documents.parquet").column("text").to_pylist()
+    tok = engines[0].tokenizer
+    return [
+        tok.encode_chat([{"role": "user", "content": "Summarize: " + " ".join(docs[i].split()[: 20 + 23 * i])}])
+        for i in range(12)
+    ]
+
+
+def test_the_decoder_layers_matmuls_are_int8_and_the_numerics_say_so(engines):
+    int8, exact = engines
+    model = int8.runner.model
+    assert all(isinstance(lin, Int8Linear) for i in range(len(model.layers)) for lin in model.linears(i))
+    assert isinstance(model.lm_head, Linear)  # the LM head stays float: docs/cpu.md#int8-weights
+    gemm = model.layers[0]["qkv"].backend  # onednn-int8, or onednn-int8-w7 without VNNI
+    assert int8.numerics == {**exact.numerics, "matmul": f"onednn+{gemm}", "weights": "int8"}
+    assert "weights" not in exact.numerics  # dequantize, the default, is what results from before it were
+    layer_bytes = sum(lin.nbytes for lin in model.linears(0))
+    assert layer_bytes < 0.3 * sum(lin.nbytes for lin in exact.runner.model.linears(0))  # a quarter, plus scales
+
+
+def test_int8_scores_the_exact_continuation_almost_as_well(engines, prompts):
+    """Per-token NLL of the float32 engine's greedy continuation, teacher-forced through each model: int8's within
+    3 % of float32's on these short continuations (a sanity bound: on the summarize job's 64-token continuations int8
+    measured +4.6 %, outside the issue's 1 %, which is why `auto` does not pick it; docs/benchmarks.md). A scale on
+    the wrong axis or a misplaced zero point makes it many times larger."""
+    int8, exact = engines
+    conts = [o.token_ids for o in exact.generate(prompts, CONTINUATION)]
+
+    def nll(engine) -> float:
+        total, count = 0.0, 0
+        for p, c in zip(prompts, conts):
+            logits = forward_logits(engine.runner.model, p + c, last_only=False)[len(p) - 1 : -1]
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(c), reduction="sum").item()
+            count += len(c)
+        return total / count
+
+    ours, ref = nll(int8), nll(exact)
+    assert ref < 1.5  # the exact model's own greedy continuation: confident
+    assert abs(ours - ref) <= 0.03 * ref, (ours, ref)
+
+
+def test_int8_greedy_decoding_stays_close_and_does_not_depend_on_the_batch(engines, prompts):
+    """Through the engine (batched prefill, decode steps): the first tokens equal float32's on most prompts and the
+    continuations share prefixes (int8 moves a near-tie more often than bf16 does: test_bf16.py holds it to 10 of 12);
+    each prompt alone gives the same tokens as in the batch (int32 sums are exact)."""
+    int8, exact = engines
+    ours = [o.token_ids for o in int8.generate(prompts, CONTINUATION)]
+    ref = [o.token_ids for o in exact.generate(prompts, CONTINUATION)]
+    first = sum(a[0] == b[0] for a, b in zip(ours, ref))
+    shared = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, ref)]
+    assert first >= 7, (first, shared)
+    assert sum(shared) >= 0.25 * sum(len(r) for r in ref), shared
+    assert [int8.generate([p], CONTINUATION)[0].token_ids for p in prompts[:4]] == ours[:4]
