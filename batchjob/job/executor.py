@@ -78,26 +78,6 @@ class Executor(Protocol):
     def execute(self, pending: Pending) -> None:
         """Compute the pending rows and commit their results; return early once the stopper says stop."""
 
-    def commit_score(self, work: ScoreWork, outputs: list[RequestOutput]) -> None:
-        if any(o.finish_reason == "abort" for o in outputs):
-            return  # not committed, so it runs again on resume
-        score = work.score(outputs)
-        looked_up = self.cache is not None and self.cache.looked_up(work)
-        if looked_up:
-            self.cache.store_score(work, score)
-        self._add_scored(work, score, cached_tokens(outputs), "misses" if looked_up else None)
-        self.pending.progress.rows(len(work.rows), prompt_tokens=work.total_tokens - cached_tokens(outputs))
-
-    def commit_score_hit(self, work: ScoreWork, score: ScoreOutput) -> None:
-        """A work whose score the results cache holds: its rows as if the engine had just scored it."""
-        self._add_scored(work, score, work.total_tokens, "hits")
-        self.pending.progress.rows(len(work.rows))
-
-    def _add_scored(self, work: ScoreWork, score: ScoreOutput, cached: int, cache: str | None) -> None:
-        per_token = self.pending.job.score.prompt_logprobs is not None
-        for record in score_rows(work, score, self.engine.tokenizer, per_token, cached):
-            self.pending.writer.add(record, cache=cache)
-
     def engine_summary(self) -> dict:
         """What the engine settled on (token budget), for _SUCCESS's `this_run`; empty where unknown."""
 
@@ -250,6 +230,26 @@ class LocalExecutor:
         for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
             self.pending.writer.add(record, cache="hits")
         self.pending.progress.rows(len(work.rows))
+
+    def commit_score(self, work: ScoreWork, outputs: list[RequestOutput]) -> None:
+        if any(o.finish_reason == "abort" for o in outputs):
+            return  # not committed, so it runs again on resume
+        score = work.score(outputs)
+        looked_up = self.cache is not None and self.cache.looked_up(work)
+        if looked_up:
+            self.cache.store_score(work, score)
+        self._add_scored(work, score, cached_tokens(outputs), "misses" if looked_up else None)
+        self.pending.progress.rows(len(work.rows), prompt_tokens=work.total_tokens - cached_tokens(outputs))
+
+    def commit_score_hit(self, work: ScoreWork, score: ScoreOutput) -> None:
+        """A work whose score the results cache holds: its rows as if the engine had just scored it."""
+        self._add_scored(work, score, work.total_tokens, "hits")
+        self.pending.progress.rows(len(work.rows))
+
+    def _add_scored(self, work: ScoreWork, score: ScoreOutput, cached: int, cache: str | None) -> None:
+        per_token = self.pending.job.score.prompt_logprobs is not None
+        for record in score_rows(work, score, self.engine.tokenizer, per_token, cached):
+            self.pending.writer.add(record, cache=cache)
 
     def engine_summary(self) -> dict:
         if self.engine is None:
