@@ -44,7 +44,8 @@ def load_engine(job: JobSpec) -> JobEngine | Embedder:
     configure_threads()  # in a Ray worker, before torch loads
     from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
 
-    return Engine(job.model, task=job.task, **job.engine.model_dump(exclude_unset=True))
+    task = "embed" if job.task == "embed" else "generate"  # a scoring job's rows are prompt-only generate requests
+    return Engine(job.model, task=task, **job.engine.model_dump(exclude_unset=True))
 
 
 @dataclass

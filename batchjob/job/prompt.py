@@ -89,7 +89,10 @@ class PromptBuilder:
         # Leave room for the answer too, but never give it more than half of the context.
         limit = self.context_len - (max_tokens if self.scoring else min(max_tokens, self.context_len // 2))
         if limit < 1:
-            raise RowError(f"the continuation's {max_tokens} tokens leave no room for a prompt in the model's context")
+            raise RowError(
+                f"the continuation's {max_tokens} tokens leave no room for a prompt in the model's context of "
+                f"{self.context_len}"
+            )
         main_ids = self.tokenizer.encode(main, add_special_tokens=False)
         # Cut the row's own text rather than the whole prompt, so the system text and template survive.
         for _ in range(TRUNCATION_TRIES):

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from batchjob.engine.engine import Engine
+from batchjob.engine.scheduler import PREFILL_CHUNK_ALIGN
 from batchjob.job.output.state import OutputDir
 from batchjob.job.spec import JobFileError, load_job
 from tests.helpers import SAMPLE_DATA, write_parquet
@@ -104,6 +105,12 @@ def test_a_perplexity_job_writes_engine_score_columns(perplexity_run, engine, te
         assert row["sum_nll"] == pytest.approx(-math.fsum(g["logprob"] for g in got), abs=1e-9)
         assert row["mean_nll"] == pytest.approx(row["sum_nll"] / row["scored_tokens"])
         assert row["perplexity"] == pytest.approx(math.exp(row["mean_nll"]))
+    # prefill only, and streamed: every step but the last full to within the chunk grid, whatever row ends in it
+    steps = pq.read_table(perplexity_run / "_timeline.parquet").to_pylist()
+    budget = ENGINE["max_num_batched_tokens"]
+    assert sum(s["decode_tokens"] for s in steps) == 0 and all(s["steps"] == 1 for s in steps)
+    assert sum(s["prefill_tokens"] for s in steps) == sum(len(w.prompt_token_ids) for w in want)
+    assert all(budget - PREFILL_CHUNK_ALIGN < s["prefill_tokens"] <= budget for s in steps[:-1])
     # the duplicate row: the result of t0, its tokens all counted as cached (computed once)
     dup, first = rows["dup"], rows["t0"]
     assert (dup["sum_nll"], dup["token_logprobs"], dup["error"]) == (first["sum_nll"], first["token_logprobs"], None)
