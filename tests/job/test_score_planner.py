@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from batchjob.engine.outputs import RequestOutput, TokenLogprob
 from batchjob.job.reader import Row
+from batchjob.job.results_cache import open_cache
 from batchjob.job.scoring import ScoreGather, score_planner, score_requests
 from batchjob.job.spec import JobSpec
 from tests.fakes import FakeEngine
@@ -87,3 +88,28 @@ def test_a_rows_outputs_come_back_together_in_the_labels_order():
     score = work.score(done[2])
     assert score.label_logprobs == [-2.0, -4.0, -6.0] and score.label == " a"
     assert score.label_probs[0] > score.label_probs[1] > score.label_probs[2]
+
+
+def test_the_results_cache_keys_a_score_by_everything_that_decides_it(tmp_path):
+    row = Row(0, "a", {"text": "hello", "ans": " world"})
+
+    def key(**score):
+        job = JobSpec.model_validate(
+            {"model": "fake", "task": "score", "input": {"path": "x.parquet"}, "output": {"path": "out"},
+             "cache": {"path": str(tmp_path)}, "score": score}
+        )  # fmt: skip
+        engine = FakeEngine(max_model_len=CONTEXT)
+        (work,) = score_planner(job, engine, lambda r, e: None).works([row])
+        return open_cache(job, engine).work_key(work)
+
+    keys = [
+        key(),
+        key(prompt_logprobs=1),
+        key(continuation_column="ans"),
+        key(labels=[" world", " earth"]),
+        key(labels=[" earth", " world"]),
+        key(labels=[" world", " earth!"]),
+    ]
+    assert len(set(keys)) == len(keys)
+    # the same computation: the entry holds each token's logprob either way; only the column is left out
+    assert key(prompt_logprobs=0) == keys[0]
