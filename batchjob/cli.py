@@ -213,7 +213,11 @@ def _plan_scoring_text(r: dict, lines: list[tuple[str, str]]) -> str:
                 f"total {r['prompt_tokens_total']:,} | p50 {r['prompt_tokens_p50']:,} | p99 {r['prompt_tokens_p99']:,}",
             ),
             ("tokens scored", f"{r['scored_tokens_total']:,}"),
-            ("prefill", f"{r['prefill_tokens_expected']:,} tokens (labels share their prompt's)"),
+            (
+                "prefill",
+                f"{r['prefill_tokens_expected']:,} tokens"
+                + (" (labels share their prompt's)" if r["prefill_tokens_expected"] < r["prompt_tokens_total"] else ""),
+            ),
         ]
     if "calibration" in r:
         c = r["calibration"]
