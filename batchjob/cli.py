@@ -151,6 +151,8 @@ def _plan_text(r: dict) -> str:
         lines.append(("results cache", f"{r['rows_from_results_cache']:,} rows taken from it, left out below"))
     if r.get("task") == "embed":
         return _plan_embedding_text(r, lines)
+    if r.get("task") == "score":
+        return _plan_scoring_text(r, lines)
     if r["requests"]:
         lines += [
             ("requests", f"{r['requests']:,} ({r['duplicate_rows_computed_once']:,} duplicate rows computed once)"),
@@ -198,6 +200,31 @@ def _plan_embedding_text(r: dict, lines: list[tuple[str, str]]) -> str:
         lines += [
             ("calibration", f"{c['inputs']:,} inputs: {c['tokens_per_s']:,.0f} tok/s"),
             ("estimated time", f"{r['estimated_time_s']:,.0f} s"),
+        ]
+    return _table(lines)
+
+
+def _plan_scoring_text(r: dict, lines: list[tuple[str, str]]) -> str:
+    if r["requests"]:
+        lines += [
+            ("requests", f"{r['requests']:,} ({r['duplicate_rows_computed_once']:,} duplicate rows computed once)"),
+            (
+                "tokens read",
+                f"total {r['prompt_tokens_total']:,} | p50 {r['prompt_tokens_p50']:,} | p99 {r['prompt_tokens_p99']:,}",
+            ),
+            ("tokens scored", f"{r['scored_tokens_total']:,}"),
+            (
+                "prefill",
+                f"{r['prefill_tokens_expected']:,} tokens"
+                + (" (labels share their prompt's)" if r["prefill_tokens_expected"] < r["prompt_tokens_total"] else ""),
+            ),
+        ]
+    if "calibration" in r:
+        c = r["calibration"]
+        estimate = "?" if r["estimated_time_s"] is None else f"{r['estimated_time_s']:,.0f} s"
+        lines += [
+            ("calibration", f"{c['requests']} requests: prefill {c['prefill_tokens_per_s']:,.0f} tok/s"),
+            ("estimated time", estimate),
         ]
     return _table(lines)
 

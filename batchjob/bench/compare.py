@@ -360,6 +360,8 @@ def bench(o: BenchOptions) -> str:
     job_file = o.job_file or (QUALITY_JOB if o.quality else None)
     if job_file:
         job = load_job(job_file)
+        if job.task != "generate":  # its rows are not generation requests (--task embed benches an embedder)
+            raise JobFileError(f"bench --job: {job_file} is a task '{job.task}' job; --job takes a generation job")
         model = job.model
         overrides = {**job.engine.model_dump(exclude_unset=True), **overrides}
     quality_fp32 = {**overrides, "dtype": "float32", "weights": "dequantize"}

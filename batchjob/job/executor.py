@@ -8,19 +8,27 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
-from batchjob.engine.outputs import RequestOutput, StepMetrics
+from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, StepMetrics
 from batchjob.env import configure_threads
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
-from batchjob.job.output.schema import embedding_row, embedding_schema, failed_row, result_rows
+from batchjob.job.output.schema import (
+    embedding_row,
+    embedding_schema,
+    failed_row,
+    result_rows,
+    score_rows,
+    score_schema,
+)
 from batchjob.job.output.state import Committed
 from batchjob.job.output.writer import PartWriter
 from batchjob.job.planner import EmbeddingPlanner, EmbeddingWork, Work, job_planner, requests
 from batchjob.job.reader import InputSource, Row, Scan
 from batchjob.job.results_cache import RunCache, open_cache
+from batchjob.job.scoring import ScoreGather, ScoreWork, cached_tokens, score_planner, score_requests
 from batchjob.job.spec import JobSpec
 from batchjob.job.stopper import Interrupted, Stopper
 from batchjob.job.telemetry.progress import Progress
@@ -29,13 +37,15 @@ from batchjob.job.telemetry.timeline import Timeline
 # Tokens of the rows handed to the Embedder at once, in forward passes' worth: enough for its length sort to leave
 # little padding, few enough that a stop or a checkpoint waits only seconds.
 EMBED_CALL_BATCHES = 16
+W = TypeVar("W", Work, ScoreWork)
 
 
 def load_engine(job: JobSpec) -> JobEngine | Embedder:
     configure_threads()  # in a Ray worker, before torch loads
     from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
 
-    return Engine(job.model, task=job.task, **job.engine.model_dump(exclude_unset=True))
+    task = "embed" if job.task == "embed" else "generate"  # a scoring job's rows are prompt-only generate requests
+    return Engine(job.model, task=task, **job.engine.model_dump(exclude_unset=True))
 
 
 @dataclass
@@ -81,7 +91,7 @@ class LocalExecutor:
         self.timeline: Timeline | None = None
         self.engine: JobEngine | None = None
         self.pending: Pending | None = None
-        self.in_flight: dict[str, Work] = {}
+        self.in_flight: dict[str, Work | ScoreWork] = {}  # by request id
         self.cache: RunCache | None = None
         self.stop_committed = self.aborted = False
 
@@ -96,6 +106,8 @@ class LocalExecutor:
         try:
             if pending.job.task == "embed":
                 self.embed(pending, self.engine)
+            elif pending.job.task == "score":
+                self.score(pending, self.engine)
             else:
                 self.generate(pending, self.engine)
         finally:
@@ -104,18 +116,51 @@ class LocalExecutor:
 
     def generate(self, pending: Pending, engine: JobEngine) -> None:
         planner = job_planner(pending.job, engine, pending.row_failed, pending.progress.message)
+        misses = self.cache and (lambda works: self.cache.generation_misses(works, self.commit_hit))
+        self._stream(pending, engine, planner.works, misses, requests, self.commit)
+
+    def score(self, pending: Pending, engine: JobEngine) -> None:
+        """A scoring job: its rows' prompt-only requests streamed through the engine, which packs them into its
+        token budget; a row is committed once all its requests (one a label) are done."""
+        planner = score_planner(pending.job, engine, pending.row_failed, pending.progress.message)
+        spec = pending.job.score
+        labels, per_token = spec.labels is not None, spec.prompt_logprobs is not None
+        pending.writer.schema = score_schema(pending.scan.passthrough_schema, labels, per_token)
+        misses = self.cache and (lambda works: self.cache.score_misses(works, self.commit_score_hit))
+        gather = ScoreGather()
+
+        def on_output(output: RequestOutput) -> None:
+            work = self.in_flight.pop(output.request_id)
+            outputs = gather.add(work, output)
+            if outputs is not None:
+                self.commit_score(work, outputs)
+
+        self._stream(pending, engine, planner.works, misses, score_requests, on_output)
+
+    def _stream(
+        self,
+        pending: Pending,
+        engine: JobEngine,
+        works: Callable[[Iterable[Row]], Iterator[W]],
+        misses: Callable[[Iterable[W]], Iterator[W]] | None,
+        to_requests: Callable[[Iterable[W], dict], Iterator[Request]],
+        on_output: Callable[[RequestOutput], None],
+    ) -> None:
+        """The planner's works of the pending rows (less the results cache's hits, through `misses`) as requests
+        (`to_requests`) through the engine, each output to `on_output`; the engine's steps drive checkpoints and the
+        stop (on_step)."""
         pending.model_known(model_identity(engine))
         if pending.stopper.stopping:  # stopped during the model load: nothing started, nothing to commit
             return
         pending.start()
         self.timeline = Timeline(self.timeline_path)
         engine.add_step_callback(self.on_step)
-        works = itertools.takewhile(lambda _: not pending.stopper.stopping, planner.works(pending.rows))
-        if self.cache is not None:
-            works = self.cache.generation_misses(works, self.commit_hit)
+        planned = itertools.takewhile(lambda _: not pending.stopper.stopping, works(pending.rows))
+        if misses:
+            planned = misses(planned)
         try:
-            for output in engine.stream(requests(works, self.in_flight)):
-                self.commit(output)
+            for output in engine.stream(to_requests(planned, self.in_flight)):
+                on_output(output)
         finally:
             self.timeline.write()
 
@@ -186,6 +231,26 @@ class LocalExecutor:
         for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
             self.pending.writer.add(record, cache="hits")
         self.pending.progress.rows(len(work.rows))
+
+    def commit_score(self, work: ScoreWork, outputs: list[RequestOutput]) -> None:
+        if any(o.finish_reason == "abort" for o in outputs):
+            return  # not committed, so it runs again on resume
+        score = work.score(outputs)
+        looked_up = self.cache is not None and self.cache.looked_up(work)
+        if looked_up:
+            self.cache.store_score(work, score)
+        self._add_scored(work, score, cached_tokens(outputs), "misses" if looked_up else None)
+        self.pending.progress.rows(len(work.rows), prompt_tokens=work.total_tokens - cached_tokens(outputs))
+
+    def commit_score_hit(self, work: ScoreWork, score: ScoreOutput) -> None:
+        """A work whose score the results cache holds: its rows as if the engine had just scored it."""
+        self._add_scored(work, score, work.total_tokens, "hits")
+        self.pending.progress.rows(len(work.rows))
+
+    def _add_scored(self, work: ScoreWork, score: ScoreOutput, cached: int, cache: str | None) -> None:
+        per_token = self.pending.job.score.prompt_logprobs is not None
+        for record in score_rows(work, score, self.engine.tokenizer, per_token, cached):
+            self.pending.writer.add(record, cache=cache)
 
     def engine_summary(self) -> dict:
         if self.engine is None:

@@ -14,6 +14,7 @@ from batchjob.job.executor import load_engine
 from batchjob.job.planner import EmbeddingPlanner, Work, job_planner
 from batchjob.job.reader import InputSource
 from batchjob.job.results_cache import open_cache
+from batchjob.job.scoring import score_planner
 from batchjob.job.spec import JobSpec
 
 CALIBRATION_REQUESTS = 8
@@ -29,6 +30,8 @@ def plan_job(
     engine = engine_factory(job)
     if job.task == "embed":
         return _plan_embedding(job, source, scan.total, engine, calibrate)
+    if job.task == "score":
+        return _plan_scoring(job, source, scan.total, engine, calibrate)
     block_size = engine.config.block_size
     failed = 0
 
@@ -142,6 +145,55 @@ def _plan_embedding(job: JobSpec, source: InputSource, rows: int, embedder: Embe
         tokens_per_s = sum(map(len, sample)) / (time.perf_counter() - start)
         report["calibration"] = {"inputs": len(sample), "tokens_per_s": round(tokens_per_s, 1)}
         report["estimated_time_s"] = round(report["prompt_tokens_total"] / tokens_per_s, 1)
+    return report
+
+
+def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngine, calibrate: bool) -> dict:
+    """A scoring job's cost: prompt-only requests, so prefill alone; a row's labels after the first read the prompt's
+    full blocks from the prefix cache and compute the rest."""
+    failed, hits, duplicates, lengths, scored, computed, sample = 0, 0, 0, array("q"), 0, 0, []
+    block = engine.config.block_size
+    results = open_cache(job, engine)
+
+    def count_failure(row, error) -> None:
+        nonlocal failed
+        failed += 1
+
+    for work in score_planner(job, engine, count_failure).works(source.rows()):
+        if results is not None and results.holds(work):
+            hits += len(work.rows)
+            continue
+        duplicates += len(work.rows) - 1
+        shared = (len(work.token_ids) - 1) // block * block  # what each label after the first reads from cache
+        for request in work.requests():
+            lengths.append(len(request.prompt_token_ids))
+            computed += len(request.prompt_token_ids) - (shared if request.after else 0)
+            if len(sample) < CALIBRATION_REQUESTS:
+                sample.append(request)
+        scored += work.scored_tokens
+    report = {"task": "score", "rows": rows, "rows_failing_before_the_model": failed}
+    report |= {"rows_from_results_cache": hits} if results is not None else {}
+    report["requests"] = len(lengths)
+    if not lengths:
+        return report
+    ordered = sorted(lengths)
+    report |= {
+        "duplicate_rows_computed_once": duplicates,
+        "prompt_tokens_total": sum(lengths),
+        "prompt_tokens_p50": ordered[len(ordered) // 2],
+        "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
+        "scored_tokens_total": scored,
+        "prefill_tokens_expected": computed,
+    }
+    if calibrate:
+        steps: list[StepMetrics] = []
+        list(engine.stream(sample[:1]))  # warm-up
+        engine.add_step_callback(steps.append)
+        list(engine.stream(sample))
+        tokens, seconds = sum(s.num_prefill_tokens for s in steps), sum(s.step_time for s in steps)
+        rate = tokens / seconds if tokens and seconds else 0.0  # 0: the sample's rows all failed in the engine
+        report["calibration"] = {"requests": len(sample), "prefill_tokens_per_s": round(rate, 1)}
+        report["estimated_time_s"] = round(computed / rate, 1) if rate else None
     return report
 
 

@@ -16,6 +16,7 @@ import math
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import pydantic
 
@@ -168,24 +169,11 @@ class Planner:
         self._params_json = params.model_dump_json().encode()
 
     def works(self, rows: Iterable[Row]) -> Iterator[Work]:
-        window: list[Work] = []
-        by_key: dict[bytes, Work] = {}
-        size = 0
-        for work in self._works(rows):
-            key = self._request_key(work) if self.dedupe and work.params.deterministic else None
-            if key is not None and key in by_key:
-                by_key[key].rows.append(work.rows[0])
-            else:
-                window.append(work)
-                if key is not None:
-                    by_key[key] = work
-            size += 1
-            if size >= self.sort_window:
-                yield from order(window, self.block_size)
-                window, by_key, size = [], {}, 0
-        yield from order(window, self.block_size)
+        return in_windows(self._works(rows), self._request_key, self.sort_window, self.block_size)
 
-    def _request_key(self, work: Work) -> bytes:
+    def _request_key(self, work: Work) -> bytes | None:
+        if not self.dedupe or not work.params.deterministic:
+            return None
         # Most rows share the job's SamplingParams object, whose JSON is made once.
         same = work.params is self.params
         return _request_key(work, self._params_json if same else work.params.model_dump_json().encode())
@@ -226,9 +214,40 @@ def _describe(err: dict) -> str:
     return f"{'.'.join(map(str, err['loc']))}: {message}" if err["loc"] else message
 
 
-def order(works: list[Work], block_size: int) -> list[Work]:
+class Planned(Protocol):
+    """What in_windows orders: a planner's work, for one or more rows."""
+
+    token_ids: list[int]
+    rows: list[Row]
+
+
+W = TypeVar("W", bound=Planned)
+
+
+def in_windows(works: Iterable[W], key: Callable[[W], bytes | None], sort_window: int, block_size: int) -> Iterator[W]:
+    """`works` (one row each) a window of `sort_window` rows at a time, ordered (order()); a work whose key (not None)
+    an earlier one of its window has is computed once, its row joining that work's rows."""
+    window: list[W] = []
+    by_key: dict[bytes, W] = {}
+    size = 0
+    for work in works:
+        k = key(work)
+        if k is not None and k in by_key:
+            by_key[k].rows.append(work.rows[0])
+        else:
+            window.append(work)
+            if k is not None:
+                by_key[k] = work
+        size += 1
+        if size >= sort_window:
+            yield from order(window, block_size)
+            window, by_key, size = [], {}, 0
+    yield from order(window, block_size)
+
+
+def order(works: list[W], block_size: int) -> list[W]:
     works.sort(key=lambda w: w.token_ids)
-    runs: list[list[Work]] = []
+    runs: list[list[W]] = []
     for work in works:
         if runs and _share_a_block(runs[-1][-1].token_ids, work.token_ids, block_size):
             runs[-1].append(work)
@@ -242,7 +261,7 @@ def _share_a_block(a: list[int], b: list[int], block_size: int) -> bool:
     return len(a) >= block_size and len(b) >= block_size and a[:block_size] == b[:block_size]
 
 
-def _length_bin(work: Work) -> int:
+def _length_bin(work: Planned) -> int:
     return int(BINS_PER_OCTAVE * math.log2(max(1, len(work.token_ids))))
 
 

@@ -25,7 +25,10 @@ class PromptBuilder:
         self.tokenizer = tokenizer.with_template_kwargs(kwargs) if tokenizer is not None else None
         self.context_len = context_len
         self.fields = [name for name in job.prompt.fields if name != self.text_column]  # parsed once, not per row
-        self.chat = job.prompt.chat_template and job.task == "generate"  # an embedding model reads plain text
+        self.chat = job.prompt.chat_template and job.task != "embed"  # an embedding model reads plain text
+        # A generation needs room for one token and is cut to leave room for its answer (max_tokens, at most half the
+        # context); a scored continuation (`max_tokens` its length) must follow its prompt whole.
+        self.scoring = job.task == "score"
         # Row data is text: its special-token strings never become tokens (the chat template's markup and the job
         # file's own text may hold them). An embedding job's spec says true: its text goes to the Embedder as it is.
         self.data = (lambda text: text) if job.prompt.special_tokens_in_data else self.tokenizer.escape
@@ -55,7 +58,7 @@ class PromptBuilder:
         for i, built in enumerate(out):
             if isinstance(built, list):
                 out[i] = (built, False)
-                if len(built) >= self.context_len:
+                if not self._fits(len(built), max_tokens[i]):
                     try:
                         out[i] = self.build(rows[i], max_tokens[i])  # the too-long policy, row by row
                     except RowError as e:
@@ -74,16 +77,22 @@ class PromptBuilder:
             return self.tokenizer.encode(self._chat(prompt[0]), add_special_tokens=False)
 
         ids = full = encode(main)
-        if len(ids) < self.context_len:
+        if self._fits(len(ids), max_tokens):
             return ids, False
         policy = self.prompt.on_too_long
+        after = f" plus {max_tokens} to score after it" if self.scoring and max_tokens else ""
         if policy == "error":
             raise RowError(
-                f"prompt is {len(ids)} tokens, too long for the model's context of {self.context_len} "
+                f"prompt is {len(ids)} tokens{after}, too long for the model's context of {self.context_len} "
                 "(prompt.on_too_long: error)"
             )
         # Leave room for the answer too, but never give it more than half of the context.
-        limit = self.context_len - min(max_tokens, self.context_len // 2)
+        limit = self.context_len - (max_tokens if self.scoring else min(max_tokens, self.context_len // 2))
+        if limit < 1:
+            raise RowError(
+                f"the continuation's {max_tokens} tokens leave no room for a prompt in the model's context of "
+                f"{self.context_len}"
+            )
         main_ids = self.tokenizer.encode(main, add_special_tokens=False)
         # Cut the row's own text rather than the whole prompt, so the system text and template survive.
         for _ in range(TRUNCATION_TRIES):
@@ -98,6 +107,11 @@ class PromptBuilder:
         # Without its text the prompt would still be too long (a huge system text or message history): cut the
         # whole prompt's tokens, which keeps the row's text on the side the policy keeps.
         return (full[-limit:] if policy == "truncate_left" else full[:limit]), True
+
+    def _fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        if self.scoring:
+            return prompt_tokens + max_tokens <= self.context_len
+        return prompt_tokens < self.context_len
 
     def text(self, row: Row) -> str:
         """The whole prompt of a row as plain text (the template filled, no chat template), for a job whose model

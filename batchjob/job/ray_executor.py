@@ -24,11 +24,20 @@ import pyarrow as pa
 
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.executor import Pending, embedding_calls, embedding_records
-from batchjob.job.output.schema import embedding_schema, failed_row, prompt_columns, result_rows, result_schema
+from batchjob.job.output.schema import (
+    embedding_schema,
+    failed_row,
+    prompt_columns,
+    result_rows,
+    result_schema,
+    score_rows,
+    score_schema,
+)
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import is_url
 from batchjob.job.planner import EmbeddingPlanner, job_planner, requests
 from batchjob.job.reader import InputSource, Row
+from batchjob.job.scoring import ScoreGather, cached_tokens, score_planner, score_requests
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
 from batchjob.job.stopper import Interrupted
 from batchjob.job.telemetry.timeline import Timeline
@@ -77,6 +86,9 @@ class EngineWorker:
         if job.task == "embed":
             self.planner = EmbeddingPlanner(job, self.engine, on_error)
             schema = embedding_schema(passthrough, self.engine.dimension, self.per_line)
+        elif job.task == "score":
+            self.planner = score_planner(job, self.engine, on_error)
+            schema = score_schema(passthrough, job.score.labels is not None, job.score.prompt_logprobs is not None)
         else:
             self.planner = job_planner(job, self.engine, on_error)
             prompt = prompt_columns(job.input.format, job.sampling.prompt_logprobs)
@@ -94,11 +106,23 @@ class EngineWorker:
         if self.job.task == "embed":
             for call in embedding_calls(self.planner.works(rows), self.engine):
                 self.records += embedding_records(self.engine, call, self.per_line)
+        elif self.job.task == "score":
+            self._score(rows)
         else:
             for output in self.engine.stream(requests(self.planner.works(rows), works)):
                 work = works.pop(output.request_id)
                 self.records += result_rows(work, output, self.engine.tokenizer, self.job.output.split_reasoning)
         return pa.Table.from_pylist(self.records, schema=self.schema)
+
+    def _score(self, rows: Iterable[Row]) -> None:
+        works, gather = {}, ScoreGather()
+        per_token = self.job.score.prompt_logprobs is not None
+        for output in self.engine.stream(score_requests(self.planner.works(rows), works)):
+            work = works.pop(output.request_id)
+            outputs = gather.add(work, output)
+            if outputs is not None:
+                score = work.score(outputs)
+                self.records += score_rows(work, score, self.engine.tokenizer, per_token, cached_tokens(outputs))
 
 
 class RayExecutor:

@@ -87,6 +87,9 @@ class InputSource:
             self.prompt_columns = (
                 [spec.messages_column] if spec.messages_column else sorted(set(job.prompt.fields) | {spec.text_column})
             )
+            continuation = job.score.continuation_column if job.task == "score" else None
+            if continuation is not None and continuation not in self.prompt_columns:
+                self.prompt_columns.append(continuation)
             self.passthrough = list(spec.passthrough)
         self.versions: dict[str, list] = dict(versions or {})
         self._scanned_rows: dict[str, int] = {}  # by file, what scan() counted

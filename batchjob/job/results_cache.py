@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
-from batchjob.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from batchjob.engine.outputs import CompletionOutput, RequestOutput, ScoreOutput, TokenLogprob
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.output.storage import TMP_PREFIX, is_remote, location, url_to_fs, write_atomic
 from batchjob.job.planner import EmbeddingWork, Work
+from batchjob.job.scoring import ScoreWork
 from batchjob.job.spec import CacheSpec, JobSpec
 from batchjob.model.cpu_features import ISA_FLAGS, cpu_flags
 
@@ -212,13 +213,17 @@ class RunCache:
             self._params = (params, _canonical(params and params.model_dump(mode="json")))
         return self._params[1]
 
-    def work_key(self, work: Work | EmbeddingWork) -> str | None:
-        """A work's key; None for unseeded sampling, which is never cached: its result is one draw among many."""
+    def work_key(self, work: Work | EmbeddingWork | ScoreWork) -> str | None:
+        """A work's key; None for unseeded sampling, which is never cached: its result is one draw among many. A
+        scoring work's covers the prompt and each tail apart, where the scored tokens start, and the labels' names
+        and order (its parameters hold prompt_logprobs)."""
         if isinstance(work, EmbeddingWork):
             return self.key(work.inputs, None, None)
+        if isinstance(work, ScoreWork):
+            return self.key([work.token_ids, *work.tails], work.params, {"start": work.start, "labels": work.labels})
         return self.key(work.token_ids, work.params, None) if work.params.deterministic else None
 
-    def holds(self, work: Work | EmbeddingWork) -> bool:
+    def holds(self, work: Work | EmbeddingWork | ScoreWork) -> bool:
         """Whether the cache has a work's result (for `plan`'s estimate: the entry is not read)."""
         key = self.work_key(work)
         return key is not None and self.cache.contains(key)
@@ -237,7 +242,7 @@ class RunCache:
             self.keys[work.request_id] = key
             yield work
 
-    def looked_up(self, work: Work) -> bool:
+    def looked_up(self, work: Work | ScoreWork) -> bool:
         return work.request_id in self.keys
 
     def store(self, work: Work, output: RequestOutput) -> None:
@@ -248,6 +253,25 @@ class RunCache:
         if key is None or output.error is not None or reasons & {"abort", "error", "length_capped"}:
             return
         self.cache.put(key, _output_entry(output))
+
+    def score_misses(
+        self, works: Iterable[ScoreWork], on_hit: Callable[[ScoreWork, ScoreOutput], None]
+    ) -> Iterator[ScoreWork]:
+        """The scoring works that the cache does not answer, with their keys kept for `store_score`."""
+        for work in works:
+            key = self.work_key(work)
+            score = _score(self.cache.get(key), work)
+            if score is not None:
+                on_hit(work, score)
+                continue
+            self.keys[work.request_id] = key
+            yield work
+
+    def store_score(self, work: ScoreWork, score: ScoreOutput) -> None:
+        """Store a row's score; an error is not a result to keep."""
+        key = self.keys.pop(work.request_id, None)
+        if key is not None and score.error is None:
+            self.cache.put(key, _score_entry(score))
 
     def embedding_misses(
         self, works: Iterable[EmbeddingWork], on_hit: Callable[[EmbeddingWork, list[list[float]]], None]
@@ -346,6 +370,47 @@ def _prompt_logprobs(stored: Any, work: Work) -> list[TokenLogprob | None] | Non
             return None
         out.append(TokenLogprob(t, v, [tuple(x) for x in top], rank))
     return out
+
+
+def _score_entry(score: ScoreOutput) -> dict:
+    lps = score.token_logprobs
+    return {
+        "num_scored_tokens": score.num_scored_tokens,
+        "token_logprobs": None if lps is None else [[lp.token_id, lp.logprob, lp.top] for lp in lps],
+        "sum_nll": score.sum_nll,
+        "mean_nll": score.mean_nll,
+        "perplexity": score.perplexity,
+        "label_logprobs": score.label_logprobs,
+        "label": score.label,
+        "label_probs": score.label_probs,
+    }
+
+
+def _score(entry: Any, work: ScoreWork) -> ScoreOutput | None:
+    """The ScoreOutput an entry stores, for `work`; None if the entry is not one (a miss)."""
+    if entry is None:
+        return None
+    try:
+        lps = entry["token_logprobs"]
+        labelled = work.labels is not None
+        if labelled != (entry["label"] is not None) or labelled and len(entry["label_probs"]) != len(work.labels):
+            return None
+        return ScoreOutput(
+            work.request_id,
+            work.token_ids,
+            num_scored_tokens=entry["num_scored_tokens"],
+            token_logprobs=None if lps is None else [TokenLogprob(t, v, [tuple(x) for x in top]) for t, v, top in lps],
+            sum_nll=entry["sum_nll"],
+            mean_nll=entry["mean_nll"],
+            perplexity=entry["perplexity"],
+            labels=work.labels,
+            label_logprobs=entry["label_logprobs"],
+            label=entry["label"],
+            label_probs=entry["label_probs"],
+            finish_reason="length",
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _vectors_fit(vectors: Any, work: EmbeddingWork) -> bool:

@@ -38,6 +38,8 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
         "numerics": None,  # the resolved device, dtypes and ops backend, known with the digest
         "prompt": job.prompt.model_dump(),
         "sampling": job.sampling.model_dump(),
+        # What a scoring job scores (only there: the fingerprints of earlier jobs stay as they were).
+        **({"score": job.score.model_dump()} if job.task == "score" else {}),
         "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
         # The published files' layout: a rerun with another size must not leave the old files beside the new ones.
         "output": {

@@ -17,8 +17,14 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
-from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.output.schema import EMBEDDING_COLUMNS, PROMPT_COLUMNS, REASONING_COLUMNS, RESULT_COLUMNS
+from batchjob.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from batchjob.job.output.schema import (
+    EMBEDDING_COLUMNS,
+    PROMPT_COLUMNS,
+    REASONING_COLUMNS,
+    RESULT_COLUMNS,
+    SCORE_COLUMNS,
+)
 from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchjob.model.tokenizer import RENDERER_VARIABLES
 
@@ -64,7 +70,7 @@ class InputSpec(_Section):
         twice = sorted({c for c in self.passthrough if self.passthrough.count(c) > 1})
         if twice:
             raise ValueError(f"passthrough: {', '.join(twice)} named more than once")
-        ours = RESULT_COLUMNS | EMBEDDING_COLUMNS | REASONING_COLUMNS | PROMPT_COLUMNS
+        ours = RESULT_COLUMNS | EMBEDDING_COLUMNS | REASONING_COLUMNS | PROMPT_COLUMNS | SCORE_COLUMNS
         clashes = sorted(ours & set(self.passthrough))
         if clashes:
             raise ValueError(
@@ -162,6 +168,40 @@ class RaySpec(_Section):
     )
 
 
+class ScoreSpec(_Section):
+    """What a scoring job (task: score) scores in each row, teacher-forced (Engine.score): by default the prompt's
+    own tokens after its first."""
+
+    continuation_column: str | None = Field(
+        None, min_length=1, description="a column whose text is scored as the continuation of the row's prompt"
+    )
+    labels: list[str] | None = Field(
+        None,
+        min_length=2,
+        description="classification: each label scored as the prompt's continuation; the likeliest is `label`",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="vLLM's: a token_logprobs column, each scored token's logprob with its k likeliest alternatives; "
+        "default: no such column",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ScoreSpec:
+        if self.labels is not None:
+            if self.continuation_column is not None:
+                raise ValueError("labels: not with continuation_column (each label is the continuation)")
+            if self.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs: not used with labels (label_logprobs holds each label's)")
+            if any(not label for label in self.labels):
+                raise ValueError("labels: an empty label has nothing to score")
+            if len(set(self.labels)) < len(self.labels):
+                raise ValueError("labels: each label once (a label twice would split its probability)")
+        return self
+
+
 class CacheSpec(_Section):
     """A results cache shared by jobs (results_cache.py): rows whose result is stored there are not computed again."""
 
@@ -178,13 +218,16 @@ class JobSpec(_Section):
         min_length=1,
         description=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} for task 'embed'",
     )
-    task: Literal["generate", "embed"] = Field(
-        "generate", description="'embed': one embedding a row (a sentence-transformers model) instead of a completion"
+    task: Literal["generate", "embed", "score"] = Field(
+        "generate",
+        description="'embed': one embedding a row (a sentence-transformers model) instead of a completion; 'score': "
+        "logprobs, perplexity or a label a row, teacher-forced (the score section)",
     )
     executor: Literal["local", "ray"] = Field("local", description="'ray': scale out over Ray Data actors")
     input: InputSpec
     prompt: PromptSpec = Field(default_factory=PromptSpec)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    score: ScoreSpec = Field(default_factory=ScoreSpec, description="with task 'score': what each row's score is of")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     output: OutputSpec
@@ -197,6 +240,10 @@ class JobSpec(_Section):
         inp, prompt = self.input, self.prompt
         if self.task == "embed":
             self._check_embed()
+        if self.task == "score":
+            self._check_score()
+        elif "score" in self.model_fields_set:
+            raise ValueError("score: used with task 'score' only")
         if inp.messages_column is not None:
             if prompt.template is not None:
                 raise ValueError("prompt.template: not used with input.messages_column (the messages are the prompt)")
@@ -216,6 +263,33 @@ class JobSpec(_Section):
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self
+
+    def _check_score(self) -> None:
+        """A scoring job draws no token, so nothing of sampling applies; it reads a row's text as written (no chat
+        template) unless the job file asks for the template, and then only a continuation or labels are scored, not
+        the template's own markup."""
+        prompt, score, inp = self.prompt, self.score, self.input
+        unused = ["sampling"] if "sampling" in self.model_fields_set else []
+        unused += ["output.split_reasoning"] if self.output.split_reasoning else []
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: not used with task 'score'")
+        if inp.format == "openai-batch":
+            raise ValueError("input.format: 'openai-batch' is not read by task 'score' (use parquet or jsonl)")
+        if "chat_template" not in prompt.model_fields_set and inp.messages_column is None:
+            object.__setattr__(prompt, "chat_template", False)
+        if prompt.chat_template and score.continuation_column is None and score.labels is None:
+            raise ValueError(
+                "prompt.chat_template: with task 'score' it needs score.continuation_column or score.labels "
+                "(scored after the template's assistant turn); a text's own tokens are scored without it"
+            )
+        if score.continuation_column is not None and score.continuation_column in (
+            inp.text_column,
+            inp.messages_column,
+        ):
+            raise ValueError(
+                f"score.continuation_column: {score.continuation_column!r} is the prompt's own column; "
+                "name the column of the text that follows the prompt"
+            )
 
     def _check_embed(self) -> None:
         """What an embedding job cannot use fails here rather than being ignored: there is nothing to sample, no chat

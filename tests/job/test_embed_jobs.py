@@ -255,7 +255,7 @@ def test_plan_counts_an_embedding_jobs_inputs_and_times_them(tmp_path, minilm, t
         ({"engine": {"max_num_seqs": 8}}, "engine.max_num_seqs: not used with task 'embed'"),
         ({"engine": {"max_num_batched_tokens": 4}}, "engine.max_num_batched_tokens"),
         ({"input": {"passthrough": ["embedding"]}}, "would clash with result columns"),
-        ({"task": "rerank"}, "task: Input should be 'generate' or 'embed'"),
+        ({"task": "rerank"}, "task: Input should be 'generate', 'embed' or 'score'"),
     ],
 )
 def test_a_job_file_that_an_embedding_job_cannot_use_fails_in_one_line(tmp_path, minilm, sections, message):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -276,3 +277,41 @@ def test_an_embedding_job_on_ray_writes_the_local_runs_embeddings(tmp_path, clus
         )
         if row["error"] is None:
             assert float(np.dot(row["embedding"], other["embedding"])) > 0.99999
+
+
+@pytest.mark.slow
+def test_a_scoring_job_on_ray_writes_the_local_runs_scores(tmp_path, cluster, data):
+    rows = pq.read_table(data).to_pylist()
+    answers = write_parquet(
+        tmp_path / "qa.parquet",
+        [{"id": r["id"], "text": r["title"], "answer": " " + r["text"]} for r in rows] + [{"id": "x", "text": "t"}],
+    )
+
+    def job(folder: str, **extra):
+        spec = {
+            "task": "score",
+            "input": {"path": str(answers)},
+            "prompt": {"template": "Title: {text}\nText:"},
+            "score": {"continuation_column": "answer", "prompt_logprobs": 1},
+            "engine": {**ENGINE, "dtype": "float32"},
+            "output": {"path": str(tmp_path / folder), "checkpoint_rows": 3},
+            **extra,
+        }
+        (tmp_path / f"{folder}.yaml").write_text(yaml.safe_dump(spec))
+        return load_job(tmp_path / f"{folder}.yaml")
+
+    assert run_job(job("local"), Messages(), engine_factory=load_engine) == EXIT_OK
+    assert run_job(job("ray", executor="ray", ray=RAY), Messages(), engine_factory=load_engine) == EXIT_OK
+    local, on_ray = results(tmp_path / "local"), results(tmp_path / "ray")
+    assert sorted(on_ray) == sorted(local) and len(local) == ROWS + 1
+    assert "missing continuation: answer is missing or null" in on_ray["x"]["error"]
+    for key, row in local.items():
+        other = on_ray[key]
+        assert (other["error"], other["prompt_tokens"], other["scored_tokens"]) == (
+            row["error"],
+            row["prompt_tokens"],
+            row["scored_tokens"],
+        )
+        if row["error"] is None:
+            assert other["sum_nll"] == pytest.approx(row["sum_nll"], abs=1e-4 * row["scored_tokens"])
+            assert [t["token"] for t in other["token_logprobs"]] == [t["token"] for t in row["token_logprobs"]]

@@ -47,6 +47,15 @@ EMBEDDING_COLUMNS = frozenset({"embedding", "embeddings", "encoding_format"})
 REASONING_COLUMNS = frozenset({"reasoning", "reasonings"})  # with output.split_reasoning
 # With sampling.prompt_logprobs, or OpenAI Batch input (a line's prompt_logprobs, or echo: the prompt the engine read).
 PROMPT_COLUMNS = frozenset({"prompt_logprobs", "echo"})
+# A scoring job's rows (task: score): the NLL columns of a text or continuation (token_logprobs with
+# score.prompt_logprobs), or the label columns of a classification (score.labels).
+NLL_SCHEMA = pa.schema(
+    [("sum_nll", pa.float64()), ("mean_nll", pa.float64()), ("perplexity", pa.float64())],
+)
+LABEL_SCHEMA = pa.schema(
+    [("label", pa.string()), ("label_logprobs", pa.list_(pa.float64())), ("label_probs", pa.list_(pa.float64()))]
+)
+SCORE_COLUMNS = frozenset({*NLL_SCHEMA.names, *LABEL_SCHEMA.names, "token_logprobs", "scored_tokens"})
 # A part's schema metadata: how many of its rows the results cache gave (hits) and how many it lacked (misses).
 CACHE_METADATA = b"batchjob.cache"
 
@@ -132,6 +141,43 @@ def _prompt_logprob(token_id: int, lp, token: Callable[[int], str]) -> dict:
         return {"token": token(token_id), "token_id": token_id, "logprob": None, "rank": None, "top_logprobs": None}
     top = [{"token": token(i), "token_id": i, "logprob": v} for i, v in lp.top]
     return {"token": token(token_id), "token_id": token_id, "logprob": lp.logprob, "rank": lp.rank, "top_logprobs": top}
+
+
+def score_schema(passthrough: pa.Schema, labels: bool, token_logprobs: bool) -> pa.Schema:
+    """The columns of a scoring job's rows: a classification's (`labels`) or the NLL's, with `token_logprobs`."""
+    values = [*LABEL_SCHEMA] if labels else [*NLL_SCHEMA]
+    values += [("token_logprobs", pa.list_(TOKEN_LOGPROB))] if token_logprobs else []
+    counts = [("prompt_tokens", pa.int32()), ("scored_tokens", pa.int32()), ("cached_tokens", pa.int32())]
+    common = [("truncated", pa.bool_()), ("error", pa.string()), ("row_index", pa.int64())]
+    return pa.schema([("id", pa.string()), *values, *counts, *common, *passthrough])
+
+
+def score_rows(work, score, tokenizer, token_logprobs: bool, cached_tokens: int) -> list[dict]:
+    """The output rows of a scored planner ScoreWork (one per input row it stands for, duplicates included) from its
+    engine ScoreOutput; `cached_tokens`: of its requests' tokens, those read from the prefix cache."""
+    if score.error is not None:
+        values = {}
+    elif score.labels is not None:
+        values = {"label": score.label, "label_logprobs": score.label_logprobs, "label_probs": score.label_probs}
+    else:
+        values = {"sum_nll": score.sum_nll, "mean_nll": score.mean_nll, "perplexity": score.perplexity}
+    if token_logprobs and score.token_logprobs is not None:
+        values["token_logprobs"] = [_token_logprob(lp, tokenizer) for lp in score.token_logprobs]
+    return [
+        {
+            **row.passthrough,
+            "id": row.id,
+            **values,
+            "prompt_tokens": len(work.token_ids),
+            "scored_tokens": None if score.error else work.scored_tokens,
+            # A duplicate reuses the whole computed result, its tokens included.
+            "cached_tokens": work.total_tokens if k else cached_tokens,
+            "truncated": work.truncated,
+            "error": score.error,
+            "row_index": row.index,
+        }
+        for k, row in enumerate(work.rows)
+    ]
 
 
 def failed_row(row, error: str) -> dict:

@@ -38,7 +38,7 @@ class Stats:
     step_decode_tokens: int = 0
     step: StepMetrics | None = None
     started: float = field(default_factory=time.monotonic)
-    task: str = "generate"  # an embedding job (embed) has input tokens only, and no engine steps
+    task: str = "generate"  # an embedding job (embed) has input tokens only, and no engine steps; scoring no output
 
     @property
     def done(self) -> int:
@@ -75,6 +75,11 @@ def _line(s: dict) -> str:
 def _rates(s: dict) -> str:
     if s["task"] == "embed":
         return f"input {s['total_tokens_per_s']:.0f} tok/s"
+    if s["task"] == "score":  # prefill only: no output tokens
+        return (
+            f"prefill {s['total_tokens_per_s']:.0f} tok/s | batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | "
+            f"preemptions {s['preemptions']} | prefix hits {s['prefix_hit_pct']:.0f}%"
+        )
     return (
         f"out {s['output_tokens_per_s']:.1f} tok/s | total {s['total_tokens_per_s']:.1f} tok/s | "
         f"batch {s['batch_size']} | kv {s['kv_usage_pct']:.0f}% | preemptions {s['preemptions']} | "

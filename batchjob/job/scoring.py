@@ -1,0 +1,183 @@
+"""A scoring job's rows (task: score) to engine requests and back: each row's prompt, then what is scored after it
+(nothing more for the text's own tokens, its continuation column's text, or each label), as prompt-only requests
+(max_tokens 0, prompt_logprobs) that the engine packs and chunks like any prefill; a row's outputs back together into
+its engine ScoreOutput (Engine.score's, built by the same score_output)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, score_output
+from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.contracts import JobEngine
+from batchjob.job.planner import TOKENIZE_CHUNK, in_windows
+from batchjob.job.prompt import PromptBuilder, RowError
+from batchjob.job.reader import Row
+from batchjob.job.spec import JobSpec
+
+
+@dataclass
+class ScoreWork:
+    request_id: str
+    token_ids: list[int]  # the prompt's
+    # What follows the prompt in each of the work's requests: [[]] for the prompt's own tokens, [the continuation's],
+    # or each label's, in the labels' order.
+    tails: list[list[int]]
+    start: int  # the first scored token of each request: 1, or the first after the prompt
+    params: SamplingParams  # max_tokens 0 and prompt_logprobs
+    labels: list[str] | None
+    truncated: bool
+    rows: list[Row] = field(default_factory=list)  # the first is computed, the rest are its duplicates
+
+    def requests(self) -> list[Request]:
+        """One request a tail; a label after the first waits for the first to compute the prompt's blocks, then reads
+        them from the prefix cache (`after`): one prefill of the prompt for all the labels."""
+        first = f"{self.request_id}-0"
+        return [
+            Request(
+                f"{self.request_id}-{j}",
+                self.token_ids + tail,
+                self.params,
+                prompt_logprobs_start=self.start,
+                after=first if j else None,
+            )
+            for j, tail in enumerate(self.tails)
+        ]
+
+    def score(self, outputs: list[RequestOutput]) -> ScoreOutput:
+        """The ScoreOutput of the work's finished requests, in their order."""
+        return score_output(self.request_id, outputs, self.start, self.labels)
+
+    @property
+    def scored_tokens(self) -> int:
+        return sum(len(self.token_ids) + len(tail) - self.start for tail in self.tails)
+
+    @property
+    def total_tokens(self) -> int:
+        """Of all its requests."""
+        return sum(len(self.token_ids) + len(tail) for tail in self.tails)
+
+
+class ScorePlanner:
+    """Rows to ScoreWorks: the prompt built as for generation (template, system text, chat template if asked for, the
+    too-long policy leaving room for what is scored after it), the continuation tokenized on its own as row data
+    (never special tokens, unless prompt.special_tokens_in_data), identical works computed once and a window of rows
+    ordered at a time (planner.in_windows), as the generation planner does."""
+
+    def __init__(self, job: JobSpec, engine: JobEngine, on_error: Callable[[Row, str], None]):
+        self.builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
+        self.tokenizer, self.on_error = engine.tokenizer, on_error
+        spec = job.score
+        self.column, self.labels = spec.continuation_column, spec.labels
+        # Labels are the job file's text, as its template is: read as written.
+        self.label_ids = [self.tokenizer.encode(label, add_special_tokens=False) for label in spec.labels or []]
+        self.params = SamplingParams(max_tokens=0, prompt_logprobs=spec.prompt_logprobs or 0)
+        self.sort_window, self.dedupe = job.schedule.sort_window, job.schedule.dedupe
+        self.block_size = engine.config.block_size
+        self._ids = itertools.count()
+
+    def works(self, rows: Iterable[Row]) -> Iterator[ScoreWork]:
+        key = _work_key if self.dedupe else lambda work: None  # scoring is deterministic: any two alike are one
+        return in_windows(self._works(rows), key, self.sort_window, self.block_size)
+
+    def _works(self, rows: Iterable[Row]) -> Iterator[ScoreWork]:
+        """Rows to works in input order, a chunk at a time; failing rows go to on_error, in order too."""
+        rows = iter(rows)
+        while chunk := list(itertools.islice(rows, TOKENIZE_CHUNK)):
+            tails: list[list[list[int]] | RowError] = []
+            texts: list[str] = []
+            for row in chunk:
+                try:
+                    if row.error is not None:
+                        raise RowError(row.error)
+                    if self.column is not None:
+                        texts.append(self.builder.data(_continuation(row.values.get(self.column), self.column)))
+                    tails.append(self.label_ids or [[]])
+                except RowError as e:
+                    tails.append(e)
+            continuations = iter(self.tokenizer.encode_batch(texts, add_special_tokens=False))
+            if self.column is not None:
+                tails = [t if isinstance(t, RowError) else [next(continuations)] for t in tails]
+            usable = [i for i, t in enumerate(tails) if not isinstance(t, RowError)]
+            rooms = [max(map(len, tails[i])) for i in usable]
+            built = dict(zip(usable, self.builder.build_many([chunk[i] for i in usable], rooms)))
+            for i, row in enumerate(chunk):
+                prompt = built.get(i, tails[i])
+                if isinstance(prompt, RowError):
+                    self.on_error(row, str(prompt))
+                    continue
+                ids, truncated = prompt
+                start = 1 if self.column is None and self.labels is None else len(ids)
+                yield ScoreWork(str(next(self._ids)), ids, tails[i], start, self.params, self.labels, truncated, [row])
+
+
+def score_planner(
+    job: JobSpec,
+    engine: JobEngine,
+    on_error: Callable[[Row, str], None],
+    on_note: Callable[[str], None] = lambda note: None,
+) -> ScorePlanner:
+    """The job's ScorePlanner; as planner.job_planner, JobFileError at once when chat messages need a chat template
+    the model lacks, and `on_note` hears how prompts are built where the job file leaves it to the model."""
+    planner = ScorePlanner(job, engine, on_error)
+    if note := planner.builder.check():
+        on_note(note)
+    return planner
+
+
+def score_requests(works: Iterable[ScoreWork], in_flight: dict[str, ScoreWork]) -> Iterator[Request]:
+    """Each work's requests, keeping the work in `in_flight` under each request's id until the caller pops it with
+    that request's output."""
+    for work in works:
+        for request in work.requests():
+            in_flight[request.request_id] = work
+            yield request
+
+
+class ScoreGather:
+    """The outputs of each work's requests, held until the work has them all."""
+
+    def __init__(self):
+        self.got: dict[str, dict[int, RequestOutput]] = {}
+
+    def add(self, work: ScoreWork, output: RequestOutput) -> list[RequestOutput] | None:
+        """The work's outputs in its requests' order once `output` completes them; None before."""
+        got = self.got.setdefault(work.request_id, {})
+        got[int(output.request_id.rpartition("-")[2])] = output
+        if len(got) < len(work.tails):
+            return None
+        del self.got[work.request_id]
+        return [got[j] for j in range(len(work.tails))]
+
+
+def cached_tokens(outputs: list[RequestOutput]) -> int:
+    return sum(o.num_cached_tokens for o in outputs)
+
+
+def _continuation(value, name: str) -> str:
+    """A row's continuation text; RowError where there is none. Unlike a prompt, blank text (a space) is text to
+    score."""
+    if value is None:
+        raise RowError(f"missing continuation: {name} is missing or null")
+    if isinstance(value, bytes):  # a Parquet BYTE_ARRAY column written without its UTF8 annotation
+        try:
+            value = value.decode()
+        except UnicodeDecodeError as e:
+            raise RowError(f"{name} is bytes that are not UTF-8 ({e})") from None
+    if not isinstance(value, str):
+        raise RowError(f"{name} must be text, got {type(value).__name__}")
+    if not value:
+        raise RowError(f"missing continuation: {name} is empty (nothing to score)")
+    return value
+
+
+def _work_key(work: ScoreWork) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    for ids in (work.token_ids, *work.tails):  # each with its length: no two different splits hash alike
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(array("q", ids).tobytes())
+    return digest.digest()
