@@ -162,7 +162,8 @@ def score_rows(work, score, tokenizer, token_logprobs: bool, cached_tokens: int)
     else:
         values = {"sum_nll": score.sum_nll, "mean_nll": score.mean_nll, "perplexity": score.perplexity}
     if token_logprobs and score.token_logprobs is not None:
-        values["token_logprobs"] = [_token_logprob(lp, tokenizer) for lp in score.token_logprobs]
+        token = _token_strings(tokenizer)
+        values["token_logprobs"] = [_token_logprob(lp, token) for lp in score.token_logprobs]
     return [
         {
             **row.passthrough,
