@@ -310,9 +310,11 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     "--task",
     default="generate",
     show_default=True,
-    type=click.Choice(["generate", "embed"]),
+    type=click.Choice(["generate", "embed", "score"]),
     help="embed: the Embedder against sentence-transformers encode on texts cut from sample_data/documents.parquet "
-    "(--model: a sentence-transformers folder or built-in name)",
+    "(--model: a sentence-transformers folder or built-in name); score: Engine.score against transformers' forward "
+    "and vLLM's prompt_logprobs by scored tokens/s, on sample_data/documents.parquet's documents (or --job's rows, or "
+    "random tokens with --input-len)",
 )
 @click.option("--model", default=None, help=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} with --task embed")
 @click.option(
@@ -329,9 +331,14 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     default=None,
     type=click.IntRange(min=1),
     help="synthetic prompts (default 64), or the job's first rows (default all; with --quality 200), or with --task "
-    "embed texts (default 1000)",
+    "embed texts (default 1000), or with --task score documents (default 64)",
 )
-@click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--input-len",
+    default=None,
+    type=click.IntRange(min=1),
+    help="synthetic prompts' tokens (default 256); with --task score, scores random tokens instead of documents",
+)
 @click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--range-ratio",
@@ -345,14 +352,15 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     "--systems",
     default=None,
     help="comma list of engine, unconstrained, static, hf, vllm, llama-server (default engine,static,hf); with --task "
-    "embed of embedder, st (default both)",
+    "embed of embedder, st (default both); with --task score of engine, hf, vllm (default engine,hf)",
 )
 @click.option(
     "--batch-size",
     default=None,
     type=click.IntRange(min=1),
     help="fixed batch size of the static and hf baselines (default 64), or of transformers with --quality (default "
-    "16), or with --task embed sentence-transformers' tuned batch (default 64; its default 32 runs too)",
+    "16), or with --task embed sentence-transformers' tuned batch (default 64; its default 32 runs too), or with "
+    "--task score transformers' one batch (default: it tries 1, 4, 16 and 64 and reports each)",
 )
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-seqs", default=None, type=int)
@@ -409,8 +417,8 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 )
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:
-    """Throughput of this engine against baselines on one workload, in one process; or with --quality what bf16
-    costs in quality."""
+    """Throughput of this engine against baselines on one workload, in one process (with --task embed the
+    Embedder's, with --task score Engine.score's); or with --quality what bf16 costs in quality."""
     from batchjob.bench.compare import BenchOptions
     from batchjob.bench.compare import bench as run_bench
 

@@ -1,22 +1,27 @@
 """bench: a job file's rows as the workload, the token-budget sweep and the bf16 quality report (tiny, on the real
-model); `--task embed` on all-MiniLM-L6-v2 against sentence-transformers, and its texts; llama.cpp's llama-server as a
+model); `--task embed` on all-MiniLM-L6-v2 against sentence-transformers, and its texts; `--task score` against
+transformers (its counts and logprob alignment) and vLLM's prompt_logprobs as read; llama.cpp's llama-server as a
 peer (its command, requests and counts; a real run where its build is cached) and the host CPU the report names."""
 
+import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
 
 from batchjob import cli
-from batchjob.bench import llama_server, quality
+from batchjob.bench import llama_server, quality, scoring
 from batchjob.bench.compare import LlamaServerOptions, run_bench, run_sweep
 from batchjob.bench.measure import agreement
 from batchjob.bench.quality import continuation_nll, divergence, run_quality
+from batchjob.bench.scoring import run_score_bench, vllm_logprobs
 from batchjob.bench.systems import load_hf_model
-from batchjob.bench.tables import format_quality, format_report
-from batchjob.bench.workloads import EMBED_CHARS, embed_texts, job_workload, synthetic
+from batchjob.bench.tables import format_quality, format_report, format_score
+from batchjob.bench.workloads import DOCUMENTS, EMBED_CHARS, document_workload, embed_texts, job_workload, synthetic
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
@@ -226,6 +231,130 @@ def test_bench_task_embed_wants_a_sentence_transformers_folder(tmp_path):
     result = CliRunner().invoke(cli.main, ["bench", "--task", "embed", "--model", str(tmp_path)])
     assert result.exit_code == EXIT_USAGE
     assert result.stderr.strip() == f"error: {tmp_path} is not a sentence-transformers folder: it has no modules.json"
+
+
+# -- --task score -----------------------------------------------------------------------------------------------
+TINY = {"load_format": "dummy", "dtype": "float32"}  # tiny-llama's seeded weights: transformers draws the same
+
+
+def test_score_bench_credits_each_rows_tokens_after_its_first_and_matches_transformers_per_token():
+    """Rows of 2 to 61 random tokens, the engine at a 32-token budget (rows chunked and packed) against transformers
+    at each batch size (rows of other lengths padded together): every system scores each row's tokens after its
+    first, and the logprobs agree token for token to fp32's rounding (read one position off, they differ by ~2)."""
+    pytest.importorskip("transformers")
+    engine = Engine("tiny-llama", **TINY, num_kv_blocks=64, max_num_batched_tokens=32)
+    vocab = engine.model_config.vocab_size
+    rows = [[(7 * n + 13 * k) % vocab for k in range(n)] for n in (2, 9, 40, 23, 61)]
+    report = run_score_bench(engine, engine.model_path, rows, "five rows", ["engine", "hf"], None, 1)
+    scored = 1 + 8 + 39 + 22 + 60
+    assert report["scored_tokens"] == scored and report["prompt_tokens"] == scored + 5 and report["rows"] == 5
+    systems = {r["system"]: r for r in report["systems"]}
+    assert list(systems) == ["engine", "hf batch 1", "hf batch 4", "hf batch 5"]  # 16 and 64: all five rows at once
+    assert report["hf_batches"]["tried"] == [1, 4, 5] and report["hf_batches"]["best"] in systems
+    for row in systems.values():
+        assert row["scored_tokens"] == scored and row["scored_tokens_per_s"] == pytest.approx(scored / row["wall"])
+        assert row["engine_ratio"] == pytest.approx(row["wall"] / systems["engine"]["wall"])
+    assert report["engine_ratio"]["hf"] == pytest.approx(systems[report["hf_batches"]["best"]]["engine_ratio"])
+    assert systems["engine"]["note"].startswith("float32, Engine.score, packed into its token budget (32)")
+    assert "float32, sorted by length, right-padded per batch" in systems["hf batch 4"]["note"]
+    for name in ("hf batch 1", "hf batch 4", "hf batch 5"):
+        d = report["exactness"][name]
+        assert d["rows"] == 5 and d["max_abs"] <= 1e-5 and 0 <= d["mean_abs"] <= d["max_abs"]
+    text = format_score(report)
+    assert f"{scored} scored tokens (each row's tokens after its first) in 5 rows" in text
+    assert "transformers' batch sizes tried: 1, 4, 5" in text and "engine's scored tokens/s: " in text
+    assert "logprobs of hf batch 4 against the engine's over 5 rows: max |difference| " in text
+    assert f"host CPU: {describe_cpu(cpu_kind())}" in text
+
+
+def test_transformers_batch_sizes_whose_padded_batches_outgrow_the_bound_are_not_tried(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(scoring, "HF_MAX_PADDED", 100)
+    engine = Engine("tiny-llama", **TINY, num_kv_blocks=64)
+    rows = [[5] * 30, [6] * 20, [7] * 40, [8] * 10]  # sorted: 10, 20, 30, 40; at 4 a batch pads to 4 x 40
+    report = run_score_bench(engine, engine.model_path, rows, "four rows", ["hf"], None, 1)
+    assert report["hf_batches"]["tried"] == [1] and report["hf_batches"]["left_out"] == {4: 160}
+    assert "batch 4 not tried: its largest padded batch holds 160 tokens (over 100)" in format_score(report)
+    assert report["exactness"] == {} and "hf" not in report["engine_ratio"]  # no engine in the run: no ratio
+
+
+def test_a_system_that_scores_other_tokens_than_each_rows_after_its_first_stops_the_bench(monkeypatch):
+    pytest.importorskip("transformers")
+    engine = Engine("tiny-llama", **TINY, num_kv_blocks=64)
+    real = scoring.hf_logprobs
+    monkeypatch.setattr(scoring, "hf_logprobs", lambda model, batch: [lp[:-1] for lp in real(model, batch)])
+    with pytest.raises(RuntimeError, match=r"^hf batch 2 scored 6 tokens in 2 rows; the workload has 8 in 2 \("):
+        run_score_bench(engine, engine.model_path, [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]], "two", ["engine", "hf"], 2, 1)
+
+
+def test_the_documents_are_read_whole_and_cut_at_the_context():
+    engine = Engine("tiny-llama", **TINY, num_kv_blocks=8)
+    path = REPO / DOCUMENTS
+    wl = document_workload(engine, 1000, path)
+    texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    assert len(wl.requests) == len(texts) == 244 and wl.name == f"244 documents of {path}"
+    lengths = [len(r.prompt_token_ids) for r in wl.requests]
+    assert max(lengths) == engine.max_model_len == 1024 and min(lengths) > 10
+    assert wl.requests[5].prompt_token_ids == engine.tokenizer.encode(texts[5])[:1024]
+    assert len(document_workload(engine, 3, path).requests) == 3
+
+
+def test_vllm_prompt_logprobs_are_read_at_each_prompt_tokens_own_id():
+    """vLLM's layout: None at the first prompt token, then {token id: Logprob} a position holding the prompt's own
+    token (and, at prompt_logprobs=0, maybe the likeliest one beside it)."""
+    ids = [5, 9, 9, 2]
+    lp = lambda v: SimpleNamespace(logprob=v, rank=1)  # noqa: E731 - vllm.logprobs.Logprob's fields
+    prompt_logprobs = [None, {9: lp(-0.5), 5: lp(-0.1)}, {9: lp(-1.5)}, {2: lp(-2.5), 9: lp(-0.2)}]
+    assert vllm_logprobs(prompt_logprobs, ids).tolist() == [-0.5, -1.5, -2.5]
+    for wrong in (prompt_logprobs[1:], [{5: lp(0.0)}, *prompt_logprobs[1:]], None):
+        with pytest.raises(RuntimeError, match="vllm: prompt_logprobs of"):
+            vllm_logprobs(wrong, ids)
+
+
+def test_bench_task_score_on_random_tokens_through_the_cli(tmp_path):
+    """--input-len scores random tokens; --batch-size is transformers' one batch; the JSON holds what the table
+    says."""
+    pytest.importorskip("transformers")
+    args = ["bench", "--task", "score", "--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32"]
+    args += ["--input-len", "24", "--num-prompts", "3", "--batch-size", "2", "--repeats", "2"]
+    args += ["--json", str(tmp_path / "score.json")]
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == EXIT_OK, result.output
+    report = json.loads((tmp_path / "score.json").read_text())
+    assert report["workload"].startswith("score: random in=24") and report["scored_tokens"] == 3 * 23
+    assert [r["system"] for r in report["systems"]] == ["engine", "hf batch 2"]
+    assert all(len(r["round_walls"]) == 2 for r in report["systems"])
+    assert report["exactness"]["hf batch 2"]["max_abs"] <= 1e-5
+    ratio = report["engine_ratio"]["hf"]
+    assert f"engine's scored tokens/s: {ratio:.2f}x transformers' at its best batch (hf batch 2)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--quality"], "error: bench --task score: --quality: for --task generate only"),
+        (["--systems", "engine,static"], "error: bench --task score: unknown systems ['static'] (expected engine, "),
+        (["--range-ratio", "0.5"], "error: bench --task score: --range-ratio and --prefix-len shape random prompts"),
+        (["--input-len", "1"], "error: bench --task score: no row of the workload has the 2 tokens or more"),
+    ],
+)
+def test_bench_task_score_refuses_what_does_not_apply(extra, message):
+    args = ["bench", "--task", "score", "--model", "tiny-llama", "--load-format", "dummy", "--systems", "engine"]
+    result = CliRunner().invoke(cli.main, [*args, *extra])
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.strip().startswith(message)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (docs/benchmarks.md)")
+def test_vllm_scores_the_same_rows_as_the_engine():
+    """A real vLLM in fp32 on two random rows: its prompt logprobs, read at each row's tokens after its first, equal
+    the engine's to fp32's rounding."""
+    engine = Engine("smollm2-135m-instruct", dtype="float32", num_kv_blocks=64)
+    rows = [r.prompt_token_ids for r in synthetic(engine.model_config.vocab_size, 2, 40, 1).requests]
+    report = run_score_bench(engine, engine.model_path, rows, "two rows", ["engine", "vllm"], None, 1)
+    assert [r["system"] for r in report["systems"]] == ["engine", "vllm"] and not report["skipped"]
+    assert report["exactness"]["vllm"]["rows"] == 2 and report["exactness"]["vllm"]["max_abs"] <= 1e-3
 
 
 # -- llama.cpp's llama-server --------------------------------------------------------------------------------------

@@ -13,13 +13,14 @@ measures bf16 against fp32 instead of speed (quality.py).
 Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real rows, prompts and sampling.
 
 `--task embed` instead runs the Embedder (`embedder`) against sentence-transformers `encode` (`st`, at its default
-batch size and at a tuned one) on texts of mixed lengths cut from real documents, by input tokens/s."""
+batch size and at a tuned one) on texts of mixed lengths cut from real documents, by input tokens/s. `--task score`
+runs teacher-forced scoring (scoring.py): Engine.score against transformers' forward and vLLM's prompt_logprobs, by
+scored tokens/s, on whole documents, a job's rows or random tokens."""
 
 from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pydantic
@@ -27,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.bench import llama_server
-from batchjob.bench.measure import Result, agreement, roofline
+from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
 from batchjob.bench.quality import run_quality
+from batchjob.bench.scoring import run_score_bench
 from batchjob.bench.systems import (
     load_hf_model,
     load_sentence_transformer,
@@ -41,11 +43,12 @@ from batchjob.bench.systems import (
     run_static,
     run_vllm,
 )
-from batchjob.bench.tables import format_embed, format_quality, format_report, format_sweep
+from batchjob.bench.tables import format_embed, format_quality, format_report, format_score, format_sweep
 from batchjob.bench.workloads import (
+    DOCUMENTS,
     EMBED_CHARS,
-    EMBED_DOCUMENTS,
     Workload,
+    document_workload,
     embed_texts,
     job_workload,
     synthetic,
@@ -56,16 +59,6 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 from batchjob.model.cpu_features import cpu_kind
-
-
-def interleaved_rounds(names: list, repeats: int, run: Callable) -> tuple[dict, dict]:
-    """`run(name)` for every name once a round, the order rotating so that none always runs first: each name's
-    results in the order run, and its median round by wall time."""
-    runs: dict = {s: [] for s in names}
-    for k in range(repeats):
-        for name in names[k % len(names) :] + names[: k % len(names)]:
-            runs[name].append(run(name))
-    return runs, {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
 
 
 @dataclass(frozen=True)
@@ -254,7 +247,7 @@ def run_embed_bench(
                 cosine[s] = {"min": float(c.min()), "row": int(c.argmin()), "mean": float(c.mean())}
     lo, hi = EMBED_CHARS
     return {
-        "workload": f"embed: {len(texts)} texts of {lo}-{hi} characters cut from {EMBED_DOCUMENTS}, {tokens:,} tokens "
+        "workload": f"embed: {len(texts)} texts of {lo}-{hi} characters cut from {DOCUMENTS}, {tokens:,} tokens "
         f"(cut at max_seq_length {embedder.max_seq_length})",
         "cpu": cpu_kind(),
         "systems": rows,
@@ -275,7 +268,7 @@ class BenchOptions:
     model: str
     job_file: str | None
     num_prompts: int | None
-    input_len: int
+    input_len: int | None
     output_len: int
     range_ratio: float
     prefix_len: int
@@ -297,6 +290,8 @@ class BenchOptions:
 
 QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
 QUALITY_ROWS = 200  # the issue's count
+INPUT_LEN = 256  # synthetic prompts' tokens
+NUM_PROMPTS = 64  # synthetic prompts, and --task score's documents
 BATCH_SIZE = 64  # of the static and hf baselines, and --task embed's tuned sentence-transformers batch
 EMBED_TEXTS = 1000  # --task embed's default count of texts
 ST_DEFAULT_BATCH = 32  # sentence-transformers encode's default batch size
@@ -329,6 +324,34 @@ def _embed_report(o: BenchOptions) -> dict:
     return run_embed_bench(embedder, embedder.model_path, texts, systems, batch_sizes, o.repeats)
 
 
+SCORE_SYSTEMS = ("engine", "hf", "vllm")
+
+
+def _score_systems(o: BenchOptions) -> list[str]:
+    """--task score's systems, after refusing the options that do not apply to it."""
+    given = (("--quality", o.quality), ("--sweep-budgets", o.budgets), ("--requantize", o.requantize))
+    if unused := [f for f, v in given if v]:
+        raise JobFileError(f"bench --task score: {', '.join(unused)}: for --task generate only")
+    if o.input_len is None and not o.job_file and (o.range_ratio or o.prefix_len):
+        raise JobFileError("bench --task score: --range-ratio and --prefix-len shape random prompts: give --input-len")
+    systems = [s.strip() for s in (o.systems or "engine,hf").split(",") if s.strip()]
+    if unknown := sorted(set(systems) - set(SCORE_SYSTEMS)):
+        raise JobFileError(f"bench --task score: unknown systems {unknown} (expected {', '.join(SCORE_SYSTEMS)})")
+    return systems
+
+
+def _score_report(o: BenchOptions, engine: Engine, wl: Workload) -> dict:
+    """--task score on the workload's prompts: those of 2 tokens or more (a row's first token is not scored)."""
+    rows = [r.prompt_token_ids for r in wl.requests if len(r.prompt_token_ids) >= 2]
+    if not rows:
+        raise JobFileError("bench --task score: no row of the workload has the 2 tokens or more a score needs")
+    if too_long := sum(len(r) > engine.max_model_len for r in rows):
+        raise JobFileError(f"bench --task score: {too_long} rows exceed the model's context ({engine.max_model_len})")
+    short = len(wl.requests) - len(rows)
+    name = f"score: {wl.name}" + (f"; {short} rows of one token left out" if short else "")
+    return run_score_bench(engine, engine.model_path, rows, name, _score_systems(o), o.batch_size, o.repeats)
+
+
 def bench(o: BenchOptions) -> str:
     """Build the engine and the workload the options name, run the comparison (or the budget sweep), write the JSON
     report where asked, and return the table."""
@@ -336,6 +359,8 @@ def bench(o: BenchOptions) -> str:
         report = _embed_report(o)
         _write_json(o.json_path, report)
         return format_embed(report)
+    if o.task == "score":
+        _score_systems(o)  # its refusals before the engine loads
     overrides = {
         k: v
         for k, v in (
@@ -368,10 +393,16 @@ def bench(o: BenchOptions) -> str:
     engine = _engine(model, quality_fp32 if o.quality else overrides)
     if job:
         wl = job_workload(job, engine, o.num_prompts or (QUALITY_ROWS if o.quality else None))
+    elif o.task == "score" and o.input_len is None:
+        wl = document_workload(engine, o.num_prompts or NUM_PROMPTS)
     else:
         vocab = engine.model_config.vocab_size
-        wl = synthetic(vocab, o.num_prompts or 64, o.input_len, o.output_len, o.range_ratio, o.prefix_len)
-    if o.quality:
+        input_len = o.input_len or INPUT_LEN
+        wl = synthetic(vocab, o.num_prompts or NUM_PROMPTS, input_len, o.output_len, o.range_ratio, o.prefix_len)
+    if o.task == "score":
+        report = _score_report(o, engine, wl)
+        text = format_score(report)
+    elif o.quality:
         # int8 in float32 (its matmuls the one change from fp32), or bf16 with the weights as the job sets them
         other = {**quality_fp32, "weights": "int8"} if o.weights else {**overrides, "dtype": "bfloat16"}
         report = run_quality(engine, _engine(model, other), wl, o.batch_size or QUALITY_HF_BATCH)

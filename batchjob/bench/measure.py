@@ -1,10 +1,11 @@
-"""What a run measured (`Result`), the machine's reference rates it is compared with, and the agreement of two
-systems' greedy outputs."""
+"""What a run measured (`Result`), the interleaved rounds the systems run in, the machine's reference rates a run is
+compared with, and the agreement of two systems' greedy outputs."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,18 +40,30 @@ class Result:
     outputs: dict[str, list[int]] | None = None  # output token ids by request id, to compare systems' greedy outputs
     sample_tokens: dict[str, int] | None = None  # by request id, its longest sample's output tokens
     embeddings: torch.Tensor | None = None  # --task embed: the texts' embeddings [texts, hidden], in input order
+    logprobs: list[torch.Tensor] | None = None  # --task score: each row's scored tokens' logprobs, in row order
 
     def row(self) -> dict:
         d = dict(self.__dict__)
         d.pop("outputs")
         d.pop("sample_tokens")
         d.pop("embeddings")
+        d.pop("logprobs")
         d.update(
             requests_per_s=self.num_requests / self.wall,
             total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.wall,
             output_tokens_per_s=self.output_tokens / self.wall,
         )
         return d
+
+
+def interleaved_rounds(names: list, repeats: int, run: Callable) -> tuple[dict, dict]:
+    """`run(name)` for every name once a round, the order rotating so that none always runs first: each name's
+    results in the order run, and its median round by wall time."""
+    runs: dict = {s: [] for s in names}
+    for k in range(repeats):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            runs[name].append(run(name))
+    return runs, {s: sorted(r, key=lambda x: x.wall)[len(r) // 2] for s, r in runs.items()}
 
 
 def summarize(system: str, wall: float, wl: Workload, output_tokens: int, steps: list[StepMetrics]) -> Result:

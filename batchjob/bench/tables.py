@@ -214,3 +214,50 @@ def format_quality(report: dict) -> str:
         *(f"skipped {name}: {why}" for name, why in report["skipped"].items()),
     ]
     return render(["check", "figures"], rows, f"quality: {report['workload']}", notes)
+
+
+def format_score(report: dict) -> str:
+    """`bench --task score`: each system's scored tokens/s, the engine's tokens/s over it and its logprobs' largest
+    difference from the engine's; what was scored, transformers' batch sizes, the engine's ratio to each peer, each
+    round's wall time and where the logprobs differ most as notes."""
+    columns = ["system", "scored tok/s", "engine / it", "wall s", "max |Δ logprob|", "how it ran"]
+    exact = report["exactness"]
+    rows = [
+        [
+            r["system"],
+            f"{r['scored_tokens_per_s']:,.0f}",
+            "" if r["engine_ratio"] is None else f"{r['engine_ratio']:.2f}x",
+            f"{r['wall']:.2f}",
+            f"{exact[r['system']]['max_abs']:.2e}" if r["system"] in exact else "",
+            r["note"],
+        ]
+        for r in report["systems"]
+    ]
+    hf = report["hf_batches"]
+    notes = [
+        f"{report['scored_tokens']:,} scored tokens (each row's tokens after its first) in {report['rows']} rows of "
+        f"{report['prompt_tokens']:,} tokens; every system is credited with these"
+    ]
+    if hf["tried"]:
+        left = "".join(
+            f"; batch {b} not tried: its largest padded batch holds {n:,} tokens (over {hf['max_padded']:,})"
+            for b, n in hf["left_out"].items()
+        )
+        notes.append(
+            f"transformers' batch sizes tried: {', '.join(map(str, hf['tried']))} (rows sorted by length, each batch "
+            f"padded to its longest); the best: {hf['best']}{left}"
+        )
+    if ratios := report["engine_ratio"]:
+        peers = {"hf": f"transformers' at its best batch ({hf['best']})", "vllm": "vLLM's"}
+        notes.append("engine's scored tokens/s: " + ", ".join(f"{v:.2f}x {peers[p]}" for p, v in ratios.items()))
+    walls = "; ".join(f"{r['system']} {', '.join(f'{w:.2f}' for w in r['round_walls'])}" for r in report["systems"])
+    notes.append(f"wall time of each round (s), {report['repeats']} round(s), {report['threads']} threads: {walls}")
+    for name, d in exact.items():
+        notes.append(
+            f"logprobs of {name} against the engine's over {d['rows']} rows: max |difference| {d['max_abs']:.2e} "
+            f"(row {d['row']}, token {d['token']}), mean {d['mean_abs']:.2e}"
+        )
+    for name, why in report["skipped"].items():
+        notes.append(f"skipped {name}: {why}")
+    notes.append(f"host CPU: {describe_cpu(report['cpu'])}")
+    return render(columns, rows, report["workload"], notes)

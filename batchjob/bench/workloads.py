@@ -1,5 +1,5 @@
 """The bench's workloads: random token ids as vLLM's benchmark draws them, or a job file's real rows; for
-`--task embed`, texts of mixed lengths cut from real documents."""
+`--task embed`, texts of mixed lengths cut from real documents; for `--task score`, whole documents."""
 
 from __future__ import annotations
 
@@ -81,11 +81,11 @@ def unconstrained(wl: Workload, sample_tokens: dict[str, int]) -> Workload:
     return Workload(reqs, f"{wl.name}, unconstrained")
 
 
-EMBED_DOCUMENTS = "sample_data/documents.parquet"  # --task embed's texts are cut from these documents
+DOCUMENTS = "sample_data/documents.parquet"  # real documents: --task embed's texts are cut from them; --task score's
 EMBED_CHARS = (40, 1200)  # the issue's range of text lengths, in characters
 
 
-def embed_texts(num_texts: int, seed: int = 0, path: str | Path = EMBED_DOCUMENTS) -> list[str]:
+def embed_texts(num_texts: int, seed: int = 0, path: str | Path = DOCUMENTS) -> list[str]:
     """`num_texts` texts of EMBED_CHARS characters: each document's text (rows reused in turn) cut at a length drawn
     uniformly from the range, back to the last whitespace at or before it (a word boundary); a text shorter than the
     drawn length is taken whole. Documents shorter than the range's low end are passed over. The same seed gives the
@@ -104,3 +104,17 @@ def embed_texts(num_texts: int, seed: int = 0, path: str | Path = EMBED_DOCUMENT
             doc = doc[:cut].rstrip() if len(doc[:cut].rstrip()) >= lo else doc[:cut]
         texts.append(doc)
     return texts
+
+
+def document_workload(engine: Engine, num_docs: int, path: str | Path = DOCUMENTS) -> Workload:
+    """The first `num_docs` documents (fewer where the file has fewer), each its whole text as the engine's tokenizer
+    reads it, cut at the model's context (max_model_len): --task score's real rows."""
+    docs = [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)  # read, not generated: scored teacher-forced
+    reqs = [
+        Request(f"d{i}", engine.tokenizer.encode(text)[: engine.max_model_len], params)
+        for i, text in enumerate(docs[:num_docs])
+    ]
+    if not reqs:
+        raise ValueError(f"{path}: no document with text")
+    return Workload(reqs, f"{len(reqs)} documents of {path}")
