@@ -137,3 +137,12 @@ def assert_json_output(text: str, finish_reason: str, schema: dict | None = None
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(grammar)
     matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
     assert text and matcher.accept_string(text), f"not a prefix of a JSON object valid against the schema: {text!r}"
+
+
+def summarize_prompts(tokenizer, n: int = 12) -> list[list[int]]:
+    """`n` chat prompts asking to summarize the sample documents' starts, of about 40 to 330 tokens (n = 12)."""
+    docs = pq.read_table(REPO / "sample_data" / "documents.parquet").column("text").to_pylist()
+    return [
+        tokenizer.encode_chat([{"role": "user", "content": "Summarize: " + " ".join(docs[i].split()[: 20 + 23 * i])}])
+        for i in range(n)
+    ]

@@ -63,7 +63,7 @@ def plan_job(
     if not lengths:
         return {"rows": scan.total, "rows_failing_before_the_model": failed, **cached, "requests": 0}
 
-    prompt_tokens, ordered = sum(lengths), sorted(lengths)
+    prompt_tokens = sum(lengths)
     report = {
         "rows": scan.total,
         "rows_failing_before_the_model": failed,
@@ -72,9 +72,7 @@ def plan_job(
         "duplicate_rows_computed_once": duplicates,
         "constrained_rows": constrained,
         "distinct_grammars": len(grammars),
-        "prompt_tokens_total": prompt_tokens,
-        "prompt_tokens_p50": ordered[len(ordered) // 2],
-        "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
+        **_prompt_token_stats(lengths),
         "output_tokens_max": sum(max_tokens),
         "prefix_sharing_ratio": round(shared / prompt_tokens, 3),
     }
@@ -129,12 +127,9 @@ def _plan_embedding(job: JobSpec, source: InputSource, rows: int, embedder: Embe
     report["requests"] = len(lengths)
     if not lengths:
         return report
-    ordered = sorted(lengths)
     report |= {
         "rows_truncated": truncated,
-        "prompt_tokens_total": sum(lengths),
-        "prompt_tokens_p50": ordered[len(ordered) // 2],
-        "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
+        **_prompt_token_stats(lengths),
         "max_seq_length": embedder.max_seq_length,
         "dimension": embedder.dimension,
     }
@@ -176,12 +171,9 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
     report["requests"] = len(lengths)
     if not lengths:
         return report
-    ordered = sorted(lengths)
     report |= {
         "duplicate_rows_computed_once": duplicates,
-        "prompt_tokens_total": sum(lengths),
-        "prompt_tokens_p50": ordered[len(ordered) // 2],
-        "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
+        **_prompt_token_stats(lengths),
         "scored_tokens_total": scored,
         "prefill_tokens_expected": computed,
     }
@@ -258,3 +250,13 @@ class PrefixCacheModel:
             if len(self.blocks) > self.capacity:
                 self.blocks.popitem(last=False)
         return hits
+
+
+def _prompt_token_stats(lengths) -> dict:
+    """The requests' prompt tokens: their total, median and 99th percentile."""
+    ordered = sorted(lengths)
+    return {
+        "prompt_tokens_total": sum(ordered),
+        "prompt_tokens_p50": ordered[len(ordered) // 2],
+        "prompt_tokens_p99": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)],
+    }

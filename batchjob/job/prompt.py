@@ -187,8 +187,17 @@ def _template_refused(e: Exception) -> RowError:
 
 
 def _text(value, name: str) -> str:
+    value = cell_text(value, name, "prompt")
+    if not value.strip():
+        raise RowError(f"missing prompt: {name} is empty")
+    return value
+
+
+def cell_text(value, name: str, what: str) -> str:
+    """A cell's value as text; RowError naming the column where it is missing or not text (`what`: the prompt, the
+    continuation)."""
     if value is None:
-        raise RowError(f"missing prompt: {name} is missing or null")
+        raise RowError(f"missing {what}: {name} is missing or null")
     if isinstance(value, bytes):  # a Parquet BYTE_ARRAY column written without its UTF8 annotation
         try:
             value = value.decode()
@@ -196,8 +205,6 @@ def _text(value, name: str) -> str:
             raise RowError(f"{name} is bytes that are not UTF-8 ({e})") from None
     if not isinstance(value, str):
         raise RowError(f"{name} must be text, got {type(value).__name__}")
-    if not value.strip():
-        raise RowError(f"missing prompt: {name} is empty")
     return value
 
 

@@ -15,7 +15,7 @@ from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, score_o
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import JobEngine
 from batchjob.job.planner import TOKENIZE_CHUNK, in_windows
-from batchjob.job.prompt import PromptBuilder, RowError
+from batchjob.job.prompt import PromptBuilder, RowError, cell_text
 from batchjob.job.reader import Row
 from batchjob.job.spec import JobSpec
 
@@ -161,15 +161,7 @@ def cached_tokens(outputs: list[RequestOutput]) -> int:
 def _continuation(value, name: str) -> str:
     """A row's continuation text; RowError where there is none. Unlike a prompt, blank text (a space) is text to
     score."""
-    if value is None:
-        raise RowError(f"missing continuation: {name} is missing or null")
-    if isinstance(value, bytes):  # a Parquet BYTE_ARRAY column written without its UTF8 annotation
-        try:
-            value = value.decode()
-        except UnicodeDecodeError as e:
-            raise RowError(f"{name} is bytes that are not UTF-8 ({e})") from None
-    if not isinstance(value, str):
-        raise RowError(f"{name} must be text, got {type(value).__name__}")
+    value = cell_text(value, name, "continuation")
     if not value:
         raise RowError(f"missing continuation: {name} is empty (nothing to score)")
     return value

@@ -16,6 +16,7 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.cpu_features import has_native_bf16
 from tests.conftest import forward_logits
+from tests.helpers import summarize_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTINUATION = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -44,13 +45,7 @@ def engines():
 
 @pytest.fixture(scope="module")
 def prompts(engines) -> list[list[int]]:
-    """12 summarize prompts of about 40 to 330 tokens from the sample documents."""
-    docs = pq.read_table(ROOT / "sample_data" / "documents.parquet").column("text").to_pylist()
-    tok = engines[0].tokenizer
-    return [
-        tok.encode_chat([{"role": "user", "content": "Summarize: " + " ".join(docs[i].split()[: 20 + 23 * i])}])
-        for i in range(12)
-    ]
+    return summarize_prompts(engines[0].tokenizer)
 
 
 def test_bf16_runs_with_a_bf16_kv_cache_and_auto_picks_it_where_the_cpu_has_it(engines):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pydantic
 import pytest
 import torch
@@ -19,6 +18,7 @@ from batchjob.job.spec import JobFileError, load_job
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
 from tests.conftest import forward_logits
+from tests.helpers import summarize_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTINUATION = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -59,13 +59,7 @@ def engines():
 
 @pytest.fixture(scope="module")
 def prompts(engines) -> list[list[int]]:
-    """12 summarize prompts of about 40 to 330 tokens from the sample documents."""
-    docs = pq.read_table(ROOT / "sample_data" / "documents.parquet").column("text").to_pylist()
-    tok = engines[0].tokenizer
-    return [
-        tok.encode_chat([{"role": "user", "content": "Summarize: " + " ".join(docs[i].split()[: 20 + 23 * i])}])
-        for i in range(12)
-    ]
+    return summarize_prompts(engines[0].tokenizer)
 
 
 def test_the_decoder_layers_matmuls_are_int8_and_the_numerics_say_so(engines):
