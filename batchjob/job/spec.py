@@ -242,7 +242,7 @@ class JobSpec(_Section):
             self._check_embed()
         if self.task == "score":
             self._check_score()
-        elif "score" in self.model_fields_set:
+        elif self.score != ScoreSpec():  # its defaults, as a dumped job writes them, are no setting to refuse
             raise ValueError("score: used with task 'score' only")
         if inp.messages_column is not None:
             if prompt.template is not None:
@@ -269,7 +269,7 @@ class JobSpec(_Section):
         template) unless the job file asks for the template, and then only a continuation or labels are scored, not
         the template's own markup."""
         prompt, score, inp = self.prompt, self.score, self.input
-        unused = ["sampling"] if "sampling" in self.model_fields_set else []
+        unused = ["sampling"] if self.sampling != SamplingParams() else []  # its defaults, as a dump writes them
         unused += ["output.split_reasoning"] if self.output.split_reasoning else []
         if unused:
             raise ValueError(f"{', '.join(unused)}: not used with task 'score'")
@@ -294,7 +294,7 @@ class JobSpec(_Section):
     def _check_embed(self) -> None:
         """What an embedding job cannot use fails here rather than being ignored: there is nothing to sample, no chat
         to template, and the engine is an Embedder with settings of its own."""
-        unused = ["sampling"] if "sampling" in self.model_fields_set else []
+        unused = ["sampling"] if self.sampling != SamplingParams() else []  # its defaults, as a dump writes them
         unused += [
             f"prompt.{name}"
             for name in ("system", "chat_template", "chat_template_kwargs", "special_tokens_in_data")

@@ -187,3 +187,13 @@ def test_values_that_would_fail_after_the_model_loads_fail_at_load(tmp_path):
         assert f"{key}: Input should be less than" in message and "[set on the command line]" in message
     assert load(tmp_path, MINIMAL, ["engine.seed=18446744073709551615"]).engine.seed == 2**64 - 1
     assert "model: String should have at least 1 character" in error_of(tmp_path, MINIMAL, ["model="])
+
+
+def test_a_job_dumped_whole_loads_again_as_the_same_job(tmp_path):
+    """A dump writes every section with its defaults (a generate job's `score` too): no key of it is a setting the
+    job refuses."""
+    for name in ("summarize.yaml", "structured.yaml", "score.yaml"):
+        job = load_job(REPO / "jobs" / name)
+        dumped = tmp_path / f"{name}.json"  # JSON is YAML
+        dumped.write_text(job.model_dump_json())
+        assert load_job(dumped) == job, name
