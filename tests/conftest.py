@@ -148,3 +148,13 @@ def st_embeddings(minilm, embed_texts) -> torch.Tensor:
     """sentence-transformers' normalised embeddings of embed_texts, in fp32."""
     st = pytest.importorskip("sentence_transformers", reason="the test extra's sentence-transformers")
     return torch.from_numpy(st.SentenceTransformer(str(minilm), device="cpu").encode(embed_texts))
+
+
+def teacher_forced_nll(model, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """Per-token NLL of each continuation after its prompt, teacher-forced through `model` (one prefill each)."""
+    total, count = 0.0, 0
+    for p, c in zip(prompts, continuations):
+        logits = forward_logits(model, p + c, last_only=False)[len(p) - 1 : -1]
+        total += torch.nn.functional.cross_entropy(logits, torch.tensor(c), reduction="sum").item()
+        count += len(c)
+    return total / count

@@ -17,7 +17,7 @@ from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
-from tests.conftest import forward_logits
+from tests.conftest import teacher_forced_nll
 from tests.helpers import summarize_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,15 +82,8 @@ def test_int8_scores_the_exact_continuation_almost_as_well(engines, prompts):
     int8, exact = engines
     conts = [o.token_ids for o in exact.generate(prompts, CONTINUATION)]
 
-    def nll(engine) -> float:
-        total, count = 0.0, 0
-        for p, c in zip(prompts, conts):
-            logits = forward_logits(engine.runner.model, p + c, last_only=False)[len(p) - 1 : -1]
-            total += torch.nn.functional.cross_entropy(logits, torch.tensor(c), reduction="sum").item()
-            count += len(c)
-        return total / count
-
-    ours, ref = nll(int8), nll(exact)
+    ours = teacher_forced_nll(int8.runner.model, prompts, conts)
+    ref = teacher_forced_nll(exact.runner.model, prompts, conts)
     assert ref < 1.5  # the exact model's own greedy continuation: confident
     assert abs(ours - ref) <= 0.03 * ref, (ours, ref)
 
