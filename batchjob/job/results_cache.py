@@ -230,14 +230,18 @@ class RunCache:
 
     def generation_misses(self, works: Iterable[Work], on_hit: Callable[[Work, RequestOutput], None]) -> Iterator[Work]:
         """The works that the cache does not answer, with their keys kept for `store`; `on_hit` takes the others."""
+        return self._misses(works, _output, on_hit)
+
+    def _misses(self, works: Iterable, read: Callable[[Any, Any], Any], on_hit: Callable) -> Iterator:
+        """The works whose entry `read` does not make a result of, with their keys kept for storing theirs."""
         for work in works:
             key = self.work_key(work)
             if key is None:
                 yield work
                 continue
-            output = _output(self.cache.get(key), work)
-            if output is not None:
-                on_hit(work, output)
+            result = read(self.cache.get(key), work)
+            if result is not None:
+                on_hit(work, result)
                 continue
             self.keys[work.request_id] = key
             yield work
@@ -258,14 +262,7 @@ class RunCache:
         self, works: Iterable[ScoreWork], on_hit: Callable[[ScoreWork, ScoreOutput], None]
     ) -> Iterator[ScoreWork]:
         """The scoring works that the cache does not answer, with their keys kept for `store_score`."""
-        for work in works:
-            key = self.work_key(work)
-            score = _score(self.cache.get(key), work)
-            if score is not None:
-                on_hit(work, score)
-                continue
-            self.keys[work.request_id] = key
-            yield work
+        return self._misses(works, _score, on_hit)
 
     def store_score(self, work: ScoreWork, score: ScoreOutput) -> None:
         """Store a row's score; an error is not a result to keep."""
