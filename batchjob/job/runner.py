@@ -16,7 +16,7 @@ from batchjob.job.output.lock import describe
 from batchjob.job.output.schema import prompt_columns, result_schema
 from batchjob.job.output.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
 from batchjob.job.output.storage import display
-from batchjob.job.output.writer import PartWriter, sort_parts, write_openai_output
+from batchjob.job.output.writer import PartWriter, conform_parts, sort_parts, write_openai_output
 from batchjob.job.reader import InputSource, Scan
 from batchjob.job.results_cache import RESULT_ENGINE_SETTINGS
 from batchjob.job.spec import JobSpec
@@ -213,6 +213,8 @@ class JobRun:
             sort_parts(out.parts(), out.staging, job.output.rows_per_file)
             out.stage_complete()
             out.publish_sorted()
+        else:
+            conform_parts(out.parts())
         if job.output.format == "openai-batch" and out.own(OPENAI_OUTPUT):
             write_openai_output(out.parts(), out.path / OPENAI_OUTPUT, job.model)
         stats = self.progress.stats

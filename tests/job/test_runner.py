@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -522,6 +523,35 @@ def test_a_part_dropped_after_the_job_finished_is_redone_and_the_completion_file
     assert "rows are missing since; they will be redone" in " ".join(progress.messages)
     assert len(results(out)) == 9 and OutputDir(out).status()["state"] == "done"
     assert len((out / "output.jsonl").read_text().splitlines()) == 9
+
+
+@pytest.mark.parametrize("order", ["completion", "input"])
+def test_a_folder_resumed_across_new_columns_reads_as_one_dataset(tmp_path, order, progress):
+    """Seen: an OpenAI Batch folder begun before the prompt columns (echo, prompt_logprobs) existed and finished
+    after: pq.read_table took the first file's schema and dropped the columns that the later rows have."""
+    lines = [
+        {"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": f"w{i} x", "echo": True}} for i in range(9)
+    ]
+    out = tmp_path / "out"
+    job = make_job(
+        write_jsonl(tmp_path / "b.jsonl", lines),
+        out,
+        input={"format": "openai-batch"},
+        output={"checkpoint_rows": 3, "order": order, "rows_per_file": 3},
+    )
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    first, *others = sorted(out.glob("data/*.parquet"))
+    older = pq.read_table(first).drop_columns(["prompt_logprobs", "echo"])  # as a batchjob before them wrote it
+    pq.write_table(older, first)
+    for part in others:  # their rows are redone by this batchjob, with the columns
+        part.unlink()
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    table = pq.read_table(out / "data")
+    frame = pl.read_parquet(out / "data" / "*.parquet")
+    assert table.num_rows == frame.height == 9 and set(table.column_names) == set(frame.columns)
+    echoed = {r["id"] for r in table.to_pylist() if r["echo"] is not None}
+    assert echoed == {f"c{i}" for i in range(9)} - set(older.column("id").to_pylist())
+    assert set(frame.filter(pl.col("echo").is_not_null())["id"]) == echoed
 
 
 def test_cleanup_and_overwrites_touch_only_the_files_that_job_json_names(tmp_path, docs, progress):

@@ -72,23 +72,51 @@ class PartWriter:
         self.last_commit = time.monotonic()
 
 
+def folder_schema(parts: list[Location]) -> pa.Schema:
+    """The one schema of the dataset that `parts` make: every column of any part, in the widest part's order (a part
+    written before a column existed, an OpenAI Batch folder's prompt columns say, lacks it), without a part's own
+    metadata."""
+    schemas = sorted((parquet_file(p).schema_arrow for p in parts), key=len, reverse=True)
+    if not schemas:
+        return pa.schema([])
+    return pa.unify_schemas(schemas, promote_options="permissive").remove_metadata()
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with `schema`'s columns in its order (null where it lacks one), keeping its metadata."""
+    columns = [
+        table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema.with_metadata(table.schema.metadata))
+
+
+def conform_parts(parts: list[Location]) -> None:
+    """Rewrite each part that lacks a column of the others (folder_schema), so that a reader of the folder that takes
+    one file's schema (pq.read_table, polars) gets every column. Each rewrite is atomic and keeps the part's rows."""
+    schema = folder_schema(parts)
+    for part in parts:
+        if not parquet_file(part).schema_arrow.remove_metadata().equals(schema):
+            write_table(part, conform(read_parquet(part), schema))
+
+
 def sort_parts(parts: list[Location], staging: Location, rows_per_file: int) -> None:
-    """Write the rows of `parts` in input order as files of `rows_per_file` consecutive input rows.
+    """Write the rows of `parts` in input order as files of `rows_per_file` consecutive input rows, each with every
+    column of any part (folder_schema).
 
     Each output file covers one range of row_index and reads only the parts whose row_index statistics overlap it;
     the sort window keeps each part's rows close together in the input, so memory stays near one output file."""
+    schema = folder_schema(parts)
     ranges = [(_index_range(p), p) for p in parts]
     end = max((hi for (_, hi), _ in ranges), default=-1) + 1
     for number, start in enumerate(range(0, end, rows_per_file)):
         stop = start + rows_per_file
         pieces = [_rows_between(p, start, stop) for (lo, hi), p in ranges if lo < stop and hi >= start]
-        pieces = [t for t in pieces if t.num_rows]
+        pieces = [conform(t, schema) for t in pieces if t.num_rows]
         if pieces:
-            # An OpenAI Batch folder resumed from a batchjob without the prompt columns has parts without them.
-            table = pa.concat_tables(pieces, promote_options="default").sort_by("row_index")
             # A part's cache counts are its own rows', not this file's (_summary.json keeps the totals).
-            metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != CACHE_METADATA}
-            write_table(staging / f"sorted-{number:06d}.parquet", table.replace_schema_metadata(metadata or None))
+            table = pa.concat_tables(pieces).sort_by("row_index").replace_schema_metadata(None)
+            write_table(staging / f"sorted-{number:06d}.parquet", table)
 
 
 def _index_range(part: Location) -> tuple[int, int]:
