@@ -45,7 +45,7 @@ def load_engine(job: JobSpec) -> JobEngine | Embedder:
     from batchjob.engine.engine import Engine  # here, not at import: torch and the weights are slow to load
 
     task = "embed" if job.task == "embed" else "generate"  # a scoring job's rows are prompt-only generate requests
-    return Engine(job.model, task=task, **job.engine.model_dump(exclude_unset=True))
+    return Engine(job.model, task=task, **job.engine_settings())
 
 
 @dataclass

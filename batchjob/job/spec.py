@@ -294,18 +294,28 @@ class JobSpec(_Section):
     def _check_embed(self) -> None:
         """What an embedding job cannot use fails here rather than being ignored: there is nothing to sample, no chat
         to template, and the engine is an Embedder with settings of its own."""
-        unused = ["sampling"] if self.sampling != SamplingParams() else []  # its defaults, as a dump writes them
+        # A section or key at its defaults (a dumped job writes them all) is no setting to refuse.
+        unused = ["sampling"] if self.sampling != SamplingParams() else []
+        defaults = PromptSpec()
         unused += [
             f"prompt.{name}"
-            for name in ("system", "chat_template", "chat_template_kwargs", "special_tokens_in_data")
-            if name in self.prompt.model_fields_set
+            for name in ("system", "chat_template", "chat_template_kwargs")
+            if getattr(self.prompt, name) != getattr(defaults, name)
         ]
+        # Special-token strings in an embedding's data are read as tokens (below; a dump writes true): only asking
+        # for text asks what the job does not do.
+        if "special_tokens_in_data" in self.prompt.model_fields_set and not self.prompt.special_tokens_in_data:
+            unused.append("prompt.special_tokens_in_data")
         unused += ["output.split_reasoning"] if self.output.split_reasoning else []
         unused += ["input.messages_column"] if self.input.messages_column is not None else []
         if unused:
             raise ValueError(f"{', '.join(unused)}: not used with task 'embed'")
-        settings = self.engine.model_dump(exclude_unset=True)
-        other = sorted(set(settings) - set(EmbedderConfig.model_fields))
+        engine = EngineConfig()
+        other = sorted(
+            k
+            for k in self.engine.model_fields_set - set(EmbedderConfig.model_fields)
+            if getattr(self.engine, k) != getattr(engine, k)
+        )
         if other:
             raise ValueError(
                 f"engine.{', engine.'.join(other)}: not used with task 'embed' "
@@ -320,9 +330,19 @@ class JobSpec(_Section):
             # An embedding model reads a text's start, as sentence-transformers cuts it; `truncated` says so.
             object.__setattr__(self.prompt, "on_too_long", "truncate_right")
         try:
-            EmbedderConfig(**settings)
+            config = EmbedderConfig(**self.engine_settings())
         except pydantic.ValidationError as e:
             raise ValueError("; ".join(f"engine.{_describe(err, [])}" for err in e.errors())) from None
+        # The Embedder's own budget, not the generate profile's: what a dump of this job writes and its reload uses.
+        object.__setattr__(self.engine, "max_num_batched_tokens", config.max_num_batched_tokens)
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The engine keys that the job file sets, as its task's engine takes them: an embedding job's Embedder takes
+        its own keys only (a dumped job holds every key, the others at the generate engine's defaults)."""
+        settings = self.engine.model_dump(exclude_unset=True)
+        if self.task == "embed":
+            return {k: v for k, v in settings.items() if k in EmbedderConfig.model_fields}
+        return settings
 
 
 # A job file is a few hundred values; past these it is not one (/dev/zero, a log named by mistake, or aliases that

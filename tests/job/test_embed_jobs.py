@@ -251,7 +251,8 @@ def test_plan_counts_an_embedding_jobs_inputs_and_times_them(tmp_path, minilm, t
     [
         ({"sampling": {"max_tokens": 5}}, "sampling: not used with task 'embed'"),
         ({"prompt": {"system": "Be brief."}}, "prompt.system: not used with task 'embed'"),
-        ({"prompt": {"chat_template": True}}, "prompt.chat_template: not used with task 'embed'"),
+        ({"prompt": {"chat_template": False}}, "prompt.chat_template: not used with task 'embed'"),
+        ({"prompt": {"chat_template_kwargs": {"x": 1}}}, "prompt.chat_template_kwargs: not used with task 'embed'"),
         ({"engine": {"max_num_seqs": 8}}, "engine.max_num_seqs: not used with task 'embed'"),
         ({"engine": {"max_num_batched_tokens": 4}}, "engine.max_num_batched_tokens"),
         ({"input": {"passthrough": ["embedding"]}}, "would clash with result columns"),

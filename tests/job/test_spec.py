@@ -1,6 +1,7 @@
 import pytest
 import yaml
 
+from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 from tests.helpers import REPO
@@ -192,8 +193,12 @@ def test_values_that_would_fail_after_the_model_loads_fail_at_load(tmp_path):
 def test_a_job_dumped_whole_loads_again_as_the_same_job(tmp_path):
     """A dump writes every section with its defaults (a generate job's `score` too): no key of it is a setting the
     job refuses."""
-    for name in ("summarize.yaml", "structured.yaml", "score.yaml"):
+    for name in ("summarize.yaml", "structured.yaml", "score.yaml", "embed.yaml"):
         job = load_job(REPO / "jobs" / name)
         dumped = tmp_path / f"{name}.json"  # JSON is YAML
         dumped.write_text(job.model_dump_json())
-        assert load_job(dumped) == job, name
+        again = load_job(dumped)
+        assert again == job, name
+        # and its engine the same settings: an embedding job's Embedder its own budget, not the generate profile's
+        config = EmbedderConfig if job.task == "embed" else EngineConfig
+        assert config(**again.engine_settings()) == config(**job.engine_settings()), name

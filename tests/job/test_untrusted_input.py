@@ -139,10 +139,12 @@ def test_an_output_folder_from_before_row_data_was_text_resumes_only_with_the_op
         run_job(job, progress, engine_factory=fake_factory())
 
 
-def test_an_embedding_job_refuses_the_opt_in_and_records_what_it_does(tmp_path):
+def test_an_embedding_job_refuses_the_opt_out_and_records_what_it_does(tmp_path):
     raw = {"task": "embed", "input": {"path": "a.jsonl"}, "output": {"path": "out"}}
     with pytest.raises(ValueError, match="prompt.special_tokens_in_data: not used with task 'embed'"):
-        JobSpec.model_validate({**raw, "prompt": {"special_tokens_in_data": True}})
+        JobSpec.model_validate({**raw, "prompt": {"special_tokens_in_data": False}})
+    # true is what it does (and what a dump of the job writes)
+    assert JobSpec.model_validate({**raw, "prompt": {"special_tokens_in_data": True}}).prompt.special_tokens_in_data
     # sentence-transformers' tokenizing, which an older batchjob's embedding folders hold too: their resume goes on.
     assert JobSpec.model_validate(raw).prompt.special_tokens_in_data is True
 
