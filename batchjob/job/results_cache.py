@@ -38,6 +38,7 @@ FORMAT = 1  # of the key and the entries: a change makes every earlier entry a m
 RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed"}
 TOUCH_AFTER_S = 3600.0  # a hit marks its entry used if its last mark is older: LRU to the hour, at one write an hour
 EVICT_TO = 0.9  # of max_size, so that the next writes do not each evict again
+MAX_WRITE_FAILURES = 5  # writes failing in a row that make a run stop writing to the cache (a transient one does not)
 STALE_TMP_S = 86400.0  # a temporary file this old is a killed writer's; eviction removes it
 # Eviction takes only these (an entry, or a killed writer's temporary file of one, in its shard folder): anything else
 # in the cache folder (a user's files, an output folder's) is not batchjob's to delete.
@@ -56,12 +57,15 @@ class ResultsCache:
         self.max_size = int(spec.max_size)
         self.written_since_evict = 0
         self.warn, self.unwritable, self.unlistable, self.unreachable = warn, False, False, False
+        self.write_failures = 0  # in a row; a write that succeeds ends the run of them
+        self.warned_write = False
 
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
 
-    def get(self, key: str) -> Any:
-        """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too."""
+    def get(self, key: str, touch: bool = True) -> Any:
+        """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too.
+        A hit marks the entry used, unless not to `touch` it (`plan` only looks)."""
         if self.unreachable:
             return None
         path = self._path(key)
@@ -71,7 +75,8 @@ class ResultsCache:
             result = entry["result"]
             if entry["key"] != key or entry["sha256"] != _sha256(_canonical(result)):
                 return None
-            self._touch(path, data)
+            if touch:
+                self._touch(path, data)
         except (OSError, ValueError, LookupError, TypeError):  # missing, unreadable or not an entry
             return None
         except Exception as e:  # the store itself fails (botocore's errors are no OSError)
@@ -79,26 +84,13 @@ class ResultsCache:
             return None
         return result
 
-    def contains(self, key: str) -> bool:
-        """Whether `key` has an entry (not read: `plan`'s estimate)."""
-        if self.unreachable:
-            return False
-        try:
-            return self._path(key).exists()
-        except OSError:
-            return False
-        except Exception as e:
-            self._cannot_reach(e)
-            return False
-
     def _cannot_reach(self, error: Exception) -> None:
         """A store that fails each request (an endpoint that cannot be reached) would cost each row its retries."""
         self.unreachable = self.unwritable = True
         self.warn(f"results cache: cannot reach {self.root} ({error}); this run looks nothing more up there")
 
     def put(self, key: str, result: Any) -> None:
-        """Store `result`. A cache that cannot be written (read-only, full, not a folder) costs only its use: the
-        run goes on without storing, with one warning."""
+        """Store `result`. A write that fails costs only its entry: the run goes on (write_failed)."""
         if self.unwritable:
             return
         body = _canonical(result)
@@ -109,8 +101,9 @@ class ResultsCache:
                 path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
         except Exception as e:  # whatever the store calls it (an unreachable endpoint is no OSError)
-            self._cannot_write(e)
+            self._write_failed(e)
             return
+        self.write_failures = 0
         self.written_since_evict += len(data)
         if self.written_since_evict > self.max_size * (1 - EVICT_TO):
             self.evict()
@@ -126,14 +119,26 @@ class ResultsCache:
                 write_atomic(path, lambda f: f.write(data), durable=False)
             else:
                 os.utime(path)
+            self.write_failures = 0
         except FileNotFoundError:  # another job evicted it since it was read: the hit stands
             pass
         except Exception as e:
-            self._cannot_write(e)
+            self._write_failed(e)
 
-    def _cannot_write(self, error: Exception) -> None:
-        self.unwritable = True
-        self.warn(f"results cache: cannot write in {self.root} ({error}); this run stores and marks nothing more there")
+    def _write_failed(self, error: Exception) -> None:
+        """A failed write (storing or marking an entry) is one entry less, said once: a transient failure (a full
+        disk freed, a store's hiccup) leaves the cache in use. Only MAX_WRITE_FAILURES in a row (a read-only or full
+        cache, a path that is a file) make the run stop writing there, said once more."""
+        self.write_failures += 1
+        if self.write_failures >= MAX_WRITE_FAILURES:
+            self.unwritable = True
+            self.warn(
+                f"results cache: cannot write in {self.root} ({error}; {self.write_failures} writes in a row failed); "
+                "this run stores and marks nothing more there"
+            )
+        elif not self.warned_write:
+            self.warned_write = True
+            self.warn(f"results cache: a write in {self.root} failed ({error}); that entry is not stored, the next are")
 
     def size(self) -> int:
         return sum(size for _, size, _ in self._entries())
@@ -224,22 +229,31 @@ class RunCache:
         return self.key(work.token_ids, work.params, None) if work.params.deterministic else None
 
     def holds(self, work: Work | EmbeddingWork | ScoreWork) -> bool:
-        """Whether the cache has a work's result (for `plan`'s estimate: the entry is not read)."""
+        """Whether a run would take a work's result from the cache (`plan`'s count): the run's own check, without
+        marking the entry used."""
         key = self.work_key(work)
-        return key is not None and self.cache.contains(key)
+        return key is not None and self._result(work, key, touch=False) is not None
+
+    def _result(self, work: Work | EmbeddingWork | ScoreWork, key: str, touch: bool = True) -> Any:
+        """The result that the entry under `key` gives `work` (its RequestOutput, ScoreOutput or vectors); None for a
+        miss: no entry, a damaged one, or one that is no result for this work."""
+        entry = self.cache.get(key, touch)
+        if isinstance(work, EmbeddingWork):
+            return entry if _vectors_fit(entry, work) else None
+        return _score(entry, work) if isinstance(work, ScoreWork) else _output(entry, work)
 
     def generation_misses(self, works: Iterable[Work], on_hit: Callable[[Work, RequestOutput], None]) -> Iterator[Work]:
         """The works that the cache does not answer, with their keys kept for `store`; `on_hit` takes the others."""
-        return self._misses(works, _output, on_hit)
+        return self._misses(works, on_hit)
 
-    def _misses(self, works: Iterable, read: Callable[[Any, Any], Any], on_hit: Callable) -> Iterator:
-        """The works whose entry `read` does not make a result of, with their keys kept for storing theirs."""
+    def _misses(self, works: Iterable, on_hit: Callable) -> Iterator:
+        """The works that the cache gives no result, with their keys kept for storing theirs."""
         for work in works:
             key = self.work_key(work)
             if key is None:
                 yield work
                 continue
-            result = read(self.cache.get(key), work)
+            result = self._result(work, key)
             if result is not None:
                 on_hit(work, result)
                 continue
@@ -262,7 +276,7 @@ class RunCache:
         self, works: Iterable[ScoreWork], on_hit: Callable[[ScoreWork, ScoreOutput], None]
     ) -> Iterator[ScoreWork]:
         """The scoring works that the cache does not answer, with their keys kept for `store_score`."""
-        return self._misses(works, _score, on_hit)
+        return self._misses(works, on_hit)
 
     def store_score(self, work: ScoreWork, score: ScoreOutput) -> None:
         """Store a row's score; an error is not a result to keep."""
@@ -274,8 +288,8 @@ class RunCache:
         self, works: Iterable[EmbeddingWork], on_hit: Callable[[EmbeddingWork, list[list[float]]], None]
     ) -> Iterator[EmbeddingWork]:
         for work in works:
-            vectors = self.cache.get(self.work_key(work))
-            if _vectors_fit(vectors, work):
+            vectors = self._result(work, self.work_key(work))
+            if vectors is not None:
                 on_hit(work, vectors)
             else:
                 yield work

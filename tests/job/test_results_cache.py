@@ -24,7 +24,7 @@ import batchjob.job.results_cache
 from batchjob.job.exit_codes import EXIT_OK
 from batchjob.job.output.state import OutputDir
 from batchjob.job.plan import plan_job
-from batchjob.job.results_cache import ResultsCache
+from batchjob.job.results_cache import MAX_WRITE_FAILURES, ResultsCache
 from batchjob.job.runner import run_job
 from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.fakes import FakeEngine
@@ -125,6 +125,16 @@ def test_a_damaged_entry_is_a_miss_and_its_row_is_computed_right(tmp_path):
     run(cached_job(data, tmp_path / "out1", tmp_path / "cache"))
     entries = sorted((tmp_path / "cache").rglob("*.json"))
     assert len(entries) == 12
+    damage(entries)
+    again = run(cached_job(data, tmp_path / "out2", tmp_path / "cache"))
+    assert again.computed == 5 and summary_cache(tmp_path / "out2") == {"hits": 7, "misses": 5}
+    assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "out1")
+    # the computed rows were stored again, whole
+    assert run(cached_job(data, tmp_path / "out3", tmp_path / "cache")).computed == 0
+
+
+def damage(entries: list[Path]) -> None:
+    """Five entries made unusable, each in its own way: a run's lookup finds each a miss."""
     whole = [json.loads(p.read_text()) for p in entries[:5]]
     entries[0].write_bytes(entries[0].read_bytes()[:40])  # truncated
     entries[1].write_text("not json")
@@ -133,11 +143,20 @@ def test_a_damaged_entry_is_a_miss_and_its_row_is_computed_right(tmp_path):
     entries[3].write_text(json.dumps({**whole[3], "result": forged}))  # the checksum no longer fits
     # the right key and checksum of something that is not a result
     entries[4].write_text(json.dumps({**whole[4], "sha256": hashlib.sha256(b"[1,2]").hexdigest(), "result": [1, 2]}))
-    again = run(cached_job(data, tmp_path / "out2", tmp_path / "cache"))
-    assert again.computed == 5 and summary_cache(tmp_path / "out2") == {"hits": 7, "misses": 5}
-    assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "out1")
-    # the computed rows were stored again, whole
-    assert run(cached_job(data, tmp_path / "out3", tmp_path / "cache")).computed == 0
+
+
+def test_plan_counts_only_the_entries_a_run_would_take(tmp_path):
+    """Seen: `plan` counted a damaged entry as a hit (it only checked that the file was there)."""
+    data = write_parquet(tmp_path / "a.parquet", documents(12))
+    run(cached_job(data, tmp_path / "out1", tmp_path / "cache"))
+    entries = sorted((tmp_path / "cache").rglob("*.json"))
+    damage(entries)
+    for entry in entries:
+        os.utime(entry, (0, 0))  # used long ago: a plan, which only looks, leaves that as it is
+    job = cached_job(data, tmp_path / "out2", tmp_path / "cache")
+    assert plan_job(job, calibrate=False, engine_factory=Counting())["rows_from_results_cache"] == 7
+    assert all(entry.stat().st_mtime == 0 for entry in entries)
+    assert run(job).computed == 5 and summary_cache(tmp_path / "out2") == {"hits": 7, "misses": 5}
 
 
 def test_eviction_keeps_the_cap_and_drops_the_least_recently_used(tmp_path):
@@ -208,6 +227,51 @@ def test_a_cache_that_cannot_be_written_costs_only_its_use(tmp_path, monkeypatch
     monkeypatch.setattr(os, "utime", read_only)
     assert run(cached_job(data, tmp_path / "o4", tmp_path / "c")).computed == 1
     assert rows_of(tmp_path / "o4") == rows_of(tmp_path / "scratch")
+
+
+def test_a_write_that_fails_once_costs_only_its_entry(tmp_path, monkeypatch):
+    """Seen: one failed write (a store's hiccup) made the run store nothing more. Now it is said once and the next
+    entries are stored; only MAX_WRITE_FAILURES failures in a row stop the writing, said once more."""
+    data = write_parquet(tmp_path / "a.parquet", documents(6))
+    write = batchjob.job.results_cache.write_atomic
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(batchjob.job.results_cache, "write_atomic", fails_once)
+    messages = Messages()
+    assert run_job(cached_job(data, tmp_path / "o1", tmp_path / "c"), messages, engine_factory=Counting()) == 0
+    assert len(list((tmp_path / "c").rglob("*.json"))) == 5
+    warned = [m.split(" (")[0] for m in messages.messages if m.startswith("results cache: ")]
+    assert warned == [f"results cache: a write in {tmp_path / 'c'} failed"]
+    failing = [True]
+
+    def full(*args, **kwargs):  # a disk that fills up, is freed once, then fills up for good
+        calls.append(args[0])
+        if failing[0]:
+            raise OSError(28, "No space left on device")
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(batchjob.job.results_cache, "write_atomic", full)
+    calls.clear()
+    cache, n = ResultsCache(CacheSpec(path=str(tmp_path / "full")), messages.message), MAX_WRITE_FAILURES
+    keys = iter(f"{i:064x}" for i in range(100))
+    for _ in range(n - 1):
+        cache.put(next(keys), {"text": "x"})
+    failing[0] = False
+    cache.put(next(keys), {"text": "x"})  # stored: the failures in a row start again from none
+    failing[0] = True
+    for _ in range(n - 1):
+        cache.put(next(keys), {"text": "x"})
+    assert not cache.unwritable and len(calls) == 2 * n - 1
+    for _ in range(10):  # the n-th failure in a row, then no more tries
+        cache.put(next(keys), {"text": "x"})
+    assert cache.unwritable and len(calls) == 2 * n
+    assert messages.messages[-1].startswith(f"results cache: cannot write in {tmp_path / 'full'}")
 
 
 def test_a_cache_that_cannot_be_listed_is_written_and_the_run_ends_well(tmp_path, monkeypatch):
