@@ -223,7 +223,7 @@ class LocalExecutor:
         self.pending.progress.rows(
             len(work.rows),
             output_tokens=sum(len(s.token_ids) for s in output.samples),
-            prompt_tokens=len(work.token_ids) - output.num_cached_tokens,
+            prompt_tokens=computed_prompt_tokens(work, [output]),
         )
 
     def commit_hit(self, work: Work, output: RequestOutput) -> None:
@@ -240,7 +240,7 @@ class LocalExecutor:
         if looked_up:
             self.cache.store_score(work, score)
         self._add_scored(work, score, cached_tokens(outputs), "misses" if looked_up else None)
-        self.pending.progress.rows(len(work.rows), prompt_tokens=work.total_tokens - cached_tokens(outputs))
+        self.pending.progress.rows(len(work.rows), prompt_tokens=computed_prompt_tokens(work, outputs))
 
     def commit_score_hit(self, work: ScoreWork, score: ScoreOutput) -> None:
         """A work whose score the results cache holds: its rows as if the engine had just scored it."""
@@ -261,6 +261,15 @@ class LocalExecutor:
         if self.engine.auto_budget is not None:
             summary["token_budget_auto"] = self.engine.auto_budget.summary()
         return summary
+
+
+def computed_prompt_tokens(work: Work | ScoreWork, outputs: list[RequestOutput]) -> int:
+    """The prompt tokens that the engine computed for a work, less those it read from the prefix cache: the progress
+    line's count under either executor. A scoring work's requests each hold the prompt (one a label), and the labels
+    after the first read it from the cache: its rows' prompt_tokens count the prompt once, its cached_tokens every
+    read, so a row's difference is no count of work."""
+    tokens = work.total_tokens if isinstance(work, ScoreWork) else len(work.token_ids)
+    return tokens - cached_tokens(outputs)
 
 
 def embedding_records(

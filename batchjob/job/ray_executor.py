@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
-from batchjob.job.executor import Pending, embedding_calls, embedding_records
+from batchjob.job.executor import Pending, computed_prompt_tokens, embedding_calls, embedding_records
 from batchjob.job.output.schema import (
     embedding_schema,
     failed_row,
@@ -51,8 +51,10 @@ except ImportError:
     ) from None
 
 ROW = "row"  # the one column of an input shard: each Row pickled as the local reader made it
-# Result schema metadata: the model a worker ran (contracts.model_identity, as JSON), for the job's fingerprint.
-MODEL = b"model"
+# Result schema metadata: the model a worker ran (contracts.model_identity, as JSON), for the job's fingerprint, and
+# the tokens it computed for the shard ({"prompt_tokens", "output_tokens"}, as JSON), for the progress line: counted
+# by work, as a local run counts them, since its rows' token columns do not add up to them (duplicates, labels).
+MODEL, TOKENS = b"model", b"tokens"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class EngineWorker:
         self.source: InputSource | None = None  # opened with the first RowRange
         self.engine = engine_factory(job)
         self.records: list[dict] = []  # the result rows of the shard in hand
+        self.tokens = {"prompt_tokens": 0, "output_tokens": 0}  # that the engine computed for it
 
         def on_error(row: Row, error: str) -> None:
             self.records.append(failed_row(row, error))
@@ -103,16 +106,21 @@ class EngineWorker:
         else:
             rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         self.records, works = [], {}
+        self.tokens = {"prompt_tokens": 0, "output_tokens": 0}
         if self.job.task == "embed":
             for call in embedding_calls(self.planner.works(rows), self.engine):
                 self.records += embedding_records(self.engine, call, self.per_line)
+                self.tokens["prompt_tokens"] += sum(w.prompt_tokens for w in call)
         elif self.job.task == "score":
             self._score(rows)
         else:
             for output in self.engine.stream(requests(self.planner.works(rows), works)):
                 work = works.pop(output.request_id)
                 self.records += result_rows(work, output, self.engine.tokenizer, self.job.output.split_reasoning)
-        return pa.Table.from_pylist(self.records, schema=self.schema)
+                self.tokens["prompt_tokens"] += computed_prompt_tokens(work, [output])
+                self.tokens["output_tokens"] += sum(len(s.token_ids) for s in output.samples)
+        table = pa.Table.from_pylist(self.records, schema=self.schema)
+        return table.replace_schema_metadata({**self.schema.metadata, TOKENS: json.dumps(self.tokens)})
 
     def _score(self, rows: Iterable[Row]) -> None:
         works, gather = {}, ScoreGather()
@@ -123,6 +131,7 @@ class EngineWorker:
             if outputs is not None:
                 score = work.score(outputs)
                 self.records += score_rows(work, score, self.engine.tokenizer, per_token, cached_tokens(outputs))
+                self.tokens["prompt_tokens"] += computed_prompt_tokens(work, outputs)
 
 
 class RayExecutor:
@@ -211,11 +220,8 @@ class RayExecutor:
         for record in fresh:
             written.add(record["id"])
             pending.writer.add(record)
-        pending.progress.rows(
-            len(fresh),
-            output_tokens=sum(r.get("output_tokens") or 0 for r in fresh),
-            prompt_tokens=sum((r["prompt_tokens"] or 0) - (r.get("cached_tokens") or 0) for r in fresh),
-        )
+        # A shard is redone whole: its rows are all fresh, or all committed already (and its tokens counted).
+        pending.progress.rows(len(fresh), **(json.loads(table.schema.metadata[TOKENS]) if fresh else {}))
 
 
 def connect(spec: RaySpec) -> bool:

@@ -315,3 +315,35 @@ def test_a_scoring_job_on_ray_writes_the_local_runs_scores(tmp_path, cluster, da
         if row["error"] is None:
             assert other["sum_nll"] == pytest.approx(row["sum_nll"], abs=1e-4 * row["scored_tokens"])
             assert [t["token"] for t in other["token_logprobs"]] == [t["token"] for t in row["token_logprobs"]]
+
+
+@pytest.mark.slow
+def test_a_ray_run_of_a_job_with_labels_counts_the_tokens_a_local_run_counts(tmp_path, cluster):
+    """Seen: a Ray run's progress line showed negative prompt tokens for a scoring job with labels. It took each
+    row's prompt_tokens less its cached_tokens, which counts every label's read of the prompt from the prefix cache
+    (and a duplicate row's whole work); a local run counts the tokens each work computed."""
+    review = "the film was long and slow, the actors seemed tired, yet the last scene in the rain was rather moving"
+    texts = [review, review, "a loud and empty sequel that nobody asked for, with jokes that land nowhere at all"]
+    data = write_parquet(tmp_path / "r.parquet", [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)])
+
+    def run(folder: str, **extra) -> Messages:
+        spec = {
+            "task": "score",
+            "input": {"path": str(data)},
+            "prompt": {"template": "Review: {text}\nSentiment:"},
+            "score": {"labels": [" positive", " negative", " mixed"]},
+            "engine": {**ENGINE, "dtype": "float32"},
+            "output": {"path": str(tmp_path / folder)},
+            **extra,
+        }
+        (tmp_path / f"{folder}.yaml").write_text(yaml.safe_dump(spec))
+        progress = Messages()
+        assert run_job(load_job(tmp_path / f"{folder}.yaml"), progress, engine_factory=load_engine) == EXIT_OK
+        return progress
+
+    local = run("local").stats
+    on_ray = run("ray", executor="ray", ray={"num_workers": 2, "shard_rows": 2}).stats  # the duplicate in one shard
+    rows = results(tmp_path / "ray")
+    assert any(r["cached_tokens"] > r["prompt_tokens"] for r in rows.values())  # the labels read the prompt
+    assert (on_ray.rows, on_ray.prompt_tokens, on_ray.output_tokens) == (local.rows, local.prompt_tokens, 0)
+    assert local.prompt_tokens > 0
