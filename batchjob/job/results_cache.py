@@ -392,6 +392,8 @@ def _score(entry: Any, work: ScoreWork) -> ScoreOutput | None:
         labelled = work.labels is not None
         if labelled != (entry["label"] is not None) or labelled and len(entry["label_probs"]) != len(work.labels):
             return None
+        if not labelled and (lps is None or len(lps) != entry["num_scored_tokens"]):
+            return None  # without the per-token logprobs that a row's columns are made of
         return ScoreOutput(
             work.request_id,
             work.token_ids,

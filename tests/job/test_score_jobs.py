@@ -19,7 +19,8 @@ from batchjob.cli import main as cli_main
 from batchjob.engine.engine import Engine
 from batchjob.engine.scheduler import PREFILL_CHUNK_ALIGN
 from batchjob.job.output.state import OutputDir
-from batchjob.job.spec import JobFileError, load_job
+from batchjob.job.results_cache import ResultsCache
+from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.helpers import SAMPLE_DATA, write_parquet
 from tests.job.test_e2e import cli, dataset, run_killed
 
@@ -280,6 +281,25 @@ def test_a_stopped_job_resumes_and_a_cache_answers_a_rerun(tmp_path, texts_file,
     assert [len(t["top_logprobs"]) for t in dataset(tmp_path / "again")["t3"]["token_logprobs"]] == [2] * len(
         got["t3"]["token_logprobs"]
     )
+
+
+def test_a_cache_entry_without_the_per_token_logprobs_is_never_served(tmp_path):
+    """As for a generation's prompt logprobs: an entry rewritten whole (a valid checksum) without its token logprobs
+    was a hit, and its rows had a null token_logprobs column and no error."""
+    data = write_parquet(tmp_path / "t.parquet", [{"id": "a", "text": REVIEWS[0], "n": 0}])
+    cache = {"path": str(tmp_path / "cache")}
+    runs = {}
+    for name in ("computed", "stripped"):
+        if name == "stripped":
+            store = ResultsCache(CacheSpec(**cache))
+            for path in (tmp_path / "cache").rglob("*.json"):
+                entry = json.loads(path.read_bytes())
+                assert entry["result"]["token_logprobs"] is not None
+                store.put(entry["key"], {**entry["result"], "token_logprobs": None})
+        job = write_job(tmp_path / f"{name}.yaml", data, tmp_path / name, score={"prompt_logprobs": 1}, cache=cache)
+        runs[name] = run(job)["a"]
+        assert json.loads((tmp_path / name / "_summary.json").read_text())["cache"] == {"hits": 0, "misses": 1}
+    assert runs["stripped"]["token_logprobs"] == runs["computed"]["token_logprobs"] is not None
 
 
 def test_plan_counts_a_scoring_jobs_requests_and_prefill(tmp_path, engine):
