@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
-from batchjob.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from batchjob.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, not_a_bool
 from batchjob.job.output.schema import (
     EMBEDDING_COLUMNS,
     PROMPT_COLUMNS,
@@ -187,6 +187,8 @@ class ScoreSpec(_Section):
         description="vLLM's: a token_logprobs column, each scored token's logprob with its k likeliest alternatives; "
         "default: no such column",
     )
+
+    _count = field_validator("prompt_logprobs", mode="before")(not_a_bool)
 
     @model_validator(mode="after")
     def _check(self) -> ScoreSpec:

@@ -73,6 +73,17 @@ def test_bad_values_say_what_is_allowed(tmp_path):
     assert "sampling.temperature: Input should be greater than or equal to 0 (got -1)" in message
 
 
+def test_a_count_written_as_true_or_false_is_refused(tmp_path):
+    """pydantic reads true as 1 and false as 0: `prompt_logprobs: true` was one alternative a token, and
+    `max_tokens: false` a scoring request, without a word (an OpenAI Batch line's prompt_logprobs: true fails)."""
+    message = error_of(tmp_path, MINIMAL + "sampling: {prompt_logprobs: true, max_tokens: false, n: true}\n")
+    for key, value in (("prompt_logprobs", "true"), ("max_tokens", "false"), ("n", "true")):
+        assert f"sampling.{key}: an integer, not {value}" in message
+    message = error_of(tmp_path, MINIMAL + "task: score\nsampling: {}\nscore: {prompt_logprobs: true}\n")
+    assert "score.prompt_logprobs: an integer, not true" in message
+    assert load(tmp_path, MINIMAL + "sampling: {prompt_logprobs: 1, seed: 0}\n").sampling.prompt_logprobs == 1
+
+
 def test_prompt_logprobs_are_a_job_setting_and_max_tokens_0_needs_them(tmp_path):
     """A generate job's rows get a prompt_logprobs column with them; max_tokens 0 (no token drawn) is scoring only."""
     assert load(tmp_path, MINIMAL + "sampling: {prompt_logprobs: 2, max_tokens: 0}\n").sampling.prompt_logprobs == 2
