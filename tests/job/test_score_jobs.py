@@ -283,9 +283,12 @@ def test_a_stopped_job_resumes_and_a_cache_answers_a_rerun(tmp_path, texts_file,
     )
 
 
-def test_a_cache_entry_without_the_per_token_logprobs_is_never_served(tmp_path):
-    """As for a generation's prompt logprobs: an entry rewritten whole (a valid checksum) without its token logprobs
-    was a hit, and its rows had a null token_logprobs column and no error."""
+@pytest.mark.parametrize(
+    "score, column", [({"prompt_logprobs": 1}, "token_logprobs"), ({"labels": LABELS}, "label_logprobs")]
+)
+def test_a_cache_entry_without_the_logprobs_of_its_columns_is_never_served(tmp_path, score, column):
+    """As for a generation's prompt logprobs: an entry rewritten whole (a valid checksum) without its token or label
+    logprobs was a hit, and its row had a null token_logprobs or label_logprobs column and no error."""
     data = write_parquet(tmp_path / "t.parquet", [{"id": "a", "text": REVIEWS[0], "n": 0}])
     cache = {"path": str(tmp_path / "cache")}
     runs = {}
@@ -294,12 +297,12 @@ def test_a_cache_entry_without_the_per_token_logprobs_is_never_served(tmp_path):
             store = ResultsCache(CacheSpec(**cache))
             for path in (tmp_path / "cache").rglob("*.json"):
                 entry = json.loads(path.read_bytes())
-                assert entry["result"]["token_logprobs"] is not None
-                store.put(entry["key"], {**entry["result"], "token_logprobs": None})
-        job = write_job(tmp_path / f"{name}.yaml", data, tmp_path / name, score={"prompt_logprobs": 1}, cache=cache)
+                assert entry["result"][column] is not None
+                store.put(entry["key"], {**entry["result"], column: None})
+        job = write_job(tmp_path / f"{name}.yaml", data, tmp_path / name, score=score, cache=cache)
         runs[name] = run(job)["a"]
         assert json.loads((tmp_path / name / "_summary.json").read_text())["cache"] == {"hits": 0, "misses": 1}
-    assert runs["stripped"]["token_logprobs"] == runs["computed"]["token_logprobs"] is not None
+    assert runs["stripped"][column] == runs["computed"][column] is not None
 
 
 def test_plan_counts_a_scoring_jobs_requests_and_prefill(tmp_path, engine):
