@@ -305,6 +305,27 @@ def test_a_cache_entry_without_the_logprobs_of_its_columns_is_never_served(tmp_p
     assert runs["stripped"][column] == runs["computed"][column] is not None
 
 
+def test_a_scoring_folder_is_another_jobs_after_its_score_section_or_task_changes(tmp_path):
+    """A folder of results holds one job's: a changed score section, a generate job in a scoring job's folder or a
+    scoring job in a generate job's is refused in one line (exit 2), as a changed sampling section is."""
+    data = write_parquet(tmp_path / "r.parquet", [{"id": "a", "text": REVIEWS[0], "n": 0}])
+    run(write_job(tmp_path / "job.yaml", data, tmp_path / "out", score={"labels": LABELS}))
+    changed = [
+        (write_job(tmp_path / "labels.yaml", data, tmp_path / "out", score={"labels": LABELS[:2]}), "score.labels"),
+        (write_job(tmp_path / "plp.yaml", data, tmp_path / "out", score={"prompt_logprobs": 0}), "score.labels"),
+        (write_job(tmp_path / "gen.yaml", data, tmp_path / "out", task="generate", sampling={"max_tokens": 1}), "task"),
+    ]
+    for job, says in changed:
+        result = batchjob("run", str(job))
+        assert result.exit_code == 2 and "holds results of a different job" in result.stderr, result.output
+        assert says in result.stderr and "Traceback" not in result.output
+    generated = write_job(tmp_path / "g.yaml", data, tmp_path / "gen", task="generate", sampling={"max_tokens": 1})
+    run(generated)
+    result = batchjob("run", str(write_job(tmp_path / "s.yaml", data, tmp_path / "gen")))
+    assert result.exit_code == 2 and "different job" in result.stderr and "task" in result.stderr, result.output
+    assert dataset(tmp_path / "out")["a"]["label"] in LABELS and dataset(tmp_path / "gen")["a"]["output"] is not None
+
+
 def test_plan_counts_a_scoring_jobs_requests_and_prefill(tmp_path, engine):
     rows = [{"id": f"r{i}", "text": t} for i, t in enumerate(REVIEWS)]
     data = write_parquet(tmp_path / "reviews.parquet", rows + [{"id": "bad", "text": ""}])
