@@ -50,7 +50,10 @@ def make_job(input_path: Path, out: Path, **sections) -> JobSpec:
         "sampling": {"max_tokens": 64},
     }
     for key, value in sections.items():
-        raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) else value
+        if value is None:  # the section left out (sampling=None for a scoring job)
+            raw.pop(key, None)
+        else:
+            raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) else value
     return JobSpec.model_validate(raw)
 
 

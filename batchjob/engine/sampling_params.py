@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from batchjob.engine.grammar import GrammarKey, check_grammar, grammar_key
 
@@ -16,6 +16,14 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 CONSTRAINTS = ("response_format", "regex", "choice")  # at most one per request
 # torch.Generator.manual_seed takes a signed or unsigned 64-bit value; anything else fails up front.
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}
+
+
+def not_a_bool(value: Any) -> Any:
+    """A field validator (mode "before") for a count or a seed: pydantic reads true as 1 and false as 0, so a flag
+    written where a number goes (`prompt_logprobs: true`, `max_tokens: false`) would run as a setting nobody wrote."""
+    if isinstance(value, bool):
+        raise ValueError(f"an integer, not {str(value).lower()}")
+    return value
 
 
 class JsonSchemaSpec(BaseModel):
@@ -71,6 +79,10 @@ class SamplingParams(BaseModel):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     choice: list[str] | None = None
+
+    _counts = field_validator("n", "max_tokens", "top_k", "seed", "top_logprobs", "prompt_logprobs", mode="before")(
+        not_a_bool
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

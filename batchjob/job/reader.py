@@ -34,6 +34,7 @@ ID_CHUNK = 1 << 16  # JSONL ids gathered this many at a time into Arrow
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A JSON \uD800-\uDFFF escape: valid in a pair, but alone it decodes to a str that no tokenizer or writer can encode.
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # The results cache's folder, a shard folder of it or what is in one (results_cache.py: DIR/<key[:2]>/<key>.json),
@@ -357,7 +358,9 @@ class InputSource:
         if not isinstance(obj, dict):
             return Row(index, synthetic, {}, error=f"line {lineno} is JSON {type(obj).__name__}, not an object")
         if SURROGATE_ESCAPE.search(text) and not _encodable(obj):
-            return Row(index, synthetic, {}, error=f"line {lineno}: a \\u escape makes a lone surrogate, not text")
+            # As for bad UTF-8: each lone surrogate replaced, so the failed row is written under the line's id.
+            obj = json.loads(LONE_SURROGATE.sub("\ufffd", json.dumps(obj, ensure_ascii=False)))
+            error = error or f"line {lineno}: a \\u escape makes a lone surrogate, not text"
         id_key = "custom_id" if self.format == "openai-batch" else self.spec.id_column
         raw_id = obj.get(id_key)
         if raw_id is None or isinstance(raw_id, (dict, list)) or raw_id != raw_id:  # NaN is not equal to itself

@@ -404,7 +404,12 @@ def _score(entry: Any, work: ScoreWork) -> ScoreOutput | None:
     try:
         lps = entry["token_logprobs"]
         labelled = work.labels is not None
-        if labelled != (entry["label"] is not None) or labelled and len(entry["label_probs"]) != len(work.labels):
+        if labelled != (entry["label"] is not None):
+            return None
+        # Without the logprobs that a row's columns are made of (each label's, or each scored token's)
+        if labelled and not len(entry["label_probs"]) == len(entry["label_logprobs"]) == len(work.labels):
+            return None
+        if not labelled and (lps is None or len(lps) != entry["num_scored_tokens"]):
             return None
         return ScoreOutput(
             work.request_id,

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
-from batchjob.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from batchjob.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, not_a_bool
 from batchjob.job.output.schema import (
     EMBEDDING_COLUMNS,
     PROMPT_COLUMNS,
@@ -187,6 +187,8 @@ class ScoreSpec(_Section):
         description="vLLM's: a token_logprobs column, each scored token's logprob with its k likeliest alternatives; "
         "default: no such column",
     )
+
+    _count = field_validator("prompt_logprobs", mode="before")(not_a_bool)
 
     @model_validator(mode="after")
     def _check(self) -> ScoreSpec:
@@ -374,6 +376,10 @@ def job_from_mapping(raw: Any, source: str | Path = "job", overrides: typing.Seq
         raise JobFileError(f"{source}: the job file must be a mapping of sections (model, input, prompt, ...)")
     raw = copy.deepcopy(raw)  # the overrides write into it
     set_paths = [_apply_override(raw, item, source) for item in overrides]
+    if (where := _lone_surrogate(raw, ())) is not None:
+        raise JobFileError(
+            f"{source}: {'.'.join(where) or 'job'}: holds a lone surrogate (a \\uD800-\\uDFFF escape alone), not text"
+        )
     try:
         return JobSpec.model_validate(raw)
     except pydantic.ValidationError as e:
@@ -416,6 +422,28 @@ def _parse_yaml(text: str, source: str) -> Any:
     except ValueError as e:
         raise JobFileError(f"{source}: not usable YAML: {e}") from None
     return value
+
+
+def _lone_surrogate(value: Any, at: tuple[str, ...]) -> tuple[str, ...] | None:
+    """Where a text of `value` (a key or a value) holds a lone surrogate: YAML's "\\ud800" and a Python str may, and
+    no tokenizer or writer takes it (it would fail the job once the model had loaded)."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return at
+        return None
+    if isinstance(value, dict):
+        for key, member in value.items():
+            if (where := _lone_surrogate(key, at)) is not None or (
+                where := _lone_surrogate(member, (*at, str(key)))
+            ) is not None:
+                return where
+    elif isinstance(value, (list, tuple)):
+        for i, member in enumerate(value):
+            if (where := _lone_surrogate(member, (*at, str(i)))) is not None:
+                return where
+    return None
 
 
 def _count_values(value: Any, counted: dict[int, int], open_: set[int]) -> int:

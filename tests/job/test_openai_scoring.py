@@ -229,6 +229,7 @@ def test_bad_scoring_lines_fail_alone(tmp_path, progress):
         completion("zero_plain", max_tokens=0),
         completion("zero_echo", echo=True, max_tokens=0),
         completion("zero_n", echo=True, logprobs=1, max_tokens=0, n=2),
+        completion("zero_false", echo=True, logprobs=1, max_tokens=False),
     ]
     job = make_job(write_jsonl(tmp_path / "batch.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})
     assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
@@ -246,6 +247,7 @@ def test_bad_scoring_lines_fail_alone(tmp_path, progress):
         "zero_plain": "max_tokens: 0 (no token drawn) is for scoring: it needs prompt_logprobs and n 1",
         "zero_echo": "max_tokens: 0 (no token drawn) is for scoring: it needs prompt_logprobs and n 1",
         "zero_n": "max_tokens: 0 (no token drawn) is for scoring: it needs prompt_logprobs and n 1",
+        "zero_false": "max_tokens: an integer, not false",  # was read as max_tokens 0
     }
     assert set(rows) == set(want)
     for key, message in want.items():

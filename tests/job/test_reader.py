@@ -9,7 +9,8 @@ import pytest
 
 import batchjob.job.output.digest
 from batchjob.job.reader import InputError, InputSource
-from tests.helpers import SAMPLE_DATA, documents, make_job, write_jsonl, write_parquet
+from batchjob.job.runner import run_job
+from tests.helpers import SAMPLE_DATA, documents, fake_factory, make_job, write_jsonl, write_parquet
 
 
 def source_for(path, tmp_path, **input_spec) -> InputSource:
@@ -290,8 +291,24 @@ def test_a_json_lone_surrogate_fails_its_row_and_a_pair_is_text(tmp_path):
     assert source.scan().total == 3
     rows = list(source.rows())
     assert [r.error for r in rows[:2]] == [f"line {n}: a \\u escape makes a lone surrogate, not text" for n in (1, 2)]
-    assert rows[1].id.endswith("d.jsonl:2")
+    # the failed row keeps its line's id (an OpenAI Batch line its custom_id), its lone surrogate replaced as a bad
+    # UTF-8 byte is: it was the file's name and line
+    assert [r.id for r in rows] == ["a", "b\ufffd", "c"]
     assert rows[2].error is None and rows[2].values["text"] == "pair \U0001f600 and a backslash \\ud800"
+
+
+def test_an_openai_batch_line_with_a_lone_surrogate_fails_under_its_custom_id(tmp_path, progress):
+    lines = [
+        r'{"custom_id": "s", "url": "/v1/completions", "body": {"prompt": "x \udc00", "max_tokens": 1}}',
+        r'{"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1}}',
+    ]
+    path = tmp_path / "b.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    job = make_job(path, tmp_path / "out", input={"format": "openai-batch"}, output={"format": "openai-batch"})
+    assert run_job(job, progress, engine_factory=fake_factory()) == 0
+    out = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out" / "output.jsonl").read_text().splitlines())}
+    assert out.keys() == {"s", "ok"} and out["ok"]["error"] is None
+    assert out["s"]["error"]["message"] == "line 1: a \\u escape makes a lone surrogate, not text"
 
 
 def test_the_input_identity_is_the_whole_content_remembered_by_size_mtime_ctime_and_inode(tmp_path, monkeypatch):

@@ -19,7 +19,8 @@ from batchjob.cli import main as cli_main
 from batchjob.engine.engine import Engine
 from batchjob.engine.scheduler import PREFILL_CHUNK_ALIGN
 from batchjob.job.output.state import OutputDir
-from batchjob.job.spec import JobFileError, load_job
+from batchjob.job.results_cache import ResultsCache
+from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.helpers import SAMPLE_DATA, write_parquet
 from tests.job.test_e2e import cli, dataset, run_killed
 
@@ -280,6 +281,49 @@ def test_a_stopped_job_resumes_and_a_cache_answers_a_rerun(tmp_path, texts_file,
     assert [len(t["top_logprobs"]) for t in dataset(tmp_path / "again")["t3"]["token_logprobs"]] == [2] * len(
         got["t3"]["token_logprobs"]
     )
+
+
+@pytest.mark.parametrize(
+    "score, column", [({"prompt_logprobs": 1}, "token_logprobs"), ({"labels": LABELS}, "label_logprobs")]
+)
+def test_a_cache_entry_without_the_logprobs_of_its_columns_is_never_served(tmp_path, score, column):
+    """As for a generation's prompt logprobs: an entry rewritten whole (a valid checksum) without its token or label
+    logprobs was a hit, and its row had a null token_logprobs or label_logprobs column and no error."""
+    data = write_parquet(tmp_path / "t.parquet", [{"id": "a", "text": REVIEWS[0], "n": 0}])
+    cache = {"path": str(tmp_path / "cache")}
+    runs = {}
+    for name in ("computed", "stripped"):
+        if name == "stripped":
+            store = ResultsCache(CacheSpec(**cache))
+            for path in (tmp_path / "cache").rglob("*.json"):
+                entry = json.loads(path.read_bytes())
+                assert entry["result"][column] is not None
+                store.put(entry["key"], {**entry["result"], column: None})
+        job = write_job(tmp_path / f"{name}.yaml", data, tmp_path / name, score=score, cache=cache)
+        runs[name] = run(job)["a"]
+        assert json.loads((tmp_path / name / "_summary.json").read_text())["cache"] == {"hits": 0, "misses": 1}
+    assert runs["stripped"][column] == runs["computed"][column] is not None
+
+
+def test_a_scoring_folder_is_another_jobs_after_its_score_section_or_task_changes(tmp_path):
+    """A folder of results holds one job's: a changed score section, a generate job in a scoring job's folder or a
+    scoring job in a generate job's is refused in one line (exit 2), as a changed sampling section is."""
+    data = write_parquet(tmp_path / "r.parquet", [{"id": "a", "text": REVIEWS[0], "n": 0}])
+    run(write_job(tmp_path / "job.yaml", data, tmp_path / "out", score={"labels": LABELS}))
+    changed = [
+        (write_job(tmp_path / "labels.yaml", data, tmp_path / "out", score={"labels": LABELS[:2]}), "score.labels"),
+        (write_job(tmp_path / "plp.yaml", data, tmp_path / "out", score={"prompt_logprobs": 0}), "score.labels"),
+        (write_job(tmp_path / "gen.yaml", data, tmp_path / "out", task="generate", sampling={"max_tokens": 1}), "task"),
+    ]
+    for job, says in changed:
+        result = batchjob("run", str(job))
+        assert result.exit_code == 2 and "holds results of a different job" in result.stderr, result.output
+        assert says in result.stderr and "Traceback" not in result.output
+    generated = write_job(tmp_path / "g.yaml", data, tmp_path / "gen", task="generate", sampling={"max_tokens": 1})
+    run(generated)
+    result = batchjob("run", str(write_job(tmp_path / "s.yaml", data, tmp_path / "gen")))
+    assert result.exit_code == 2 and "different job" in result.stderr and "task" in result.stderr, result.output
+    assert dataset(tmp_path / "out")["a"]["label"] in LABELS and dataset(tmp_path / "gen")["a"]["output"] is not None
 
 
 def test_plan_counts_a_scoring_jobs_requests_and_prefill(tmp_path, engine):

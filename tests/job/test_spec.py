@@ -3,7 +3,7 @@ import yaml
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.spec import JobFileError, load_job
+from batchjob.job.spec import JobFileError, job_from_mapping, load_job
 from tests.helpers import REPO
 
 MINIMAL = "input: {path: docs.parquet}\noutput: {path: out}\n"
@@ -72,6 +72,17 @@ def test_bad_values_say_what_is_allowed(tmp_path):
     assert "prompt.on_too_long: Input should be 'error', 'truncate_left' or 'truncate_right' (got 'cut')" in message
     assert "engine.profile: Input should be 'throughput' or 'latency' (got 'fast')" in message
     assert "sampling.temperature: Input should be greater than or equal to 0 (got -1)" in message
+
+
+def test_a_count_written_as_true_or_false_is_refused(tmp_path):
+    """pydantic reads true as 1 and false as 0: `prompt_logprobs: true` was one alternative a token, and
+    `max_tokens: false` a scoring request, without a word (an OpenAI Batch line's prompt_logprobs: true fails)."""
+    message = error_of(tmp_path, MINIMAL + "sampling: {prompt_logprobs: true, max_tokens: false, n: true}\n")
+    for key, value in (("prompt_logprobs", "true"), ("max_tokens", "false"), ("n", "true")):
+        assert f"sampling.{key}: an integer, not {value}" in message
+    message = error_of(tmp_path, MINIMAL + "task: score\nsampling: {}\nscore: {prompt_logprobs: true}\n")
+    assert "score.prompt_logprobs: an integer, not true" in message
+    assert load(tmp_path, MINIMAL + "sampling: {prompt_logprobs: 1, seed: 0}\n").sampling.prompt_logprobs == 1
 
 
 def test_prompt_logprobs_are_a_job_setting_and_max_tokens_0_needs_them(tmp_path):
@@ -188,6 +199,27 @@ def test_values_that_would_fail_after_the_model_loads_fail_at_load(tmp_path):
         assert f"{key}: Input should be less than" in message and "[set on the command line]" in message
     assert load(tmp_path, MINIMAL, ["engine.seed=18446744073709551615"]).engine.seed == 2**64 - 1
     assert "model: String should have at least 1 character" in error_of(tmp_path, MINIMAL, ["model="])
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        (MINIMAL + 'task: score\nscore: {labels: [" a", "\\ud800"]}\n', "score.labels.1"),
+        (MINIMAL + 'prompt: {system: "Be brief.\\udfff"}\n', "prompt.system"),
+        (MINIMAL + 'sampling: {stop: ["\\ud83d"]}\n', "sampling.stop.0"),
+        (
+            'input: {path: docs.parquet, storage_options: {"\\ud800": 1}}\noutput: {path: out}\n',
+            "input.storage_options",
+        ),
+    ],
+)
+def test_a_lone_surrogate_in_a_job_file_is_a_job_file_error(tmp_path, text, where):
+    """A YAML \\uD800-\\uDFFF escape alone is no text that a tokenizer or a writer takes: a label, a system text or a
+    stop string holding one was exit 70 ("TextInputSequence must be str") once the model had loaded."""
+    message = error_of(tmp_path, text)
+    assert f": {where}: holds a lone surrogate" in message and "\n" not in message
+    with pytest.raises(JobFileError, match="prompt.system: holds a lone surrogate"):  # the Python API's mapping too
+        job_from_mapping({**yaml.safe_load(MINIMAL), "prompt": {"system": "\ud800"}})
 
 
 def test_a_job_dumped_whole_loads_again_as_the_same_job(tmp_path):
