@@ -17,12 +17,20 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from batchjob.model.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
 _PACK_HINT_ROWS = 64  # oneDNN packs for a row count; the layout serves any (checked at load, and in the tests)
 # How close the packed GEMM must come to F.linear on a probe at load: fp32 sums in another order; bf16 rounds each
 # output once, and F.linear (MKL) may round otherwise.
 _PROBE_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# oneDNN's AMX bf16 GEMM picks its blocking of K from the row count, and so sums a row in another order at 36 rows
+# than at 37, at 255 than at 256 (as measured on a Xeon with AMX, per weight shape): no row count is safe to call it
+# with but a fixed one. There, rows are computed in blocks of exactly this many (the last padded), within which a
+# row's sums do not depend on its place or its neighbours; 64 keeps most of AMX's rate (~0.7x of 256 rows at once,
+# still ~4x fp32's) for at most twice a lone row's time, which is reading W.
+_AMX_ROW_BLOCK = 64
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -46,6 +54,7 @@ class Linear:
         """Without `pack`, W is used as it is (a view into weights another layout owns)."""
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
+        self.row_block: int | None = None  # rows per GEMM call, where the call's row count changes its sums
         if pack and _packable(weight):
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
             tol = _PROBE_TOL[weight.dtype]
@@ -58,6 +67,8 @@ class Linear:
             else:
                 if agrees:
                     self.packed = packed
+                    if weight.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split():
+                        self.row_block = _AMX_ROW_BLOCK
                     if not keep_weight:  # only W's shape is read again: a zero-stride stand-in holds it
                         self.weight = weight.new_zeros(1).expand(weight.shape)
                 else:  # a oneDNN build that packs otherwise than it computes: stay with F.linear
@@ -81,6 +92,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or not x.numel():
             return F.linear(x, self.weight, self.bias)
+        if self.row_block is not None:
+            return self._in_row_blocks(x)
         if x.numel() == x.shape[-1]:
             # oneDNN's one-row kernel sums in another order than its kernels for more rows, which agree with each
             # other: a row computed alone would differ in its last bits from the same row in a batch (in bf16, a
@@ -88,3 +101,11 @@ class Linear:
             # batch kernels; at one row the matmul's time is reading W, not the arithmetic.
             return _packed_linear(x.reshape(1, -1).expand(2, -1), self.packed, self.bias)[:1].view(x.shape[:-1] + (-1,))
         return _packed_linear(x, self.packed, self.bias)
+
+    def _in_row_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        n, block = rows.shape[0], self.row_block
+        if n % block:
+            rows = torch.cat([rows, rows.new_zeros(block - n % block, rows.shape[1])])
+        out = torch.cat([_packed_linear(b, self.packed, self.bias) for b in rows.split(block)])
+        return out[:n].view(x.shape[:-1] + (-1,))
