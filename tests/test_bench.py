@@ -435,6 +435,17 @@ def test_the_llama_cpp_build_is_cached_per_cpu_and_flags(monkeypatch, tmp_path):
     assert llama_server.cached_binary() == folder / "llama-server"
     monkeypatch.setattr(llama_server, "cpu_flags", lambda: "flags : avx2 fma")  # -march=native code is per CPU
     assert llama_server.build_folder() != folder and llama_server.cached_binary() is None
+    # and per CPU model: -march=native reads more of the CPU than its flags line
+    flagged = llama_server.build_folder()
+    other = {**llama_server.cpu_kind(), "model": "-1"}
+    monkeypatch.setattr(llama_server, "cpu_kind", lambda: other)
+    assert llama_server.build_folder() != flagged
+
+
+def test_llama_cpp_is_built_without_its_amx_matmul_which_faults_on_a_xeon_with_amx():
+    for flags in (llama_server.CMAKE_FLAGS, llama_server.cmake_flags()):
+        for lang in ("C", "CXX"):
+            assert f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in flags
 
 
 def test_bench_refuses_a_quant_type_llama_quantize_is_not_asked_for(tmp_path):

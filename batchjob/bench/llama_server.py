@@ -32,7 +32,7 @@ from batchjob.bench.workloads import Workload
 from batchjob.engine.outputs import Request
 from batchjob.model.build_lock import build_lock
 from batchjob.model.builtin import cache_dir
-from batchjob.model.cpu_features import cpu_flags
+from batchjob.model.cpu_features import cpu_flags, cpu_kind
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ CMAKE_FLAGS = (
     "-DLLAMA_CURL=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # binaries that run from the cache folder without their build tree's libraries
     "-DLLAMA_BUILD_TESTS=OFF",
+    # Without AMX: this version's AMX matmul (ggml-cpu/amx) faults at its first tile load (ldtilecfg) on a Xeon with
+    # AMX, the server dying as it warms up; with these it takes AVX-512 and VNNI there (no-ops on CPUs without AMX).
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 )
 # BATCHJOB_CPU_ISA=avx2 (an AVX2-only host emulated): llama.cpp built for such a CPU too, not -march=native.
 ISA_CMAKE_FLAGS = {
@@ -80,8 +84,11 @@ def build_label() -> str:
 
 
 def build_folder() -> Path:
-    """Where the binaries of this sdist, flags and CPU are (or will be) cached."""
-    parts = [SDIST, VERSION, SDIST_SHA256, *cmake_flags(), *TARGETS, cpu_flags()]
+    """Where the binaries of this sdist, flags and CPU are (or will be) cached: the CPU by its flags and its model,
+    since -march=native reads more of the CPU than /proc/cpuinfo's flags name."""
+    kind = cpu_kind()
+    cpu = [cpu_flags(), kind["vendor"], kind["model_name"], str(kind["family"]), str(kind["model"])]
+    parts = [SDIST, VERSION, SDIST_SHA256, *cmake_flags(), *TARGETS, *cpu]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
     return cache_dir() / "llama-cpp" / f"{VERSION}-{key}"
 
