@@ -344,8 +344,6 @@ class Engine:
             error = "logit_bias holds token ids outside the vocabulary"
         elif req.params.prompt_logprobs is not None and req.prompt_logprobs_start < 1:
             error = "nothing to score before the first token: it has no context (an empty prompt?)"
-        elif seq.prompt_only and req.prompt_logprobs_start >= n:
-            error = f"nothing to score: {n} tokens, scored from token {req.prompt_logprobs_start} on (empty text?)"
         elif req.params.n > self.config.max_num_seqs:
             error = f"n={req.params.n} samples exceed max_num_seqs {self.config.max_num_seqs}"
         else:
@@ -357,6 +355,12 @@ class Engine:
             seq.finish_reason = "error"
             seq.metrics.finished_time = time.time()
             return self._output(seq, error)
+        if seq.prompt_only and req.prompt_logprobs_start >= n:
+            # No logprob is asked of any of its tokens (a one-token prompt: the first has none), and no token is
+            # drawn: answered as a step would answer it, without one. Whether that scores enough is score_output's.
+            seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
+            seq.metrics.finished_time = time.time()
+            return self._output(seq)
         seq.after = self._in_flight.get(req.after) if req.after is not None else None
         self._in_flight[req.request_id] = seq
         self.scheduler.add(seq)
