@@ -241,6 +241,20 @@ def test_labels_classify_each_row_with_one_shared_prefill(tmp_path, engine):
     assert got["r0"]["label"] == " positive" and got["r1"]["label"] == " negative"
 
 
+def test_a_row_the_kv_pool_cannot_hold_is_an_error_row_that_says_so(tmp_path):
+    """A scoring row longer than the KV pool (engine.num_kv_blocks) fails alone, its error saying that the KV cache
+    blocks are too few and how many it needs and the pool has (it read "plus max_tokens 0", a setting no scoring job
+    has); the row beside it is scored."""
+    rows = [{"id": "long", "text": " ".join(["word"] * 100), "n": 0}, {"id": "short", "text": "A short text.", "n": 1}]
+    data = write_parquet(tmp_path / "rows.parquet", rows)
+    got = run(write_job(tmp_path / "job.yaml", data, tmp_path / "out", engine={"num_kv_blocks": 4}))
+    assert got["long"]["error"] == (
+        "100 tokens to score need more KV cache blocks (7 of 16 tokens) than the pool has (4; raise "
+        "engine.num_kv_blocks or the KV cache's memory)"
+    )
+    assert got["short"]["error"] is None and got["short"]["scored_tokens"] > 0
+
+
 def test_a_stopped_job_resumes_and_a_cache_answers_a_rerun(tmp_path, texts_file, perplexity_run):
     cache = {"path": str(tmp_path / "cache")}
     job = write_job(
