@@ -333,19 +333,13 @@ class Engine:
         elif n > self.max_model_len or n == self.max_model_len and not seq.prompt_only:
             error = f"prompt has {n} tokens; the model's context is {self.max_model_len}"
         elif (blocks := -(-(n + seq.max_tokens) // self.config.block_size)) > self.num_kv_blocks:
-            capped = f" ({seq.max_tokens} within the context)" if seq.max_tokens < req.params.max_tokens else ""
-            error = (
-                f"prompt of {n} tokens plus max_tokens {req.params.max_tokens}{capped} needs more KV blocks "
-                f"({blocks}) than the pool's {self.num_kv_blocks}"
-            )
+            error = self._too_few_blocks(seq, req, blocks)
         elif max(req.prompt_token_ids) >= self.model_config.vocab_size or min(req.prompt_token_ids) < 0:
             error = "prompt holds token ids outside the vocabulary"
         elif any(not 0 <= t < self.model_config.vocab_size for t in req.params.logit_bias):
             error = "logit_bias holds token ids outside the vocabulary"
         elif req.params.prompt_logprobs is not None and req.prompt_logprobs_start < 1:
             error = "nothing to score before the first token: it has no context (an empty prompt?)"
-        elif seq.prompt_only and req.prompt_logprobs_start >= n:
-            error = f"nothing to score: {n} tokens, scored from token {req.prompt_logprobs_start} on (empty text?)"
         elif req.params.n > self.config.max_num_seqs:
             error = f"n={req.params.n} samples exceed max_num_seqs {self.config.max_num_seqs}"
         else:
@@ -357,10 +351,36 @@ class Engine:
             seq.finish_reason = "error"
             seq.metrics.finished_time = time.time()
             return self._output(seq, error)
+        if seq.prompt_only and req.prompt_logprobs_start >= n:
+            # No logprob is asked of any of its tokens (a one-token prompt: the first has none), and no token is
+            # drawn: answered as a step would answer it, without one. Whether that scores enough is score_output's.
+            seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
+            seq.metrics.finished_time = time.time()
+            return self._output(seq)
         seq.after = self._in_flight.get(req.after) if req.after is not None else None
         self._in_flight[req.request_id] = seq
         self.scheduler.add(seq)
         return None
+
+    def _too_few_blocks(self, seq: Sequence, req: Request, blocks: int) -> str:
+        """Why a request cannot run: it needs more KV cache blocks than the pool holds (a scoring request, with
+        max_tokens 0, in terms of what it scores: its prompt, or its prompt and the tokens scored after it)."""
+        n, start, pool = seq.num_prompt_tokens, req.prompt_logprobs_start, self.num_kv_blocks
+        if not seq.prompt_only:
+            capped = f" ({seq.max_tokens} within the context)" if seq.max_tokens < req.params.max_tokens else ""
+            return (
+                f"prompt of {n} tokens plus max_tokens {req.params.max_tokens}{capped} needs more KV blocks "
+                f"({blocks}) than the pool's {pool}"
+            )
+        scored = (
+            f"prompt of {start} tokens plus {n - start} to score after it needs"
+            if start > 1
+            else f"{n} tokens to score need"
+        )
+        return (
+            f"{scored} more KV cache blocks ({blocks} of {self.config.block_size} tokens) than the pool has ({pool}; "
+            "raise engine.num_kv_blocks or the KV cache's memory)"
+        )
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

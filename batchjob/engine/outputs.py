@@ -185,6 +185,10 @@ def score_output(
     if failed is not None:
         return ScoreOutput(request_id, first.prompt_token_ids, error=failed.error, finish_reason=failed.finish_reason)
     per_output = [o.prompt_logprobs[start:] for o in outputs]
+    if not all(per_output):  # the engine answers such a request (a one-token text, an empty tail): nothing to score
+        n = len(next(o for o, lps in zip(outputs, per_output) if not lps).prompt_token_ids)
+        error = f"nothing to score: {n} tokens, scored from token {start} on (empty text?)"
+        return ScoreOutput(request_id, first.prompt_token_ids, error=error, finish_reason="error")
     if labels is not None:
         sums = [math.fsum(t.logprob for t in lps) for lps in per_output]
         top = max(sums)

@@ -38,7 +38,7 @@ FORMAT = 1  # of the key and the entries: a change makes every earlier entry a m
 RESULT_ENGINE_SETTINGS = {"max_model_len", "elastic_compression", "elastic_max_tokens_floor", "seed"}
 TOUCH_AFTER_S = 3600.0  # a hit marks its entry used if its last mark is older: LRU to the hour, at one write an hour
 EVICT_TO = 0.9  # of max_size, so that the next writes do not each evict again
-MAX_WRITE_FAILURES = 5  # writes failing in a row that make a run stop writing to the cache (a transient one does not)
+MAX_FAILURES = 5  # reads, or writes, failing in a row that make a run stop them (a transient failure does not)
 STALE_TMP_S = 86400.0  # a temporary file this old is a killed writer's; eviction removes it
 # Eviction takes only these (an entry, or a killed writer's temporary file of one, in its shard folder): anything else
 # in the cache folder (a user's files, an output folder's) is not batchjob's to delete.
@@ -46,6 +46,32 @@ ENTRY_NAME = re.compile(
     rf"(?P<shard>[0-9a-f]{{2}})/(?:(?P=shard)[0-9a-f]{{62}}\.json"
     rf"|(?P<tmp>{re.escape(TMP_PREFIX)})(?P=shard)[0-9a-f]{{62}}\.json\.[0-9a-f]+\.tmp)"
 )
+
+
+class _Failures:
+    """The one failure policy of a cache's reads, and of its writes: a failure costs its entry (a read is a miss, a
+    write not stored), said once; a transient one (a full disk freed, a store's hiccup) leaves the cache in use. Only
+    MAX_FAILURES in a row (a folder the run may not read or write, a cache path that is a file) stop them for the
+    run, said once more."""
+
+    def __init__(self, root: Any, warn: Callable[[str], None], what: str, costs: str, stops: str):
+        self.root, self.warn, self.what, self.costs, self.stops = root, warn, what, costs, stops
+        self.in_a_row, self.warned, self.stopped = 0, False, False
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+
+    def failed(self, error: Exception) -> None:
+        self.in_a_row += 1
+        if self.in_a_row >= MAX_FAILURES:
+            self.stopped = True
+            self.warn(
+                f"results cache: cannot {self.what} in {self.root} ({error}; {self.in_a_row} {self.what}s in a row "
+                f"failed); this run {self.stops} there"
+            )
+        elif not self.warned:
+            self.warned = True
+            self.warn(f"results cache: a {self.what} in {self.root} failed ({error}); {self.costs}")
 
 
 class ResultsCache:
@@ -56,42 +82,59 @@ class ResultsCache:
         self.fs, self.fs_root = url_to_fs(spec.path, spec.storage_options)
         self.max_size = int(spec.max_size)
         self.written_since_evict = 0
-        self.warn, self.unwritable, self.unlistable, self.unreachable = warn, False, False, False
-        self.write_failures = 0  # in a row; a write that succeeds ends the run of them
-        self.warned_write = False
+        self.warn, self.unlistable, self.unreachable = warn, False, False
+        self.reads = _Failures(
+            self.root, warn, "read", "that entry is a miss, the next are looked up", "looks nothing more up"
+        )
+        self.writes = _Failures(
+            self.root, warn, "write", "that entry is not stored, the next are", "stores and marks nothing more"
+        )
+
+    @property
+    def unwritable(self) -> bool:
+        return self.writes.stopped
 
     def _path(self, key: str):
         return self.root / key[:2] / f"{key}.json"
 
     def get(self, key: str, touch: bool = True) -> Any:
-        """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too.
-        A hit marks the entry used, unless not to `touch` it (`plan` only looks)."""
-        if self.unreachable:
+        """The result stored under `key` (a JSON value); None for a miss, which a damaged or foreign entry is too,
+        and so is an entry that cannot be read (`reads` counts that)."""
+        if self.reads.stopped:
             return None
         path = self._path(key)
         try:
             data = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):  # no entry, or a folder in its place: the store answered
+            self.reads.succeeded()
+            return None
+        except Exception as e:  # whatever the store calls it (botocore's errors are no OSError)
+            self._failed(self.reads, e)
+            return None
+        self.reads.succeeded()
+        try:
             entry = json.loads(data)
             result = entry["result"]
             if entry["key"] != key or entry["sha256"] != _sha256(_canonical(result)):
                 return None
-            if touch:
-                self._touch(path, data)
-        except (OSError, ValueError, LookupError, TypeError):  # missing, unreadable or not an entry
+        except (ValueError, LookupError, TypeError):  # not an entry
             return None
-        except Exception as e:  # the store itself fails (botocore's errors are no OSError)
-            self._cannot_reach(e)
-            return None
+        if touch:
+            self._touch(path, data)
         return result
 
-    def _cannot_reach(self, error: Exception) -> None:
-        """A store that fails each request (an endpoint that cannot be reached) would cost each row its retries."""
-        self.unreachable = self.unwritable = True
+    def _failed(self, failures: _Failures, error: Exception) -> None:
+        """A store that cannot be reached fails each request, each after its retries: given up at its first failure,
+        for reads and writes both, said once. Other failures count in `failures`."""
+        if not _unreachable(error):
+            failures.failed(error)
+            return
+        self.unreachable = self.reads.stopped = self.writes.stopped = True
         self.warn(f"results cache: cannot reach {self.root} ({error}); this run looks nothing more up there")
 
     def put(self, key: str, result: Any) -> None:
-        """Store `result`. A write that fails costs only its entry: the run goes on (write_failed)."""
-        if self.unwritable:
+        """Store `result`. A write that fails costs only its entry: the run goes on (`writes` counts it)."""
+        if self.writes.stopped:
             return
         body = _canonical(result)
         data = _canonical({"key": key, "sha256": _sha256(body), "result": result})
@@ -101,16 +144,16 @@ class ResultsCache:
                 path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, lambda f: f.write(data), durable=False)  # a cut-short entry is a miss, not a wrong row
         except Exception as e:  # whatever the store calls it (an unreachable endpoint is no OSError)
-            self._write_failed(e)
+            self._failed(self.writes, e)
             return
-        self.write_failures = 0
+        self.writes.succeeded()
         self.written_since_evict += len(data)
         if self.written_since_evict > self.max_size * (1 - EVICT_TO):
             self.evict()
 
     def _touch(self, path, data: bytes) -> None:
         """Mark an entry used; on a cache this run cannot write, a hit stays a hit, unmarked."""
-        if self.unwritable:
+        if self.writes.stopped:
             return
         try:
             if time.time() - path.stat().st_mtime < TOUCH_AFTER_S:
@@ -119,26 +162,11 @@ class ResultsCache:
                 write_atomic(path, lambda f: f.write(data), durable=False)
             else:
                 os.utime(path)
-            self.write_failures = 0
+            self.writes.succeeded()
         except FileNotFoundError:  # another job evicted it since it was read: the hit stands
             pass
         except Exception as e:
-            self._write_failed(e)
-
-    def _write_failed(self, error: Exception) -> None:
-        """A failed write (storing or marking an entry) is one entry less, said once: a transient failure (a full
-        disk freed, a store's hiccup) leaves the cache in use. Only MAX_WRITE_FAILURES in a row (a read-only or full
-        cache, a path that is a file) make the run stop writing there, said once more."""
-        self.write_failures += 1
-        if self.write_failures >= MAX_WRITE_FAILURES:
-            self.unwritable = True
-            self.warn(
-                f"results cache: cannot write in {self.root} ({error}; {self.write_failures} writes in a row failed); "
-                "this run stores and marks nothing more there"
-            )
-        elif not self.warned_write:
-            self.warned_write = True
-            self.warn(f"results cache: a write in {self.root} failed ({error}); that entry is not stored, the next are")
+            self._failed(self.writes, e)
 
     def size(self) -> int:
         return sum(size for _, size, _ in self._entries())
@@ -146,6 +174,8 @@ class ResultsCache:
     def evict(self) -> None:
         """Delete the entries used longest ago until the cache is within max_size (to EVICT_TO of it, once over)."""
         self.written_since_evict = 0
+        if self.unreachable:
+            return
         entries = self._entries()
         total = sum(size for _, size, _ in entries)
         if total <= self.max_size:
@@ -303,6 +333,12 @@ def open_cache(
     job: JobSpec, engine: JobEngine | Embedder, warn: Callable[[str], None] = lambda message: None
 ) -> RunCache | None:
     return RunCache(ResultsCache(job.cache, warn), job, engine) if job.cache is not None else None
+
+
+def _unreachable(error: Exception) -> bool:
+    """A failure that says the store is not there (a refused connection, an endpoint gone: botocore's errors, which
+    are no OSError, once s3fs has retried them), not that one entry could not be read or written."""
+    return isinstance(error, ConnectionError) or not isinstance(error, OSError)
 
 
 def _cpu_isa(numerics: dict) -> list[str] | None:

@@ -17,7 +17,7 @@ from batchjob.job.contracts import JobEngine
 from batchjob.job.planner import TOKENIZE_CHUNK, in_windows
 from batchjob.job.prompt import PromptBuilder, RowError, cell_text
 from batchjob.job.reader import Row
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import JobFileError, JobSpec
 
 
 @dataclass
@@ -75,6 +75,14 @@ class ScorePlanner:
         self.column, self.labels = spec.continuation_column, spec.labels
         # Labels are the job file's text, as its template is: read as written.
         self.label_ids = [self.tokenizer.encode(label, add_special_tokens=False) for label in spec.labels or []]
+        for label, ids in zip(spec.labels or [], self.label_ids):
+            # A setting of the job file, not of a row: every row would fail on it, so the job is refused at once.
+            if len(ids) >= engine.max_model_len:
+                shown = label if len(label) <= 40 else f"{label[:37]}..."
+                raise JobFileError(
+                    f"score.labels: the label {shown!r} is {len(ids)} tokens, not under the model's context of "
+                    f"{engine.max_model_len} (engine.max_model_len): no prompt fits before it"
+                )
         self.params = SamplingParams(max_tokens=0, prompt_logprobs=spec.prompt_logprobs or 0)
         self.sort_window, self.dedupe = job.schedule.sort_window, job.schedule.dedupe
         self.block_size = engine.config.block_size
@@ -122,7 +130,8 @@ def score_planner(
     on_note: Callable[[str], None] = lambda note: None,
 ) -> ScorePlanner:
     """The job's ScorePlanner; as planner.job_planner, JobFileError at once when chat messages need a chat template
-    the model lacks, and `on_note` hears how prompts are built where the job file leaves it to the model."""
+    the model lacks or a label fills the model's context, and `on_note` hears how prompts are built where the job
+    file leaves it to the model."""
     planner = ScorePlanner(job, engine, on_error)
     if note := planner.builder.check():
         on_note(note)

@@ -96,6 +96,23 @@ def test_prompts_at_the_edge_of_the_context(engine):
     assert_idle(engine)
 
 
+def test_a_one_token_prompt_with_max_tokens_0_is_answered_without_a_step(engine):
+    """Seen: a one-token prompt asking only for its prompt logprobs (max_tokens 0) came back as an error ("nothing to
+    score"). Its answer needs no model: the first token has no logprob, and no token is drawn. It comes back so,
+    with the finish reason of any max_tokens 0 request, and no step is run for it."""
+    one, two = [ids(engine, "word")[0]], ids(engine, "word word")[:2]
+    params = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    steps = engine.step_count
+    (out,) = engine.generate([one], params, use_tqdm=False)
+    assert engine.step_count == steps
+    assert out.error is None and out.prompt_logprobs == [None] and out.token_ids == [] and out.text == ""
+    assert [s.token_ids for s in out.outputs] == [[]]
+    outs = engine.generate([two, one], params, use_tqdm=False)
+    assert outs[0].error is None and outs[0].prompt_logprobs[0] is None and outs[0].prompt_logprobs[1] is not None
+    assert outs[1].prompt_logprobs == [None] and out.finish_reason == outs[1].finish_reason == outs[0].finish_reason
+    assert_idle(engine)
+
+
 def test_n_above_max_num_seqs_fails_alone(engine):
     prompt = ids(engine, "Name a colour.")
     outs = engine.generate(

@@ -161,6 +161,31 @@ def test_rows_that_cannot_be_scored_come_back_as_errors(engine):
         engine.score(["a"], ["b"], labels=["c"])
 
 
+def test_a_row_the_kv_pool_cannot_hold_says_the_kv_cache_blocks_are_too_few():
+    """Seen: a scoring row too long for the pool read "prompt of 100 tokens plus max_tokens 0 needs more KV blocks",
+    a max_tokens the row never set. It now says what it scores and that the KV cache blocks are too few, how many it
+    needs and how many the pool has; the rows that fit are scored beside it."""
+    small = Engine("smollm2-135m-instruct", max_model_len=128, num_kv_blocks=4, max_num_seqs=4, **EXACT)
+    word = small.tokenizer.encode(" word", add_special_tokens=False)
+    prompt, short = word * 100, word * 8
+    too_many, fits = small.score([prompt, short], use_tqdm=False)
+    pool = "than the pool has (4; raise engine.num_kv_blocks or the KV cache's memory)"
+    assert too_many.finish_reason == "error"
+    assert too_many.error == f"100 tokens to score need more KV cache blocks (7 of 16 tokens) {pool}"
+    assert fits.error is None and fits.num_scored_tokens == 7
+    (long_tail,) = small.score([short], [word * 60], use_tqdm=False)
+    assert (
+        long_tail.error
+        == f"prompt of 8 tokens plus 60 to score after it needs more KV cache blocks (5 of 16 tokens) {pool}"
+    )
+    assert [len(small.tokenizer.encode(x, add_special_tokens=False)) for x in (" yes", " no")] == [1, 1]
+    (labelled,) = small.score([word * 64], labels=[" yes", " no"], use_tqdm=False)  # 64 fit the pool, 65 do not
+    assert (
+        labelled.error
+        == f"prompt of 64 tokens plus 1 to score after it needs more KV cache blocks (5 of 16 tokens) {pool}"
+    )
+
+
 def test_a_follower_waits_for_its_leader_and_reads_its_blocks(engine):
     """Request.after: a label variant admitted in the step after its leader's prompt is computed, not beside it."""
     ids = engine.tokenizer.encode("word " * 100)

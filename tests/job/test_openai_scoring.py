@@ -110,6 +110,24 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_the_legacy_api(tmp_path, en
     check_prompt_logprobs(engine, choice["prompt_logprobs"], ids, 3)  # vLLM's field too, as vLLM gives it
 
 
+def test_a_one_token_prompt_with_max_tokens_0_is_answered(tmp_path, engine, progress):
+    """Seen: the line failed ("nothing to score"). As the legacy API and vLLM answer it: the token echoed, with no
+    logprob (nothing comes before it), and nothing drawn."""
+    assert len(engine.tokenizer.encode("Hello")) == 1
+    lines = [
+        completion("echo", "Hello", echo=True, logprobs=2, max_tokens=0),
+        completion("vllm", "Hello", prompt_logprobs=1, max_tokens=0),
+    ]
+    out = run_lines(tmp_path, engine, progress, lines)
+    echo, vllm = (out[k]["response"]["body"] for k in ("echo", "vllm"))
+    assert out["echo"]["error"] is None and out["vllm"]["error"] is None
+    (choice,) = echo["choices"]
+    assert choice["text"] == "Hello" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["Hello"] and choice["logprobs"]["token_logprobs"] == [None]
+    assert choice["prompt_logprobs"] == [None] == vllm["choices"][0]["prompt_logprobs"]
+    assert echo["usage"]["prompt_tokens"] == 1 and echo["usage"]["completion_tokens"] == 0
+
+
 def test_echo_with_generation_and_prompt_logprobs_on_both_urls(tmp_path, engine, progress):
     lines = [
         completion("echo", STORY, echo=True, logprobs=2, max_tokens=5),

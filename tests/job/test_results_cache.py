@@ -11,6 +11,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,13 +26,13 @@ import batchjob.job.results_cache
 from batchjob.job.exit_codes import EXIT_OK
 from batchjob.job.output.state import OutputDir
 from batchjob.job.plan import plan_job
-from batchjob.job.results_cache import MAX_WRITE_FAILURES, ResultsCache
+from batchjob.job.results_cache import MAX_FAILURES, ResultsCache
 from batchjob.job.runner import run_job
 from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.fakes import FakeEngine
 from tests.helpers import Messages, documents, make_job, write_jsonl, write_parquet
 from tests.job.test_e2e import cli
-from tests.job.test_s3 import BUCKET, s3  # noqa: F401 (the moto server fixture)
+from tests.job.test_s3 import BUCKET, moto_server, s3  # noqa: F401 (the moto server fixture)
 
 # What a row's result is, less what differs between any two runs (times) or tells how it was got (cached_tokens).
 RESULT = ("id", "output", "finish_reason", "outputs", "finish_reasons", "output_token_counts", "logprobs")
@@ -231,7 +233,7 @@ def test_a_cache_that_cannot_be_written_costs_only_its_use(tmp_path, monkeypatch
 
 def test_a_write_that_fails_once_costs_only_its_entry(tmp_path, monkeypatch):
     """Seen: one failed write (a store's hiccup) made the run store nothing more. Now it is said once and the next
-    entries are stored; only MAX_WRITE_FAILURES failures in a row stop the writing, said once more."""
+    entries are stored; only MAX_FAILURES failures in a row stop the writing, said once more."""
     data = write_parquet(tmp_path / "a.parquet", documents(6))
     write = batchjob.job.results_cache.write_atomic
     calls = []
@@ -258,7 +260,7 @@ def test_a_write_that_fails_once_costs_only_its_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(batchjob.job.results_cache, "write_atomic", full)
     calls.clear()
-    cache, n = ResultsCache(CacheSpec(path=str(tmp_path / "full")), messages.message), MAX_WRITE_FAILURES
+    cache, n = ResultsCache(CacheSpec(path=str(tmp_path / "full")), messages.message), MAX_FAILURES
     keys = iter(f"{i:064x}" for i in range(100))
     for _ in range(n - 1):
         cache.put(next(keys), {"text": "x"})
@@ -292,7 +294,8 @@ def test_a_cache_that_cannot_be_listed_is_written_and_the_run_ends_well(tmp_path
 
 def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
     """An endpoint that refuses connections (botocore's errors are no OSError): every row computed and right, the
-    store given up after its first failure, not tried for each row, and said so; `plan` counts no hit."""
+    store given up after its first failure, not tried for each row nor listed at the end, and said once; `plan`
+    counts no hit."""
     data = write_parquet(tmp_path / "a.parquet", documents(3))
     config = {"connect_timeout": 1, "retries": {"max_attempts": 1}}
     unreachable = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "config_kwargs": config}
@@ -302,8 +305,112 @@ def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
     run(make_job(data, tmp_path / "scratch"))
     assert rows_of(tmp_path / "o1") == rows_of(tmp_path / "scratch")
     warned = [m.split(" (")[0] for m in messages.messages if m.startswith("results cache: ")]
-    assert warned == ["results cache: cannot reach s3://bucket/cache", "results cache: cannot list s3://bucket/cache"]
+    assert warned == ["results cache: cannot reach s3://bucket/cache"]
     assert plan_job(job, calibrate=False, engine_factory=Counting())["rows_from_results_cache"] == 0
+
+
+NOBODY = 65534  # the unprivileged user: root reads and writes any folder, whatever its mode
+
+
+@pytest.fixture
+def open_folder(tmp_path):
+    """A folder that an unprivileged user reaches: pytest's tmp_path is under a folder of root's alone (0700)."""
+    if os.geteuid() != 0:
+        yield tmp_path
+        return
+    folder = Path(tempfile.mkdtemp(prefix="batchjob-test-"))
+    folder.chmod(0o777)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def run_unprivileged(data: str, out: str, cache: str) -> tuple[int, int, list[str], int]:
+    """A cached run as a user the cache's folder denies (as nobody, if this is root): its exit code, the rows it
+    computed, its messages and the entries it tried to read."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        os.environ["BATCHJOB_CACHE"] = str(Path(out).parent / "batchjob-cache")  # root's is not nobody's
+    read_bytes, tried = Path.read_bytes, []
+
+    def counted(path: Path) -> bytes:
+        tried.extend([path] if str(path).startswith(cache) else [])
+        return read_bytes(path)
+
+    Path.read_bytes = counted  # this process is the test's own, and ends with the run
+    messages, factory = Messages(), Counting()
+    code = run_job(cached_job(Path(data), Path(out), cache), messages, engine_factory=factory)
+    return code, factory.computed, messages.messages, len(tried)
+
+
+def test_a_cache_folder_that_cannot_be_read_or_written_costs_only_its_use(open_folder):
+    """Seen: a cache folder the run may not enter (chmod 000) was read for every row, each failure unsaid. Reads now
+    fail as writes do: each is a miss and its row is computed right, never an error; the first failure is said, and
+    MAX_FAILURES in a row stop the reads (and the writes), each said once."""
+    rows = 3 * MAX_FAILURES
+    data = write_parquet(open_folder / "a.parquet", documents(rows))
+    run(make_job(data, open_folder / "scratch"))
+    cache = open_folder / "c"
+    assert run(cached_job(data, open_folder / "o1", cache)).computed == rows
+    cache.chmod(0o000)
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            code, computed, messages, tried = pool.apply(
+                run_unprivileged, (str(data), str(open_folder / "o2"), str(cache))
+            )
+    finally:
+        cache.chmod(0o755)
+    assert code == EXIT_OK and computed == rows and tried == MAX_FAILURES
+    assert rows_of(open_folder / "o2") == rows_of(open_folder / "scratch")
+    warned = [m.split(" (")[0] for m in messages if m.startswith("results cache: ")]
+    assert sorted(warned) == [  # reads and writes interleave
+        f"results cache: a read in {cache} failed",
+        f"results cache: a write in {cache} failed",
+        f"results cache: cannot read in {cache}",
+        f"results cache: cannot write in {cache}",
+    ]
+    assert run(cached_job(data, open_folder / "o3", cache)).computed == 0  # readable again: every entry is a hit
+
+
+def test_a_cache_on_s3_whose_server_is_gone(tmp_path):
+    """A cache on moto's server, stopped after a first run filled it: the next run computes every row right and
+    gives the store up at its first failure, said once (no listing at the end). A write that meets the gone store
+    first gives it up at once too, for reads as well."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "testing",
+        "secret": "testing",
+        "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+    }
+    url = "s3://batchjob-gone/cache"
+    spec = CacheSpec(path=url, storage_options=options)
+    try:
+        ResultsCache(spec).fs.mkdir("batchjob-gone")
+        data = write_parquet(tmp_path / "a.parquet", documents(4))
+        assert run(cached_job(data, tmp_path / "o1", url, cache={"storage_options": options})).computed == 4
+    finally:
+        server.stop()
+    messages = Messages()
+    factory = Counting()
+    job = cached_job(data, tmp_path / "o2", url, cache={"storage_options": options})
+    assert run_job(job, messages, engine_factory=factory) == EXIT_OK
+    assert factory.computed == 4 and rows_of(tmp_path / "o2") == rows_of(tmp_path / "o1")
+    warned = [m.split(" (")[0] for m in messages.messages if m.startswith("results cache: ")]
+    assert warned == [f"results cache: cannot reach {url}"]
+    messages = Messages()
+    cache = ResultsCache(spec, messages.message)
+    cache.put("ab" * 32, {"text": "x"})
+    assert cache.unwritable and cache.reads.stopped
+    assert cache.get("ab" * 32) is None
+    assert [m.split(" (")[0] for m in messages.messages] == [f"results cache: cannot reach {url}"]
 
 
 def test_an_entry_evicted_by_another_job_while_read_is_still_a_hit(tmp_path, monkeypatch):

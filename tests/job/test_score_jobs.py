@@ -241,6 +241,20 @@ def test_labels_classify_each_row_with_one_shared_prefill(tmp_path, engine):
     assert got["r0"]["label"] == " positive" and got["r1"]["label"] == " negative"
 
 
+def test_a_row_the_kv_pool_cannot_hold_is_an_error_row_that_says_so(tmp_path):
+    """A scoring row longer than the KV pool (engine.num_kv_blocks) fails alone, its error saying that the KV cache
+    blocks are too few and how many it needs and the pool has (it read "plus max_tokens 0", a setting no scoring job
+    has); the row beside it is scored."""
+    rows = [{"id": "long", "text": " ".join(["word"] * 100), "n": 0}, {"id": "short", "text": "A short text.", "n": 1}]
+    data = write_parquet(tmp_path / "rows.parquet", rows)
+    got = run(write_job(tmp_path / "job.yaml", data, tmp_path / "out", engine={"num_kv_blocks": 4}))
+    assert got["long"]["error"] == (
+        "100 tokens to score need more KV cache blocks (7 of 16 tokens) than the pool has (4; raise "
+        "engine.num_kv_blocks or the KV cache's memory)"
+    )
+    assert got["short"]["error"] is None and got["short"]["scored_tokens"] > 0
+
+
 def test_a_stopped_job_resumes_and_a_cache_answers_a_rerun(tmp_path, texts_file, perplexity_run):
     cache = {"path": str(tmp_path / "cache")}
     job = write_job(
@@ -410,6 +424,38 @@ def test_a_job_file_that_a_scoring_job_cannot_use_fails_in_one_line(tmp_path, se
     assert message in str(e.value)
     result = batchjob("run", str(job))
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output
+
+
+def test_a_label_that_fills_the_context_refuses_the_job_in_one_line(tmp_path, engine):
+    """Seen: a label of the job file as long as the context failed every row (exit 0). A label is a setting, not row
+    data: one of max_model_len tokens or more is refused before any row (exit 2, one line, no output folder). One a
+    token shorter runs: a row whose prompt and label fit is scored, a longer one fails alone."""
+    context = 32
+    word = engine.tokenizer.encode(" word", add_special_tokens=False)
+    assert len(engine.tokenizer.encode(" word" * context, add_special_tokens=False)) == context * len(word) == context
+    assert len(engine.tokenizer.encode("Good")) == 1
+    rows = [{"id": "one", "text": "Good"}, {"id": "longer", "text": "Good food, kind staff."}]
+    data = write_parquet(tmp_path / "rows.parquet", rows)
+    engine_section = {**ENGINE, "max_model_len": context}
+    sections = {"input": {"passthrough": []}, "engine": engine_section}
+    job = write_job(
+        tmp_path / "job.yaml", data, tmp_path / "out", score={"labels": [" yes", " word" * context]}, **sections
+    )
+    result = cli("run", str(job))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        f"error: score.labels: the label ' word word word word word word word w...' is {context} tokens, not under "
+        f"the model's context of {context} (engine.max_model_len): no prompt fits before it"
+    )
+    assert not (tmp_path / "out").exists()
+    job = write_job(
+        tmp_path / "job2.yaml", data, tmp_path / "out2", score={"labels": [" yes", " word" * (context - 1)]}, **sections
+    )
+    result = cli("run", str(job))
+    assert result.returncode == 0, result.stdout + result.stderr
+    got = dataset(tmp_path / "out2")
+    assert got["one"]["error"] is None and got["one"]["scored_tokens"] == 1 + (context - 1)  # both labels
+    assert "too long for the model's context of 32" in got["longer"]["error"]
 
 
 def test_the_example_job_file_is_a_scoring_job():
