@@ -27,10 +27,12 @@ _PACK_HINT_ROWS = 64  # oneDNN packs for a row count; the layout serves any (che
 _PROBE_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 # oneDNN's AMX bf16 GEMM picks its blocking of K from the row count, and so sums a row in another order at 36 rows
 # than at 37, at 255 than at 256 (as measured on a Xeon with AMX, per weight shape): no row count is safe to call it
-# with but a fixed one. There, rows are computed in blocks of exactly this many (the last padded), within which a
-# row's sums do not depend on its place or its neighbours; 64 keeps most of AMX's rate (~0.7x of 256 rows at once,
-# still ~4x fp32's) for at most twice a lone row's time, which is reading W.
+# with unless checked. There, rows are computed in blocks of exactly _AMX_ROW_BLOCK (the last padded), within which a
+# row's sums do not depend on its place or its neighbours, or in blocks of a multiple of it that a probe at load
+# shows to sum each row as the 64-row block does (fewer calls: 64-row calls alone ran 512 rows at half the rate).
 _AMX_ROW_BLOCK = 64
+_AMX_WIDER_BLOCKS = (512, 256, 128)
+_PROBE_DRAWS = 3
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -54,7 +56,8 @@ class Linear:
         """Without `pack`, W is used as it is (a view into weights another layout owns)."""
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
-        self.row_block: int | None = None  # rows per GEMM call, where the call's row count changes its sums
+        # Rows per GEMM call, widest first, where the call's row count changes its sums (else empty).
+        self.row_blocks: tuple[int, ...] = ()
         if pack and _packable(weight):
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
             tol = _PROBE_TOL[weight.dtype]
@@ -68,7 +71,7 @@ class Linear:
                 if agrees:
                     self.packed = packed
                     if weight.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split():
-                        self.row_block = _AMX_ROW_BLOCK
+                        self.row_blocks = _row_blocks_summing_as_one(packed, weight.shape[1])
                     if not keep_weight:  # only W's shape is read again: a zero-stride stand-in holds it
                         self.weight = weight.new_zeros(1).expand(weight.shape)
                 else:  # a oneDNN build that packs otherwise than it computes: stay with F.linear
@@ -92,7 +95,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or not x.numel():
             return F.linear(x, self.weight, self.bias)
-        if self.row_block is not None:
+        if self.row_blocks:
             return self._in_row_blocks(x)
         if x.numel() == x.shape[-1]:
             # oneDNN's one-row kernel sums in another order than its kernels for more rows, which agree with each
@@ -104,8 +107,32 @@ class Linear:
 
     def _in_row_blocks(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        n, block = rows.shape[0], self.row_block
-        if n % block:
-            rows = torch.cat([rows, rows.new_zeros(block - n % block, rows.shape[1])])
-        out = torch.cat([_packed_linear(b, self.packed, self.bias) for b in rows.split(block)])
+        n, unit = rows.shape[0], self.row_blocks[-1]
+        if n % unit:  # a last, partial block is padded; the others are views
+            rows = torch.cat([rows, rows.new_zeros(unit - n % unit, rows.shape[1])])
+        outs, start = [], 0
+        while start < rows.shape[0]:
+            size = next(b for b in self.row_blocks if b <= rows.shape[0] - start)
+            outs.append(_packed_linear(rows[start : start + size], self.packed, self.bias))
+            start += size
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out[:n].view(x.shape[:-1] + (-1,))
+
+
+def _row_blocks_summing_as_one(packed: torch.Tensor, in_features: int) -> tuple[int, ...]:
+    """_AMX_ROW_BLOCK and those of _AMX_WIDER_BLOCKS whose calls give each row bit for bit what 64-row calls give, on
+    probes with a spread of magnitudes (some inputs x1000, as the down projection's are), where another order of
+    sums shows."""
+    gen = torch.Generator().manual_seed(0)
+    agree = []
+    for size in _AMX_WIDER_BLOCKS:
+        for draw in range(_PROBE_DRAWS):
+            x = torch.randn(size, in_features, generator=gen)
+            x[:, draw::7] *= 1000
+            x = x.to(torch.bfloat16)
+            unit = torch.cat([_packed_linear(b, packed, None) for b in x.split(_AMX_ROW_BLOCK)])
+            if not torch.equal(_packed_linear(x, packed, None), unit):
+                break
+        else:
+            agree.append(size)
+    return (*agree, _AMX_ROW_BLOCK)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from batchjob.model.cpu_features import cpu_flags
 from batchjob.model.linear import Linear
 
 
@@ -82,3 +83,29 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype):
         batch = lin(x)
         assert torch.equal(lin(x[:1]), batch[:1]), draw
         assert torch.equal(lin(x[0]), batch[0]), draw  # a lone vector too
+
+
+@pytest.mark.skipif(
+    "amx_bf16" not in cpu_flags().split() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN's AMX bf16 GEMM (whose sums change with the row count) runs only on a CPU with AMX",
+)
+def test_on_amx_a_rows_bf16_result_does_not_depend_on_the_calls_row_count():
+    """oneDNN's AMX GEMM sums a row otherwise at 36 rows than at 37, at 255 than at 256 (the down projection's shape):
+    rows go in blocks of 64 or of a wider size checked at load to sum as 64 do, so every row count gives each row
+    what it gets alone. Without the blocks (row_blocks emptied) the same check fails."""
+    lin = Linear((_tensor(576, 1536, seed=9) * 0.05).to(torch.bfloat16))
+    assert lin.row_blocks[-1] == 64 and list(lin.row_blocks) == sorted(lin.row_blocks, reverse=True)
+    x = _tensor(600, 1536, seed=11)
+    x[:, 3::11] *= 1000
+    x = x.to(torch.bfloat16)
+    alone = torch.cat([lin(row) for row in x[:64]]).view(64, -1)
+
+    def invariant() -> bool:
+        return all(
+            torch.equal(lin(x[:n])[: min(n, 64)], alone[: min(n, 64)])
+            for n in (1, 2, 17, 36, 37, 64, 100, 255, 256, 300, 342, 600)
+        )
+
+    assert invariant()
+    lin.row_blocks = ()
+    assert not invariant()
