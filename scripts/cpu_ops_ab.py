@@ -59,7 +59,7 @@ from batchjob.bench.systems import run_engine
 from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
-from batchjob.model import int8_linear
+from batchjob.model import int8_linear, smoothing
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.cpu_native import native_ops
 from batchjob.model.int8_linear import Int8Linear, quantize_rows, quantize_weight
@@ -394,7 +394,10 @@ def int8_quality() -> None:
     continuations = run_engine(fp32, wl).outputs
     ref = continuation_nll(fp32, wl, continuations)
     print(f"fp32: mean NLL {ref['mean_nll']:.5f} over {ref['tokens']} tokens", flush=True)
-    for qmax in (int8_linear.QMAX, int8_linear.QMAX_WITHOUT_VNNI):  # 8-bit weights (VNNI), 7-bit (without)
+    smoothing.ALPHA = float(os.environ.get("ALPHA", smoothing.ALPHA))
+    print(f"smoothing alpha {smoothing.ALPHA}", flush=True)
+    bits = os.environ.get("BITS", "8,7").split(",")
+    for qmax in [{"8": int8_linear.QMAX, "7": int8_linear.QMAX_WITHOUT_VNNI}[b] for b in bits]:
         int8_linear.weight_qmax = lambda qmax=qmax: qmax  # exact either way here: this CPU sums both in int32
         int8 = Engine(job.model, dtype="float32", weights="int8")
         nll = continuation_nll(int8, wl, continuations)["mean_nll"]
