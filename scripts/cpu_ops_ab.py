@@ -1,6 +1,7 @@
 """Usage: python scripts/cpu_ops_ab.py
    [steps|prof|gemm|int8|run|attention|job|dtype|weights|int8-quality|invariance|sampler]
-   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD)
+   (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD, BITS, ALPHA,
+   SMOOTH, FLOAT_DOWN)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
@@ -31,7 +32,9 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   decode-only step times, and how many greedy outputs the two share.
 - int8-quality: `bench --quality`'s NLL without its transformers part: the summarize job's first N (24) rows, the
   fp32 engine's greedy continuations scored by the fp32 engine and by the int8 one (float32 otherwise) with 8-bit and
-  with 7-bit weights (a CPU without VNNI's): mean NLL per token and its difference to fp32's.
+  with 7-bit weights (a CPU without VNNI's; BITS=8 or 7 for one): mean NLL per token and its difference to fp32's.
+  Variants: ALPHA (SmoothQuant's migration strength, default model/smoothing.py's), SMOOTH=0 (no smoothing: the
+  scales all 1), FLOAT_DOWN=1 (the down projection kept float).
 - invariance: 32 prompts (as tests/engine/test_engine.py's) per dtype, 12 greedy tokens: how many equal the prompt's
   tokens alone when run in one batch, and in 64-token steps (chunked prefill).
 - sampler: one step of N (64) rows over SmolLM2's vocabulary per sampling setting (temperature, top-p, top-k,
@@ -59,7 +62,7 @@ from batchjob.bench.systems import run_engine
 from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
-from batchjob.model import int8_linear
+from batchjob.model import int8_linear, llama, smoothing
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.cpu_native import native_ops
 from batchjob.model.int8_linear import Int8Linear, quantize_rows, quantize_weight
@@ -394,7 +397,16 @@ def int8_quality() -> None:
     continuations = run_engine(fp32, wl).outputs
     ref = continuation_nll(fp32, wl, continuations)
     print(f"fp32: mean NLL {ref['mean_nll']:.5f} over {ref['tokens']} tokens", flush=True)
-    for qmax in (int8_linear.QMAX, int8_linear.QMAX_WITHOUT_VNNI):  # 8-bit weights (VNNI), 7-bit (without)
+    smoothing.ALPHA = float(os.environ.get("ALPHA", smoothing.ALPHA))
+    if os.environ.get("SMOOTH", "1") == "0":  # the scales all 1: the unsmoothed W8A8 of before
+        llama.smoothing_scales = lambda x_absmax, weight, alpha=None: torch.ones(weight.shape[1])
+    if os.environ.get("FLOAT_DOWN") == "1":  # the down projection (input: intermediate) kept float
+        inter = fp32.model_config.intermediate_size
+        llama.Int8Linear = lambda w, b=None: (linear.Linear if w.shape[1] == inter else Int8Linear)(w, b)
+    smooth, down = os.environ.get("SMOOTH", "1"), os.environ.get("FLOAT_DOWN", "0")
+    print(f"smoothing {smooth}, alpha {smoothing.ALPHA}, float down {down}", flush=True)
+    bits = os.environ.get("BITS", "8,7").split(",")
+    for qmax in [{"8": int8_linear.QMAX, "7": int8_linear.QMAX_WITHOUT_VNNI}[b] for b in bits]:
         int8_linear.weight_qmax = lambda qmax=qmax: qmax  # exact either way here: this CPU sums both in int32
         int8 = Engine(job.model, dtype="float32", weights="int8")
         nll = continuation_nll(int8, wl, continuations)["mean_nll"]

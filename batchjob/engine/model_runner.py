@@ -27,6 +27,7 @@ from batchjob.model.cpu_native import native_ops_for
 from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.gemma import decoder_class
 from batchjob.model.loader import LoadedModel
+from batchjob.model.smoothing import CALIBRATION_TEXT
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_GB = 2.0
@@ -114,6 +115,7 @@ class ModelRunner:
             self.device,
             max_model_len,  # LongRoPE's long or short factors follow the context the engine allows
             int8=self.weights == "int8",
+            calibration=loaded.tokenizer.encode(CALIBRATION_TEXT) if self.weights == "int8" else None,
         )
         self.block_size = config.block_size
         c = loaded.config

@@ -37,6 +37,8 @@ def decoder_class(config: ModelConfig) -> type[LlamaModel]:
 
 
 class GemmaModel(LlamaModel):
+    MLP_INPUT_NORM = "pre_ff_norm"  # Gemma's post_norm follows attention's output projection
+
     def __init__(
         self,
         config: ModelConfig,
@@ -46,6 +48,7 @@ class GemmaModel(LlamaModel):
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
         int8: bool = False,
+        calibration: list[int] | None = None,
     ):
         c = config
         # Read before LlamaModel takes the weights it shares with Llama.
@@ -56,7 +59,7 @@ class GemmaModel(LlamaModel):
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             extra.append({key: _one_plus(weights[p + name].to(device)) for key, name in names.items()})
-        super().__init__(config, weights, ops, rope_freqs, device, max_model_len, int8=int8)
+        super().__init__(config, weights, ops, rope_freqs, device, max_model_len, int8=int8, calibration=calibration)
         for layer, more in zip(self.layers, extra):
             layer["input_norm"], layer["post_norm"] = _one_plus(layer["input_norm"]), _one_plus(layer["post_norm"])
             layer.update(more)
@@ -68,6 +71,8 @@ class GemmaModel(LlamaModel):
             self.local_cos_sin_cache = local.cos_sin_cache(c.max_position_embeddings).to(device)
         else:
             self.local_cos_sin_cache = self.cos_sin_cache
+        if int8:  # after the norms above: smoothing divides their factors (1 + w), and calibration runs forward
+            self.quantize_int8(calibration)
 
     def weight_bytes(self) -> int:
         extra = sum(t.nbytes for w in self.layers for key, t in w.items() if key in _EXTRA_NORMS)

@@ -13,6 +13,9 @@ from batchjob.model.config import ModelConfig, moe_weight_names
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
 from batchjob.model.moe import SparseMoeBlock
+from batchjob.model.smoothing import AbsMaxRecorder, smoothing_scales
+
+_CALIBRATION_BLOCK = 16  # the scratch KV cache's block size for the calibration pass (any works)
 
 
 def _fused(w: dict[str, torch.Tensor], prefix: str, fused: str, parts: list[str]) -> torch.Tensor:
@@ -27,6 +30,9 @@ class LlamaModel:
     """Weights fused for fewer, larger matmuls: q/k/v in one, gate/up in one; each matmul a Linear (packed for the
     CPU's GEMM where it can be), or with `int8` each decoder layer's dense matmul an Int8Linear (W8A8)."""
 
+    # The norm whose output is the MLP's input, into whose weight the gate_up matmul's smoothing folds.
+    MLP_INPUT_NORM = "post_norm"
+
     def __init__(
         self,
         config: ModelConfig,
@@ -37,12 +43,16 @@ class LlamaModel:
         max_model_len: int | None = None,
         lm_head: bool = True,
         int8: bool = False,
+        calibration: list[int] | None = None,
     ):
         """Without `lm_head` (an embedding model's hidden states are its output) no head is built, and the weights
         need none. `int8` (a CPU's) leaves the LM head, the embedding and a sparse MoE layer's matmuls in the model's
-        dtype."""
+        dtype, and needs `calibration`, the token ids of smoothing.CALIBRATION_TEXT (quantize_int8)."""
         self.config, self.ops = config, ops
-        dense = Int8Linear if int8 else Linear
+
+        def dense(weight, bias=None):  # with int8, kept unpacked until quantize_int8 smooths and quantizes it
+            return Linear(weight, bias, pack=not int8)
+
         c = config
         w = {k: v.to(device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
@@ -86,6 +96,71 @@ class LlamaModel:
         self.scale = c.head_dim**-0.5
         # [positions, rotary_dim]: the ops turn each head's first rotary_dim dims (partial rotary) and pass the rest.
         self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs, max_model_len).to(device)
+        if int8 and type(self) is LlamaModel:  # a subclass finishes its own setup first, then quantizes
+            self.quantize_int8(calibration)
+
+    def quantize_int8(self, calibration: list[int] | None) -> None:
+        """Each decoder layer's dense matmuls (built unpacked) into Int8Linears, smoothed first (smoothing.py): one
+        float pass over the `calibration` tokens records each matmul input's channel maxima; each input channel's
+        scale then multiplies the matmul's weight column and divides what writes that channel: the norm before qkv
+        and before gate_up, the `up` rows of gate_up before down (act(gate) * up is linear in up), and the v rows of
+        qkv before o. The float model's output is unchanged (up to rounding); only what int8 loses changes."""
+        if not calibration:
+            raise ValueError("int8 weights need calibration tokens (smoothing.CALIBRATION_TEXT, tokenized)")
+        names = ["qkv", "o", "gate_up", "down"]
+        for w in self.layers:
+            for name in names:
+                if name in w:
+                    w[name] = AbsMaxRecorder(w[name])
+        self._calibrate(calibration)
+        c = self.config
+        for w in self.layers:
+            absmax = {name: w[name].absmax for name in names if name in w}
+            lin = {name: w[name].linear for name in names if name in w}
+            weight = {name: lin[name].weight.float().clone() for name in lin}
+            bias = {name: None if lin[name].bias is None else lin[name].bias.float().clone() for name in lin}
+            dtype = lin["qkv"].weight.dtype
+            # qkv's input: the input norm's output
+            s = smoothing_scales(absmax["qkv"], weight["qkv"])
+            w["input_norm"] = (w["input_norm"].float() / s).to(w["input_norm"].dtype)
+            weight["qkv"] *= s
+            # o's input: attention's output, per query head a weighted sum of its KV head's v rows. The scale of a
+            # channel (head h, dim d) divides v's row (KV head of h, d), so the query heads that share a KV head
+            # must share scales: the largest of theirs.
+            s = smoothing_scales(absmax["o"], weight["o"])
+            group = c.num_attention_heads // c.num_key_value_heads
+            s_kv = s.view(c.num_key_value_heads, group, c.head_dim).amax(dim=1)
+            weight["o"] *= s_kv[:, None, :].expand(-1, group, -1).reshape(-1)
+            v = slice(self.q_size + self.kv_size, None)
+            weight["qkv"][v] /= s_kv.reshape(-1, 1)
+            if bias["qkv"] is not None:
+                bias["qkv"][v] /= s_kv.reshape(-1)
+            if w["moe"] is None:
+                norm = self.MLP_INPUT_NORM
+                s = smoothing_scales(absmax["gate_up"], weight["gate_up"])
+                w[norm] = (w[norm].float() / s).to(w[norm].dtype)
+                weight["gate_up"] *= s
+                s = smoothing_scales(absmax["down"], weight["down"])
+                up = slice(weight["down"].shape[1], None)
+                weight["down"] *= s
+                weight["gate_up"][up] /= s[:, None]
+                if bias["gate_up"] is not None:
+                    bias["gate_up"][up] /= s
+            for name in lin:
+                w[name] = Int8Linear(weight[name].to(dtype), bias[name])
+
+    @torch.inference_mode()
+    def _calibrate(self, tokens: list[int]) -> None:
+        """One prefill of `tokens` on a scratch KV cache, its output unused: the matmuls' recorders keep what they
+        saw."""
+        c, n = self.config, len(tokens)
+        blocks = -(-n // _CALIBRATION_BLOCK)
+        shape = (blocks, _CALIBRATION_BLOCK, c.num_key_value_heads, c.head_dim)
+        device = self.embed.device
+        caches = [tuple(torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2)) for _ in self.layers]
+        meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), device)
+        ids = torch.tensor(tokens, device=device)
+        self.forward(ids, torch.arange(n, device=device), meta, caches)
 
     def linears(self, layer: int) -> list[Linear | Int8Linear]:
         """The decoder layer's matmuls that one token goes through: fused qkv, o, then fused gate_up and down, or a

@@ -15,9 +15,10 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
+from batchjob.model import llama
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
-from tests.conftest import teacher_forced_nll
+from tests.conftest import forward_logits, teacher_forced_nll
 from tests.helpers import summarize_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,3 +101,18 @@ def test_int8_greedy_decoding_stays_close_and_does_not_depend_on_the_batch(engin
     assert first >= 7, (first, shared)
     assert sum(shared) >= 0.25 * sum(len(r) for r in ref), shared
     assert [int8.generate([p], CONTINUATION)[0].token_ids for p in prompts[:4]] == ours[:4]
+
+
+def test_smoothing_alone_leaves_the_float_model_as_it_was(monkeypatch, engines, prompts):
+    """The SmoothQuant scales folded into the norms and weights at load (model/smoothing.py) cancel exactly: with
+    the matmuls kept float (Linear in Int8Linear's place) the smoothed model's logits equal the plain fp32 model's up
+    to fp32 rounding, though its weights moved (tens of times on the outlier channels)."""
+    monkeypatch.setattr(llama, "Int8Linear", Linear)
+    smoothed = Engine("smollm2-135m-instruct", max_num_batched_tokens=512, dtype="float32", weights="int8")
+    model, exact = smoothed.runner.model, engines[1].runner.model
+    assert all(type(lin) is Linear for i in range(len(model.layers)) for lin in model.linears(i))
+    moved = model.layers[0]["input_norm"] / exact.layers[0]["input_norm"]
+    assert moved.max() / moved.min() > 10, moved  # the scales are not all alike: smoothing did something
+    for p in prompts[:4]:
+        ours, ref = forward_logits(model, p, last_only=False), forward_logits(exact, p, last_only=False)
+        torch.testing.assert_close(ours, ref, rtol=0, atol=2e-3)
