@@ -1,4 +1,5 @@
 import codecs
+import hashlib
 import json
 import os
 import resource
@@ -333,3 +334,16 @@ def test_the_input_identity_is_the_whole_content_remembered_by_size_mtime_ctime_
     path.write_bytes(bytes(data))  # another same-length edit, its mtime put back (cp -p, rsync -a --inplace)
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
     assert InputSource(job).identity()[0]["sha256"] not in (first, second, "remembered")
+
+
+def test_a_cache_folder_that_cannot_hold_the_digest_memo_leaves_the_run_going(tmp_path, monkeypatch, caplog):
+    """The memo only saves reading the input again: where it cannot be written (an unwritable BATCHJOB_CACHE; here a
+    file where its folder should be, which even root cannot write into), the digest is computed and said once."""
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "input-digests").write_text("not a folder")
+    monkeypatch.setattr(batchjob.job.output.digest, "cache_dir", lambda: tmp_path / "cache")
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "text": "x"}])
+    job = make_job(path, tmp_path / "out", input={"format": "jsonl"})
+    digest = InputSource(job).identity()[0]["sha256"]
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert "cannot remember the input's digest" in caplog.text

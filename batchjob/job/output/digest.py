@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from batchjob.job.output.storage import write_json
 from batchjob.model.builtin import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 def file_version(path: str, fs: Any = None) -> list:
@@ -40,6 +43,9 @@ def file_sha256(path: str, fs: Any = None) -> str:
     with fs.open(path, "rb") if fs else open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    write_json(memo, {"path": name, "version": version, "sha256": digest.hexdigest()})
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        write_json(memo, {"path": name, "version": version, "sha256": digest.hexdigest()})
+    except OSError as e:  # the memo only saves reading the input again: a run goes on without it
+        log.warning("cannot remember the input's digest in %s (%s); a resume reads the input again", memo.parent, e)
     return digest.hexdigest()
