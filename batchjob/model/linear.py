@@ -12,6 +12,7 @@ CPU; elsewhere (a GPU, other dtypes) F.linear."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -71,7 +72,7 @@ class Linear:
                 if agrees:
                     self.packed = packed
                     if weight.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split():
-                        self.row_blocks = _row_blocks_summing_as_one(packed, weight.shape[1])
+                        self.row_blocks = _row_blocks_summing_as_one(*weight.shape)
                     if not keep_weight:  # only W's shape is read again: a zero-stride stand-in holds it
                         self.weight = weight.new_zeros(1).expand(weight.shape)
                 else:  # a oneDNN build that packs otherwise than it computes: stay with F.linear
@@ -119,11 +120,15 @@ class Linear:
         return out[:n].view(x.shape[:-1] + (-1,))
 
 
-def _row_blocks_summing_as_one(packed: torch.Tensor, in_features: int) -> tuple[int, ...]:
+@functools.cache
+def _row_blocks_summing_as_one(out_features: int, in_features: int) -> tuple[int, ...]:
     """_AMX_ROW_BLOCK and those of _AMX_WIDER_BLOCKS whose calls give each row bit for bit what 64-row calls give, on
     probes with a spread of magnitudes (some inputs x1000, as the down projection's are), where another order of
-    sums shows."""
+    sums shows. oneDNN picks its kernel by shape, not by values: one probe per shape, on a weight of its own, serves
+    every layer of that shape."""
     gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
     agree = []
     for size in _AMX_WIDER_BLOCKS:
         for draw in range(_PROBE_DRAWS):
