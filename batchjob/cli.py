@@ -15,13 +15,13 @@ import click
 from batchjob.engine.errors import DeviceSettingError
 from batchjob.env import configure_threads
 from batchjob.job.exit_codes import EXIT_CHECKS_FAILED, EXIT_INTERNAL, EXIT_IO, EXIT_LOCKED, EXIT_OK, EXIT_USAGE
+from batchjob.job.input.reader import InputError
 from batchjob.job.output.lease import LeaseLost
 from batchjob.job.output.lock import LockHeld, describe
 from batchjob.job.output.state import OutputDir, StateError
 from batchjob.job.output.storage import is_url
 from batchjob.job.plan import plan_job
-from batchjob.job.reader import InputError
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from batchjob.job.spec import JobFileError, JobSpec, load_job
 from batchjob.job.telemetry.progress import LogProgress, RichProgress
 from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL

@@ -26,8 +26,8 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
-from batchjob.job.prompt import PromptBuilder
-from batchjob.job.reader import InputSource
+from batchjob.job.input.prompt import PromptBuilder
+from batchjob.job.input.reader import InputSource
 from batchjob.job.spec import load_job
 from batchjob.model.cpu_features import cpu_kind, describe_cpu
 from tests.fakes import FakeEngine

@@ -1,8 +1,9 @@
 """The package's import graph, read from the source: no cycle, and no import upward between layers.
 
 Layers, top down: cli/bench (& the `batchjob` facade) -> job -> engine -> model & kernels -> env. Lazy imports inside
-functions count too. Inside job, the run's flow (job/*.py) sits above its two rooms, telemetry/ above output/; the rooms
-use of the flow only its leaf formats (the OpenAI Batch lines, the exit codes). The kernels share the model's data
+functions count too. Inside job, the run's flow (job/*.py and its rooms run/ above cache/ above input/) sits above
+telemetry/, which sits above output/; those two use of the flow only its leaf formats (the OpenAI Batch lines, the
+exit codes). The kernels share the model's data
 types (attention metadata, the fp8 format) but never its reference ops, which only the bench's kernel checks compare
 them with; the model never imports the kernels (the engine hands it an ops backend)."""
 
@@ -14,7 +15,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "batchjob"
 RANK = {"cli": 3, "bench": 3, "job": 2, "engine": 1, "model": 0, "kernels": 0, "env": -1}
 ROOM_RANK = {"flow": 2, "telemetry": 1, "output": 0}
-ROOMS_MAY_USE = {"batchjob.job.openai_batch", "batchjob.job.exit_codes"}
+FLOW_RANK = {"run": 2, "cache": 1, "input": 0}
+ROOMS_MAY_USE = {"batchjob.job.input.openai_batch", "batchjob.job.exit_codes"}
 
 
 def modules() -> dict[str, Path]:
@@ -71,9 +73,15 @@ def layer(module: str) -> str:
 
 
 def room(module: str) -> str:
-    """A job module's room: output/, telemetry/ or the flow at the top of job/."""
+    """A job module's room: output/, telemetry/ or the flow (the top of job/ and its run/, cache/, input/)."""
     parts = module.split(".")
     return parts[2] if len(parts) > 2 and parts[2] in ROOM_RANK else "flow"
+
+
+def flow_room(module: str) -> str | None:
+    """A flow module's own folder (run/, cache/ or input/), or None at the top of job/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in FLOW_RANK else None
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -89,6 +97,13 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
                 wrong.append(f"{source} imports {target} (the reference ops are for kernels' tests only)")
             elif a == b == "job" and ROOM_RANK[room(target)] > ROOM_RANK[room(source)] and target not in ROOMS_MAY_USE:
                 wrong.append(f"{source} imports {target} ({room(source)} is below {room(target)})")
+            elif (
+                a == b == "job"
+                and (fa := flow_room(source))
+                and (fb := flow_room(target))
+                and FLOW_RANK[fb] > FLOW_RANK[fa]
+            ):
+                wrong.append(f"{source} imports {target} ({fa}/ is below {fb}/)")
     return sorted(wrong)
 
 
@@ -108,11 +123,17 @@ def test_the_checks_see_cycles_and_upward_imports():
     assert upward_imports({"batchjob.engine.x": {"batchjob.job.y"}, "batchjob.job.y": {"batchjob.engine.x"}}) == [
         "batchjob.engine.x imports batchjob.job.y (engine is below job)"
     ]
-    assert upward_imports({"batchjob.job.output.x": {"batchjob.job.spec", "batchjob.job.openai_batch"}}) == [
+    assert upward_imports({"batchjob.job.output.x": {"batchjob.job.spec", "batchjob.job.input.openai_batch"}}) == [
         "batchjob.job.output.x imports batchjob.job.spec (output is below flow)"
     ]
     assert upward_imports({"batchjob.job.output.x": {"batchjob.job.telemetry.y"}}) == [
         "batchjob.job.output.x imports batchjob.job.telemetry.y (output is below telemetry)"
     ]
+    assert upward_imports(
+        {"batchjob.job.input.x": {"batchjob.job.cache.y"}, "batchjob.job.cache.y": {"batchjob.job.run.z"}}
+    ) == [
+        "batchjob.job.cache.y imports batchjob.job.run.z (cache/ is below run/)",
+        "batchjob.job.input.x imports batchjob.job.cache.y (input/ is below cache/)",
+    ]
     graph = import_graph()  # a top-level and a lazy import, as the checks read them
-    assert {"batchjob.job.executor", "batchjob.job.ray_executor"} <= graph["batchjob.job.runner"]
+    assert {"batchjob.job.run.executor", "batchjob.job.run.ray_executor"} <= graph["batchjob.job.run.runner"]

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.planner import job_planner
-from batchjob.job.reader import InputSource
+from batchjob.job.input.planner import job_planner
+from batchjob.job.input.reader import InputSource
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from batchjob.job.output.state import OutputDir
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from batchjob.job.spec import job_from_mapping, load_job
 from batchjob.job.telemetry.progress import LogProgress
 

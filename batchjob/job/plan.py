@@ -9,12 +9,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
+from batchjob.job.cache.results_cache import open_cache
 from batchjob.job.contracts import Embedder, JobEngine
-from batchjob.job.executor import load_engine
-from batchjob.job.planner import EmbeddingPlanner, Work, job_planner
-from batchjob.job.reader import InputSource
-from batchjob.job.results_cache import open_cache
-from batchjob.job.scoring import score_planner
+from batchjob.job.input.planner import EmbeddingPlanner, Work, job_planner
+from batchjob.job.input.reader import InputSource
+from batchjob.job.input.scoring import score_planner
+from batchjob.job.run.executor import load_engine
 from batchjob.job.spec import JobSpec
 
 CALIBRATION_REQUESTS = 8

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchjob
-from batchjob.job.reader import InputError
+from batchjob.job.input.reader import InputError
 from batchjob.job.spec import JobFileError
 from tests.helpers import write_parquet
 

@@ -4,7 +4,7 @@ executor (executor.Executor), kept by the local and the Ray executor."""
 import pytest
 
 from batchjob.job.contracts import JobEngine, Tokenizer
-from batchjob.job.executor import Executor, LocalExecutor
+from batchjob.job.run.executor import Executor, LocalExecutor
 from batchjob.job.spec import RaySpec
 from tests.fakes import FakeEngine
 from tests.helpers import fake_factory, protocol_gaps
@@ -34,6 +34,6 @@ def test_a_missing_member_or_a_different_signature_is_a_gap():
 def test_both_executors_keep_the_executor_contract(tmp_path):
     assert protocol_gaps(LocalExecutor(fake_factory(), tmp_path / "_timeline.parquet"), Executor) == []
     pytest.importorskip("ray.data", reason="Ray is an optional extra: pip install -e '.[ray]'")
-    from batchjob.job.ray_executor import RayExecutor
+    from batchjob.job.run.ray_executor import RayExecutor
 
     assert protocol_gaps(RayExecutor(RaySpec(), fake_factory()), Executor) == []

@@ -23,7 +23,7 @@ import torch
 
 from batchjob.job.output.state import OutputDir
 from batchjob.job.output.storage import TMP_PREFIX
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from tests.helpers import Messages, documents, fake_factory, make_job, write_jsonl, write_parquet
 from tests.job.test_openai_scoring import chat, completion
 

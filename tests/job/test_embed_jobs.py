@@ -324,7 +324,7 @@ def test_a_sigterm_stops_an_embedding_job_after_the_call_under_way(tmp_path, min
     ],
 )
 def test_hostile_embedding_lines_fail_alone_with_the_reason(body, error):
-    from batchjob.job.openai_batch import RequestLineError, parse_request
+    from batchjob.job.input.openai_batch import RequestLineError, parse_request
 
     with pytest.raises(RequestLineError) as e:
         parse_request({"custom_id": "x", "url": "/v1/embeddings", "body": body}, "embed")
@@ -332,7 +332,7 @@ def test_hostile_embedding_lines_fail_alone_with_the_reason(body, error):
 
 
 def test_embedding_lines_as_openai_accepts_them():
-    from batchjob.job.openai_batch import parse_request
+    from batchjob.job.input.openai_batch import parse_request
 
     line = {"custom_id": "x", "url": "/v1/embeddings", "body": {"input": "hi", "encoding_format": None, "user": "u"}}
     assert parse_request(line, "embed") == ({"input": ["hi"], "encoding_format": "float", "dimensions": None}, {})

@@ -10,9 +10,9 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.job.openai_batch import RequestLineError, parse_request
-from batchjob.job.results_cache import ResultsCache
-from batchjob.job.runner import EXIT_OK, run_job
+from batchjob.job.cache.results_cache import ResultsCache
+from batchjob.job.input.openai_batch import RequestLineError, parse_request
+from batchjob.job.run.runner import EXIT_OK, run_job
 from batchjob.job.spec import CacheSpec, load_job
 from tests.conftest import forward_logits
 from tests.helpers import fake_factory, make_job, write_jsonl, write_parquet

@@ -2,9 +2,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.job.planner import Planner, job_planner
-from batchjob.job.prompt import PromptBuilder
-from batchjob.job.reader import InputSource, Row
+from batchjob.job.input.planner import Planner, job_planner
+from batchjob.job.input.prompt import PromptBuilder
+from batchjob.job.input.reader import InputSource, Row
 from tests.fakes import FakeEngine, FakeTokenizer
 from tests.helpers import make_job, write_jsonl
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchjob.job.exit_codes import EXIT_OK
 from batchjob.job.output.state import METRICS, TIMELINE
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from tests.helpers import documents, fake_factory, make_job, write_jsonl, write_parquet
 
 NAMES = {

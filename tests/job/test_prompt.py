@@ -1,7 +1,7 @@
 import pytest
 
-from batchjob.job.prompt import PromptBuilder, RowError
-from batchjob.job.reader import Row
+from batchjob.job.input.prompt import PromptBuilder, RowError
+from batchjob.job.input.reader import Row
 from batchjob.model.loader import load_model
 from tests.fakes import FakeTokenizer
 from tests.helpers import make_job

@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from batchjob.job.executor import load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from batchjob.job.input.reader import InputSource
 from batchjob.job.output.state import OutputDir
-from batchjob.job.reader import InputSource
-from batchjob.job.runner import run_job
+from batchjob.job.run.executor import load_engine
+from batchjob.job.run.runner import run_job
 from batchjob.job.spec import JobFileError, load_job
 from tests.fakes import FakeEngine
 from tests.helpers import REPO, SAMPLE_DATA, Messages, documents, fake_factory, make_job, short_documents, write_parquet
@@ -57,7 +57,7 @@ def with_stream(make_stream, **config):
 
 def test_executor_ray_without_ray_fails_with_a_clear_message(tmp_path, progress, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets where the extra is not installed
-    monkeypatch.delitem(sys.modules, "batchjob.job.ray_executor", raising=False)
+    monkeypatch.delitem(sys.modules, "batchjob.job.run.ray_executor", raising=False)
     job = make_job(write_parquet(tmp_path / "d.parquet", documents(3)), tmp_path / "out", executor="ray")
     with pytest.raises(JobFileError, match=r"executor: 'ray' needs Ray.*pip install 'batchjob\[ray\]'"):
         run_job(job, progress, engine_factory=fake_factory())

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchjob.job.output.digest
-from batchjob.job.reader import InputError, InputSource
-from batchjob.job.runner import run_job
+from batchjob.job.input.reader import InputError, InputSource
+from batchjob.job.run.runner import run_job
 from tests.helpers import SAMPLE_DATA, documents, fake_factory, make_job, write_jsonl, write_parquet
 
 

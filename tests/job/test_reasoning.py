@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.job.output.schema import split_reasoning
-from batchjob.job.runner import EXIT_OK, run_job
+from batchjob.job.run.runner import EXIT_OK, run_job
 from tests.fakes import FakeEngine
 from tests.helpers import make_job, write_jsonl
 from tests.job.test_structured_jobs import ENGINE, documents_job, shared

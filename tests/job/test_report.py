@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from tests.helpers import Messages, documents, fake_factory, make_job, write_jsonl
 
 CHARTS = ["batch_size", "kv_cache_usage", "throughput", "latency", "lengths"]

@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-import batchjob.job.results_cache
+import batchjob.job.cache.results_cache
+from batchjob.job.cache.results_cache import MAX_FAILURES, ResultsCache
 from batchjob.job.exit_codes import EXIT_OK
 from batchjob.job.output.state import OutputDir
 from batchjob.job.plan import plan_job
-from batchjob.job.results_cache import MAX_FAILURES, ResultsCache
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.fakes import FakeEngine
 from tests.helpers import Messages, documents, make_job, write_jsonl, write_parquet
@@ -235,7 +235,7 @@ def test_a_write_that_fails_once_costs_only_its_entry(tmp_path, monkeypatch):
     """Seen: one failed write (a store's hiccup) made the run store nothing more. Now it is said once and the next
     entries are stored; only MAX_FAILURES failures in a row stop the writing, said once more."""
     data = write_parquet(tmp_path / "a.parquet", documents(6))
-    write = batchjob.job.results_cache.write_atomic
+    write = batchjob.job.cache.results_cache.write_atomic
     calls = []
 
     def fails_once(*args, **kwargs):
@@ -244,7 +244,7 @@ def test_a_write_that_fails_once_costs_only_its_entry(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         write(*args, **kwargs)
 
-    monkeypatch.setattr(batchjob.job.results_cache, "write_atomic", fails_once)
+    monkeypatch.setattr(batchjob.job.cache.results_cache, "write_atomic", fails_once)
     messages = Messages()
     assert run_job(cached_job(data, tmp_path / "o1", tmp_path / "c"), messages, engine_factory=Counting()) == 0
     assert len(list((tmp_path / "c").rglob("*.json"))) == 5
@@ -258,7 +258,7 @@ def test_a_write_that_fails_once_costs_only_its_entry(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         write(*args, **kwargs)
 
-    monkeypatch.setattr(batchjob.job.results_cache, "write_atomic", full)
+    monkeypatch.setattr(batchjob.job.cache.results_cache, "write_atomic", full)
     calls.clear()
     cache, n = ResultsCache(CacheSpec(path=str(tmp_path / "full")), messages.message), MAX_FAILURES
     keys = iter(f"{i:064x}" for i in range(100))
@@ -450,7 +450,7 @@ def test_hosts_with_other_cpu_instruction_sets_do_not_share_entries(tmp_path, mo
     "numerics" names both `cpu`: a cache they share keeps their results apart."""
     data = write_parquet(tmp_path / "a.parquet", documents(4))
     for k, flags in enumerate(["fpu avx2 fma avx512f avx512_bf16", "fpu avx2 fma", "fpu avx2 fma avx512f avx512_bf16"]):
-        monkeypatch.setattr(batchjob.job.results_cache, "cpu_flags", lambda flags=flags: flags, raising=False)
+        monkeypatch.setattr(batchjob.job.cache.results_cache, "cpu_flags", lambda flags=flags: flags, raising=False)
         assert run(cached_job(data, tmp_path / f"o{k}", tmp_path / "c")).computed == (4 if k < 2 else 0)
 
 
@@ -524,14 +524,15 @@ def test_a_cache_on_s3(s3, tmp_path, monkeypatch):  # noqa: F811 (the fixture)
     assert rows_of(tmp_path / "out2") == rows_of(tmp_path / "out1")
     before = entries()
     time.sleep(1.1)  # S3's LastModified counts whole seconds
-    monkeypatch.setattr(batchjob.job.results_cache, "TOUCH_AFTER_S", 0.0)  # each hit marks its entry
+    monkeypatch.setattr(batchjob.job.cache.results_cache, "TOUCH_AFTER_S", 0.0)  # each hit marks its entry
     five = write_parquet(tmp_path / "b.parquet", docs[:5])
     assert run(cached_job(five, tmp_path / "out3", url)).computed == 0
     marked = {name for name, info in entries().items() if info["LastModified"] > before[name]["LastModified"]}
     assert len(marked) == 5
     cache = ResultsCache(
         CacheSpec(
-            path=url, max_size=int(sum(before[n]["size"] for n in marked) / batchjob.job.results_cache.EVICT_TO) + 1
+            path=url,
+            max_size=int(sum(before[n]["size"] for n in marked) / batchjob.job.cache.results_cache.EVICT_TO) + 1,
         )
     )
     cache.evict()

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import batchjob.job.planner
+import batchjob.job.input.planner
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from batchjob.job.input.reader import InputError
 from batchjob.job.output.state import OutputDir, StateError
-from batchjob.job.reader import InputError
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from batchjob.job.spec import JobFileError
 from tests.helpers import SAMPLE_DATA, Messages, documents, fake_factory, make_job, write_jsonl, write_parquet
 
@@ -620,7 +620,7 @@ def test_an_input_that_changes_during_the_model_load_stops_the_job_before_any_ro
 
 @pytest.mark.parametrize("change", ["replaced", "appended", "truncated", "edited"])
 def test_an_input_that_changes_mid_read_keeps_only_rows_of_the_content_read(tmp_path, progress, monkeypatch, change):
-    from batchjob.job.reader import InputSource
+    from batchjob.job.input.reader import InputSource
 
     # Lines longer than a read buffer, so that the lines after the change are read from the disk, not a buffer
     docs = [{"id": f"doc-{i}", "text": " ".join(f"w{i}x{k}" for k in range(2000))} for i in range(12)]
@@ -637,7 +637,7 @@ def test_an_input_that_changes_mid_read_keeps_only_rows_of_the_content_read(tmp_
     monkeypatch.setattr(InputSource, "_json_row", row_then_change)
     # A row at a time through the planner and two through the engine: rows read after the change finish (and would
     # be committed) while later lines are still unread
-    monkeypatch.setattr(batchjob.job.planner, "TOKENIZE_CHUNK", 1)
+    monkeypatch.setattr(batchjob.job.input.planner, "TOKENIZE_CHUNK", 1)
     job = make_job(path, tmp_path / "out", output={"checkpoint_rows": 1}, schedule={"sort_window": 1})
     with pytest.raises(InputError, match="^input changed during the run"):
         run_job(job, progress, engine_factory=fake_factory(max_model_len=1 << 16, max_num_seqs=2))

@@ -24,12 +24,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchjob.job.input.reader import InputSource
 from batchjob.job.output import lease as lease_module
 from batchjob.job.output.lease import LeaseLost
 from batchjob.job.output.lock import LockHeld
 from batchjob.job.output.state import OutputDir, StateError
-from batchjob.job.reader import InputSource
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from tests.helpers import REPO, Messages, documents, fake_factory, make_job, short_documents, write_jsonl, write_parquet
 
 s3fs = pytest.importorskip("s3fs", reason="the S3 tests need the test extra (s3fs, moto[server])")
@@ -208,7 +208,7 @@ def test_an_unrecorded_folder_of_the_users_files_is_left_untouched_on_s3(s3, tmp
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_an_input_object_replaced_during_the_model_load_stops_the_job(s3, tmp_path, progress, fmt):
-    from batchjob.job.reader import InputError
+    from batchjob.job.input.reader import InputError
 
     key = f"{BUCKET}/changing/in.{fmt}"
     write = write_parquet if fmt == "parquet" else write_jsonl

@@ -18,8 +18,8 @@ from click.testing import CliRunner, Result
 from batchjob.cli import main as cli_main
 from batchjob.engine.engine import Engine
 from batchjob.engine.scheduler import PREFILL_CHUNK_ALIGN
+from batchjob.job.cache.results_cache import ResultsCache
 from batchjob.job.output.state import OutputDir
-from batchjob.job.results_cache import ResultsCache
 from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.helpers import SAMPLE_DATA, write_parquet
 from tests.job.test_e2e import cli, dataset, run_killed

@@ -4,9 +4,9 @@ a continuation or label needs in the context, bad rows, duplicates, and a row's 
 from __future__ import annotations
 
 from batchjob.engine.outputs import RequestOutput, TokenLogprob
-from batchjob.job.reader import Row
-from batchjob.job.results_cache import open_cache
-from batchjob.job.scoring import ScoreGather, score_planner, score_requests
+from batchjob.job.cache.results_cache import open_cache
+from batchjob.job.input.reader import Row
+from batchjob.job.input.scoring import ScoreGather, score_planner, score_requests
 from batchjob.job.spec import JobSpec
 from tests.fakes import FakeEngine
 

@@ -6,8 +6,8 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.job.openai_batch import RequestLineError, parse_request
-from batchjob.job.runner import EXIT_OK, run_job
+from batchjob.job.input.openai_batch import RequestLineError, parse_request
+from batchjob.job.run.runner import EXIT_OK, run_job
 from batchjob.job.spec import JobFileError, load_job
 from tests.helpers import assert_json_output, fake_factory, make_job, short_documents, write_jsonl
 

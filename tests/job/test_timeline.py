@@ -7,7 +7,7 @@ import pytest
 from batchjob.engine.outputs import StepMetrics
 from batchjob.job.exit_codes import EXIT_OK
 from batchjob.job.output.state import TIMELINE
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from batchjob.job.telemetry.timeline import SCHEMA, Timeline
 from tests.helpers import documents, fake_factory, make_job, write_parquet
 

@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
+from batchjob.job.input.prompt import PromptBuilder, RowError
+from batchjob.job.input.reader import Row
 from batchjob.job.output.state import StateError
-from batchjob.job.prompt import PromptBuilder, RowError
-from batchjob.job.reader import Row
-from batchjob.job.runner import run_job
+from batchjob.job.run.runner import run_job
 from batchjob.job.spec import JobSpec
 from batchjob.model.loader import load_model
 from tests.fakes import FakeTokenizer

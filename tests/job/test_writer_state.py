@@ -279,7 +279,7 @@ def test_a_lock_file_discarded_between_open_and_flock_is_not_taken(tmp_path, mon
 
 
 def test_a_run_that_fails_before_its_first_record_leaves_no_folder_it_made(tmp_path):
-    from batchjob.job.runner import run_job
+    from batchjob.job.run.runner import run_job
     from tests.helpers import Messages, documents, make_job, write_parquet
 
     def no_model(job):

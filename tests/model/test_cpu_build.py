@@ -32,7 +32,7 @@ print("native ops work" if native is not None and torch.allclose(native.silu_and
 # As a job's model load runs it: under the runner's Stopper, within interruptible() (the executor's second signal).
 STOPPABLE = """
 import sys
-from batchjob.job.stopper import Interrupted, Stopper
+from batchjob.job.run.stopper import Interrupted, Stopper
 from batchjob.model import cpu_native
 with Stopper(grace=0) as stopper:
     try:

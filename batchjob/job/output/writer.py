@@ -14,7 +14,7 @@ from typing import BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchjob.job.openai_batch import format_response
+from batchjob.job.input.openai_batch import format_response
 from batchjob.job.output.schema import CACHE_METADATA
 from batchjob.job.output.storage import Location, parquet_file, read_parquet, write_atomic, write_table
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, score_output
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import JobEngine
-from batchjob.job.planner import TOKENIZE_CHUNK, in_windows
-from batchjob.job.prompt import PromptBuilder, RowError, cell_text
-from batchjob.job.reader import Row
+from batchjob.job.input.planner import TOKENIZE_CHUNK, in_windows
+from batchjob.job.input.prompt import PromptBuilder, RowError, cell_text
+from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec
 
 

@@ -23,7 +23,9 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
-from batchjob.job.executor import Pending, computed_prompt_tokens, embedding_calls, embedding_records
+from batchjob.job.input.planner import EmbeddingPlanner, job_planner, requests
+from batchjob.job.input.reader import InputSource, Row
+from batchjob.job.input.scoring import ScoreGather, cached_tokens, score_planner, score_requests
 from batchjob.job.output.schema import (
     embedding_schema,
     failed_row,
@@ -35,11 +37,9 @@ from batchjob.job.output.schema import (
 )
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import is_url
-from batchjob.job.planner import EmbeddingPlanner, job_planner, requests
-from batchjob.job.reader import InputSource, Row
-from batchjob.job.scoring import ScoreGather, cached_tokens, score_planner, score_requests
+from batchjob.job.run.executor import Pending, computed_prompt_tokens, embedding_calls, embedding_records
+from batchjob.job.run.stopper import Interrupted
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
-from batchjob.job.stopper import Interrupted
 from batchjob.job.telemetry.timeline import Timeline
 
 try:

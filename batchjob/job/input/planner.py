@@ -23,8 +23,8 @@ import pydantic
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import Embedder, JobEngine
-from batchjob.job.prompt import PromptBuilder, RowError
-from batchjob.job.reader import Row
+from batchjob.job.input.prompt import PromptBuilder, RowError
+from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobSpec
 
 # Quarter-octave length bins: lengths within ~19% of each other count as similar.

@@ -9,18 +9,18 @@ import json
 import time
 from collections.abc import Callable
 
+from batchjob.job.cache.results_cache import RESULT_ENGINE_SETTINGS
 from batchjob.job.contracts import JobEngine
-from batchjob.job.executor import Executor, LocalExecutor, Pending, load_engine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGNAL
+from batchjob.job.input.reader import InputSource, Scan
 from batchjob.job.output.lock import describe
 from batchjob.job.output.schema import prompt_columns, result_schema
 from batchjob.job.output.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
 from batchjob.job.output.storage import display
 from batchjob.job.output.writer import PartWriter, conform_parts, sort_parts, write_openai_output
-from batchjob.job.reader import InputSource, Scan
-from batchjob.job.results_cache import RESULT_ENGINE_SETTINGS
+from batchjob.job.run.executor import Executor, LocalExecutor, Pending, load_engine
+from batchjob.job.run.stopper import Stopper
 from batchjob.job.spec import JobSpec
-from batchjob.job.stopper import Stopper
 from batchjob.job.telemetry.progress import Progress
 from batchjob.job.telemetry.prom import metric_families, write_metrics
 
@@ -67,7 +67,7 @@ def run_job(
     out = OutputDir(job.output.path, job.output.storage_options, job.output.lease_seconds)
     source = InputSource(job)  # before the lock, which would create the folder the input must not be in
     if job.executor == "ray":
-        from batchjob.job.ray_executor import RayExecutor  # Ray is an optional extra, imported only when asked for
+        from batchjob.job.run.ray_executor import RayExecutor  # Ray is an optional extra, imported only when asked for
 
         executor: Executor = RayExecutor(job.ray, engine_factory)
     else:

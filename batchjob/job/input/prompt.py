@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from batchjob.job.contracts import Chat, Tokenizer
-from batchjob.job.reader import Row
+from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec
 
 # Re-encoding a cut text can merge or split tokens at the cut; a few spare tokens make the next try fit.

@@ -14,7 +14,11 @@ import numpy as np
 
 from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, StepMetrics
 from batchjob.env import configure_threads
+from batchjob.job.cache.results_cache import RunCache, open_cache
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
+from batchjob.job.input.planner import EmbeddingPlanner, EmbeddingWork, Work, job_planner, requests
+from batchjob.job.input.reader import InputSource, Row, Scan
+from batchjob.job.input.scoring import ScoreGather, ScoreWork, cached_tokens, score_planner, score_requests
 from batchjob.job.output.schema import (
     embedding_row,
     embedding_schema,
@@ -25,12 +29,8 @@ from batchjob.job.output.schema import (
 )
 from batchjob.job.output.state import Committed
 from batchjob.job.output.writer import PartWriter
-from batchjob.job.planner import EmbeddingPlanner, EmbeddingWork, Work, job_planner, requests
-from batchjob.job.reader import InputSource, Row, Scan
-from batchjob.job.results_cache import RunCache, open_cache
-from batchjob.job.scoring import ScoreGather, ScoreWork, cached_tokens, score_planner, score_requests
+from batchjob.job.run.stopper import Interrupted, Stopper
 from batchjob.job.spec import JobSpec
-from batchjob.job.stopper import Interrupted, Stopper
 from batchjob.job.telemetry.progress import Progress
 from batchjob.job.telemetry.timeline import Timeline
 

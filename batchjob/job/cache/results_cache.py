@@ -26,9 +26,9 @@ from typing import Any
 from batchjob.engine.outputs import CompletionOutput, RequestOutput, ScoreOutput, TokenLogprob
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
+from batchjob.job.input.planner import EmbeddingWork, Work
+from batchjob.job.input.scoring import ScoreWork
 from batchjob.job.output.storage import TMP_PREFIX, is_remote, location, url_to_fs, write_atomic
-from batchjob.job.planner import EmbeddingWork, Work
-from batchjob.job.scoring import ScoreWork
 from batchjob.job.spec import CacheSpec, JobSpec
 from batchjob.model.cpu_features import ISA_FLAGS, cpu_flags
 

@@ -24,7 +24,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.job.openai_batch import RequestLineError, parse_request
+from batchjob.job.input.openai_batch import RequestLineError, parse_request
 from batchjob.job.output.digest import file_sha256, file_version
 from batchjob.job.output.storage import is_url, url_to_fs
 from batchjob.job.spec import InputSpec, JobSpec

@@ -1,0 +1,1 @@
+"""The results cache across runs: keys, entries (untrusted when read back) and the store."""

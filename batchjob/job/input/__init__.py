@@ -1,0 +1,1 @@
+"""The input side: reading rows (Parquet, JSONL, OpenAI Batch), building prompts, planning the work."""
