@@ -31,7 +31,7 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", "ignore")
 
-    def escape(self, data: str) -> str:
+    def escape(self, data: str, special_tokens: bool = True) -> str:
         return data  # its tokens are bytes: no text of a row is a special token
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -184,7 +184,9 @@ class Engine:
         enable_thinking), as in vLLM's LLM.chat."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.tokenizer.with_template_kwargs(chat_template_kwargs or {})
-        return self.generate([tokenizer.encode_chat(c) for c in conversations], params, use_tqdm)
+        # Text given here may spell special tokens (as vLLM reads it); the escaper's mark character stays itself.
+        chats = [tokenizer.escape_messages(c, special_tokens=False) for c in conversations]
+        return self.generate([tokenizer.encode_chat(c) for c in chats], params, use_tqdm)
 
     def score(
         self,
@@ -237,7 +239,9 @@ class Engine:
     def _continuation_ids(self, text: str | list[int]) -> list[int]:
         """A continuation's tokens as they follow a prompt: without the special tokens a prompt opens with."""
         return (
-            self.tokenizer.encode(text, add_special_tokens=False) if isinstance(text, str) else self._prompt_ids(text)
+            self.tokenizer.encode(self.tokenizer.escape(text, special_tokens=False), add_special_tokens=False)
+            if isinstance(text, str)
+            else self._prompt_ids(text)
         )
 
     def stream(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
@@ -310,8 +314,8 @@ class Engine:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A text prompt tokenized, or a list of token ids as ints; anything else raises before any request runs."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, str):  # its special-token strings are tokens, the escaper's mark character is itself
+            return self.tokenizer.encode(self.tokenizer.escape(prompt, special_tokens=False))
         try:
             return [operator.index(t) for t in prompt]
         except TypeError:

@@ -37,7 +37,10 @@ MAX_CHAT_SHAPES = 4096  # kept between calls; past this many the cache starts ov
 # Row data is text (Tokenizer.escape): a special-token string in it becomes a mark, private-use characters that no
 # tokenizer or template reads as a token and no filter (trim, upper) changes, and encoding writes it back as text.
 MARK_OPEN, MARK_CLOSE, MARK_DIGIT_0 = "\ue000", "\ue001", 0xE100
-_MARK = re.compile(f"{MARK_OPEN}([{chr(MARK_DIGIT_0)}-{chr(MARK_DIGIT_0 + 9)}]+){MARK_CLOSE}")
+# A mark without digits stands for nothing: at an edge of row data it keeps a special-token string from forming across
+# the join with the text beside it (another field, the template's text), and encoding drops it.
+JOIN_BREAK = MARK_OPEN + MARK_CLOSE
+_MARK = re.compile(f"{MARK_OPEN}([{chr(MARK_DIGIT_0)}-{chr(MARK_DIGIT_0 + 9)}]*){MARK_CLOSE}")
 
 
 class Tokenizer:
@@ -106,15 +109,30 @@ class Tokenizer:
             out[i] = e.ids
         return out
 
-    def escape(self, data: str) -> str:
+    def escape(self, data: str, special_tokens: bool = True) -> str:
         """`data` (a row's text) as text that encode() and encode_chats() read as this text and never as special
-        tokens, however a chat template places it: each special-token string (and the mark character) in it becomes
-        a mark. Text without them comes back as it is, so its token ids are what they always were."""
-        if not self._escape_pattern.search(data):
+        tokens, however a chat template places it and whatever text is joined to it: each special-token string (and
+        the mark character) in it becomes a mark, and an edge that could complete a special-token string with the
+        text beside it gets a JOIN_BREAK. Text without them comes back as it is, so its token ids are what they
+        always were. With special_tokens False (text whose special-token strings are meant as tokens: the job file's,
+        or rows under prompt.special_tokens_in_data) only the mark character is escaped, so that it stays itself."""
+        pattern = self._escape_pattern if special_tokens else self._mark_pattern
+        if pattern.search(data):
+            data = pattern.sub(lambda m: self._mark(m.group()), data)
+        if not special_tokens or not data:
             return data
-        index = {s: i for i, s in enumerate(self._escaped)}
-        digits = lambda n: "".join(chr(MARK_DIGIT_0 + int(d)) for d in str(n))  # noqa: E731
-        return self._escape_pattern.sub(lambda m: MARK_OPEN + digits(index[m.group()]) + MARK_CLOSE, data)
+        head = JOIN_BREAK if self._may_end_special(data) else ""
+        return head + data + (JOIN_BREAK if self._may_start_special(data) else "")
+
+    def escape_messages(self, messages: list[dict], special_tokens: bool = True) -> list[dict]:
+        """Each message with escape() applied to every text in it, its role as its content: a chat template writes
+        both into the prompt (a role is not markup either)."""
+        return [
+            {k: self.escape(v, special_tokens) if isinstance(v, str) else v for k, v in m.items()} for m in messages
+        ]
+
+    def _mark(self, escaped: str) -> str:
+        return MARK_OPEN + "".join(chr(MARK_DIGIT_0 + int(d)) for d in str(self._mark_index[escaped])) + MARK_CLOSE
 
     @cached_property
     def _escaped(self) -> list[str]:
@@ -124,8 +142,37 @@ class Tokenizer:
         return [*sorted(special, key=len, reverse=True), MARK_OPEN]
 
     @cached_property
+    def _mark_index(self) -> dict[str, int]:
+        return {s: i for i, s in enumerate(self._escaped)}
+
+    @cached_property
     def _escape_pattern(self) -> re.Pattern:
         return re.compile("|".join(map(re.escape, self._escaped)))
+
+    @cached_property
+    def _mark_pattern(self) -> re.Pattern:
+        return re.compile(re.escape(MARK_OPEN))
+
+    @cached_property
+    def _special_parts(self) -> tuple[frozenset[str], frozenset[str], str, int]:
+        """The special tokens' proper prefixes and suffixes, their tails (each less its first character) joined, and
+        the longest one's length: what the join checks of escape() look up."""
+        special = self._escaped[:-1]
+        prefixes = frozenset(s[:j] for s in special for j in range(1, len(s)))
+        suffixes = frozenset(s[j:] for s in special for j in range(1, len(s)))
+        return prefixes, suffixes, "\0".join(s[1:] for s in special), max(map(len, special), default=0)
+
+    def _may_end_special(self, data: str) -> bool:
+        """Whether text before `data` could hold a special token's start that `data` completes or continues."""
+        _, suffixes, tails, longest = self._special_parts
+        return any(data[:k] in suffixes for k in range(1, min(longest, len(data) + 1))) or (
+            len(data) < longest and data in tails
+        )
+
+    def _may_start_special(self, data: str) -> bool:
+        """Whether `data` ends in a special token's start that text after it could complete."""
+        prefixes, _, _, longest = self._special_parts
+        return any(data[-k:] in prefixes for k in range(1, min(longest, len(data) + 1)))
 
     @cached_property
     def _special_pattern(self) -> re.Pattern | None:
@@ -144,7 +191,8 @@ class Tokenizer:
         special-token strings, since the row's became marks) are tokens, and the text between them is tokenized with
         the marks written back, as text."""
         unmark = lambda piece: _MARK.sub(  # noqa: E731
-            lambda m: self._escaped[int("".join(str(ord(c) - MARK_DIGIT_0) for c in m.group(1)))], piece
+            lambda m: self._escaped[int("".join(str(ord(c) - MARK_DIGIT_0) for c in m.group(1)))] if m.group(1) else "",
+            piece,
         )
         pieces, at = [], 0
         for m in self._special_pattern.finditer(text) if self._special_pattern else ():

@@ -30,8 +30,15 @@ class PromptBuilder:
         # context); a scored continuation (`max_tokens` its length) must follow its prompt whole.
         self.scoring = job.task == "score"
         # Row data is text: its special-token strings never become tokens (the chat template's markup and the job
-        # file's own text may hold them). An embedding job's spec says true: its text goes to the Embedder as it is.
-        self.data = (lambda text: text) if job.prompt.special_tokens_in_data else self.tokenizer.escape
+        # file's own text may hold them), nor do they form across a join. The job file's text and opted-in rows keep
+        # their special tokens, but the escaper's own mark character stays a character everywhere. An embedding
+        # job's text goes to the Embedder, whose tokenizer is not ours, as it is.
+        if job.task == "embed":
+            self.data = self.text_of_job = lambda text: text
+        else:
+            self.data = lambda text: self.tokenizer.escape(text, not job.prompt.special_tokens_in_data)
+            self.text_of_job = lambda text: self.tokenizer.escape(text, special_tokens=False)
+        self.template, self.system = map(self.text_of_job, (job.prompt.template or "", job.prompt.system or ""))
 
     def build_many(self, rows: list[Row], max_tokens: list[int]) -> list[tuple[list[int], bool] | RowError]:
         """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads), and chat
@@ -135,7 +142,7 @@ class PromptBuilder:
             return self._messages_parts(row.values[self.messages_column])
         main = self.data(_text(row.values.get(self.text_column), self.text_column))
         fields = {name: self.data(_scalar(row.values.get(name), name)) for name in self.fields}
-        template, system, chat = self.prompt.template, self.prompt.system, self.chat
+        template, system, chat = self.template, self.system, self.chat
 
         def compose(text: str) -> str | Chat:
             try:
@@ -150,9 +157,9 @@ class PromptBuilder:
         return compose, main
 
     def _messages_parts(self, messages) -> tuple[Callable[[str], Chat], str]:
-        messages = [{**m, "content": self.data(m["content"])} for m in _messages(messages)]
-        if self.prompt.system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.prompt.system})
+        messages = [{"role": self.data(m["role"]), "content": self.data(m["content"])} for m in _messages(messages)]
+        if self.system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system})
         longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
 
         def compose(text: str) -> Chat:

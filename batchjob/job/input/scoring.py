@@ -74,7 +74,10 @@ class ScorePlanner:
         spec = job.score
         self.column, self.labels = spec.continuation_column, spec.labels
         # Labels are the job file's text, as its template is: read as written.
-        self.label_ids = [self.tokenizer.encode(label, add_special_tokens=False) for label in spec.labels or []]
+        self.label_ids = [
+            self.tokenizer.encode(self.builder.text_of_job(label), add_special_tokens=False)
+            for label in spec.labels or []
+        ]
         for label, ids in zip(spec.labels or [], self.label_ids):
             # A setting of the job file, not of a row: every row would fail on it, so the job is refused at once.
             if len(ids) >= engine.max_model_len:
