@@ -6,13 +6,13 @@ real default model and the real embedder run the issue's test: one row edited in
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -309,31 +309,31 @@ def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
     assert plan_job(job, calibrate=False, engine_factory=Counting())["rows_from_results_cache"] == 0
 
 
-NOBODY = 65534  # the unprivileged user: root reads and writes any folder, whatever its mode
+# The capabilities that let root pass any file's mode bits (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH).
+DAC_CAPABILITIES = (1, 2)
+CAPABILITY_VERSION_3 = 0x20080522
 
 
-@pytest.fixture
-def open_folder(tmp_path):
-    """A folder that an unprivileged user reaches: pytest's tmp_path is under a folder of root's alone (0700)."""
-    if os.geteuid() != 0:
-        yield tmp_path
-        return
-    folder = Path(tempfile.mkdtemp(prefix="batchjob-test-"))
-    folder.chmod(0o777)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder)
+def drop_dac_capabilities() -> None:
+    """As root, give up what passes a file's mode bits and keep uid 0: a folder of mode 000 is then denied as it is to
+    any user, while root's own files (the venv, the checkout, in a private folder or not) stay readable by their
+    owner. (Becoming another user instead denied the lazy imports of a venv in a folder of mode 700.)"""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this process
+    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: capabilities 0-31, then 32-63
+    if libc.capget(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed")
+    for i in range(3):
+        sets[i] &= ~sum(1 << c for c in DAC_CAPABILITIES)
+    if libc.capset(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
 
 
 def run_unprivileged(data: str, out: str, cache: str) -> tuple[int, int, list[str], int]:
-    """A cached run as a user the cache's folder denies (as nobody, if this is root): its exit code, the rows it
-    computed, its messages and the entries it tried to read."""
+    """A cached run in a process that the cache folder's mode denies (root less its DAC capabilities): its exit code,
+    the rows it computed, its messages and the entries it tried to read."""
     if os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        os.environ["BATCHJOB_CACHE"] = str(Path(out).parent / "batchjob-cache")  # root's is not nobody's
+        drop_dac_capabilities()
     read_bytes, tried = Path.read_bytes, []
 
     def counted(path: Path) -> bytes:
@@ -346,25 +346,25 @@ def run_unprivileged(data: str, out: str, cache: str) -> tuple[int, int, list[st
     return code, factory.computed, messages.messages, len(tried)
 
 
-def test_a_cache_folder_that_cannot_be_read_or_written_costs_only_its_use(open_folder):
+def test_a_cache_folder_that_cannot_be_read_or_written_costs_only_its_use(tmp_path):
     """Seen: a cache folder the run may not enter (chmod 000) was read for every row, each failure unsaid. Reads now
     fail as writes do: each is a miss and its row is computed right, never an error; the first failure is said, and
     MAX_FAILURES in a row stop the reads (and the writes), each said once."""
     rows = 3 * MAX_FAILURES
-    data = write_parquet(open_folder / "a.parquet", documents(rows))
-    run(make_job(data, open_folder / "scratch"))
-    cache = open_folder / "c"
-    assert run(cached_job(data, open_folder / "o1", cache)).computed == rows
+    data = write_parquet(tmp_path / "a.parquet", documents(rows))
+    run(make_job(data, tmp_path / "scratch"))
+    cache = tmp_path / "c"
+    assert run(cached_job(data, tmp_path / "o1", cache)).computed == rows
     cache.chmod(0o000)
     try:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             code, computed, messages, tried = pool.apply(
-                run_unprivileged, (str(data), str(open_folder / "o2"), str(cache))
+                run_unprivileged, (str(data), str(tmp_path / "o2"), str(cache))
             )
     finally:
         cache.chmod(0o755)
     assert code == EXIT_OK and computed == rows and tried == MAX_FAILURES
-    assert rows_of(open_folder / "o2") == rows_of(open_folder / "scratch")
+    assert rows_of(tmp_path / "o2") == rows_of(tmp_path / "scratch")
     warned = [m.split(" (")[0] for m in messages if m.startswith("results cache: ")]
     assert sorted(warned) == [  # reads and writes interleave
         f"results cache: a read in {cache} failed",
@@ -372,7 +372,7 @@ def test_a_cache_folder_that_cannot_be_read_or_written_costs_only_its_use(open_f
         f"results cache: cannot read in {cache}",
         f"results cache: cannot write in {cache}",
     ]
-    assert run(cached_job(data, open_folder / "o3", cache)).computed == 0  # readable again: every entry is a hit
+    assert run(cached_job(data, tmp_path / "o3", cache)).computed == 0  # readable again: every entry is a hit
 
 
 def test_a_cache_on_s3_whose_server_is_gone(tmp_path):
