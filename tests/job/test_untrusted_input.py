@@ -8,6 +8,8 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
@@ -337,3 +339,43 @@ def test_a_label_keeps_its_private_use_characters_and_its_special_tokens(tmp_pat
     (work,) = score_planner(job, engine, lambda row, error: pytest.fail(error)).works([Row(0, "a", {"text": "Q?"})])
     assert [tok.decode(t, skip_special_tokens=False) for t in work.tails] == labels
     assert [len(special_positions(tok, t)) for t in work.tails] == [0, 1]  # the job file's text: read as written
+
+
+# Pieces that spell special-token strings when joined, the escaper's own characters, and ordinary text.
+PIECES = ["<|im_", "start|>", "end|>", "<|", "|>", "im_end", "<|endoftext|>", "<", ">", "|", "\ue000", "\ue001",
+          "\ue100", "\n", " ", "a", "system"]  # fmt: skip
+fragments = st.lists(st.sampled_from(PIECES), max_size=6).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    head=st.sampled_from(["", "<|im_", "x", "end|>"]),
+    a=fragments,
+    b=fragments,
+    text=fragments.filter(lambda t: t.strip()),
+    chat=st.booleans(),
+    role=fragments.filter(bool),
+)
+def test_no_join_of_row_data_and_template_text_makes_a_special_token(tmp_path, tok, head, a, b, text, chat, role):
+    """Whatever the fields and the template's text around them, the prompt holds the template's own special tokens
+    only, and decodes to the characters it was given."""
+    template = head + "{a}{b}{text}" + head
+    body = template.format(a=a, b=b, text=text)
+    ids, _ = builder(tmp_path, tok, prompt={"template": template, "chat_template": chat}).build(
+        Row(0, "r", {"a": a, "b": b, "text": text}), 16
+    )
+    if chat:
+        plain = [
+            s
+            for _, s in special_positions(tok, tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}])))
+        ]
+        assert [s for _, s in special_positions(tok, ids)] == plain
+        assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(
+            [{"role": "user", "content": body}]
+        )
+    else:
+        assert special_positions(tok, ids) == [] and tok.decode(ids, skip_special_tokens=False) == body
+    messages = [{"role": role, "content": text}]
+    ids, _ = builder(tmp_path, tok, input={"messages_column": "chat"}).build(Row(0, "r", {"chat": messages}), 16)
+    assert len(special_positions(tok, ids)) == len(template_specials(tok, [{"role": "user", "content": "x"}]))
+    assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages)
