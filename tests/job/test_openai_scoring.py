@@ -128,6 +128,19 @@ def test_a_one_token_prompt_with_max_tokens_0_is_answered(tmp_path, engine, prog
     assert echo["usage"]["prompt_tokens"] == 1 and echo["usage"]["completion_tokens"] == 0
 
 
+def test_an_echo_with_logprobs_from_the_job_file_counts_the_echoed_prompt_in_its_offsets(tmp_path, engine, progress):
+    """sampling.logprobs in the job file, echo on the line: the logprobs are the completion's only (the line asked
+    for no prompt logprobs), and their text_offset still counts from the start of the choice's text, the prompt."""
+    lines = [completion("echo", STORY, echo=True, max_tokens=5), completion("plain", STORY, max_tokens=5)]
+    out = run_lines(tmp_path, engine, progress, lines, sampling={"logprobs": True, "top_logprobs": 1})
+    echo, plain = (out[k]["response"]["body"]["choices"][0] for k in ("echo", "plain"))
+    assert echo["text"] == STORY + plain["text"] and "prompt_logprobs" not in echo
+    lp = echo["logprobs"]
+    assert lp["tokens"] == plain["logprobs"]["tokens"] and lp["tokens"]
+    assert lp["text_offset"] == [len(STORY) + at for at in plain["logprobs"]["text_offset"]]
+    assert all(echo["text"][at : at + len(t)] == t for at, t in zip(lp["text_offset"], lp["tokens"]))
+
+
 def test_echo_with_generation_and_prompt_logprobs_on_both_urls(tmp_path, engine, progress):
     lines = [
         completion("echo", STORY, echo=True, logprobs=2, max_tokens=5),

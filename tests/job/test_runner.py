@@ -15,7 +15,9 @@ import batchjob.job.input.planner
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
 from batchjob.job.input.reader import InputError
 from batchjob.job.output.state import OutputDir, StateError
+from batchjob.job.run.executor import LocalExecutor, Pending
 from batchjob.job.run.runner import run_job
+from batchjob.job.run.stopper import Stopper
 from batchjob.job.spec import JobFileError
 from tests.helpers import SAMPLE_DATA, Messages, documents, fake_factory, make_job, write_jsonl, write_parquet
 
@@ -132,6 +134,20 @@ def test_a_second_signal_during_the_model_load_stops_it_at_once(tmp_path, docs, 
     (tmp_path / "found").mkdir()  # in a folder it found, the same stop leaves its lock and data/ (and no metrics)
     assert run_job(make_job(docs, tmp_path / "found"), progress, engine_factory=slow_load) == 130
     assert sorted(p.name for p in (tmp_path / "found").iterdir()) == ["_lock", "data"]
+
+
+def test_two_signals_before_the_model_load_mean_it_never_starts(tmp_path, docs, progress):
+    """A second signal asks for the stop at once; come before the load (during the input scan, say), it must keep
+    the load from starting: once started, a load cannot look at the flag, and would run its minutes to the end."""
+    loads = []
+    executor = LocalExecutor(loads.append, tmp_path / "_timeline.parquet")
+    with Stopper(grace=60) as stopper:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stopper.count == 2
+        # Nothing past the load is reached: the rows, input and folder stay unread.
+        executor.execute(Pending(make_job(docs, tmp_path / "out"), [], *[None] * 5, progress, stopper, lambda _: None))
+    assert loads == [] and executor.engine is None and stopper.signum == signal.SIGTERM
 
 
 def test_at_the_end_of_the_grace_the_requests_in_flight_are_dropped(tmp_path, docs, progress):
