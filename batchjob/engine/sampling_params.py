@@ -3,6 +3,7 @@ response_format)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,12 +19,22 @@ CONSTRAINTS = ("response_format", "regex", "choice")  # at most one per request
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}
 
 
-def not_a_bool(value: Any) -> Any:
-    """A field validator (mode "before") for a count or a seed: pydantic reads true as 1 and false as 0, so a flag
-    written where a number goes (`prompt_logprobs: true`, `max_tokens: false`) would run as a setting nobody wrote."""
-    if isinstance(value, bool):
-        raise ValueError(f"an integer, not {str(value).lower()}")
-    return value
+def refuse_bool(what: str) -> Callable[[Any], Any]:
+    """A field validator (mode "before") for a number, or a list or mapping of numbers: pydantic reads true as 1 and
+    false as 0, so a flag written where a number goes (`prompt_logprobs: true`, `max_tokens: false`,
+    `temperature: true`) would run as a setting nobody wrote."""
+
+    def check(value: Any) -> Any:
+        values = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        for one in values if isinstance(values, list) else [values]:
+            if isinstance(one, bool):
+                raise ValueError(f"{what}, not {str(one).lower()}")
+        return value
+
+    return check
+
+
+not_a_bool = refuse_bool("an integer")  # a count or a seed
 
 
 class JsonSchemaSpec(BaseModel):
@@ -80,9 +91,19 @@ class SamplingParams(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
 
-    _counts = field_validator("n", "max_tokens", "top_k", "seed", "top_logprobs", "prompt_logprobs", mode="before")(
-        not_a_bool
-    )
+    _counts = field_validator(
+        "n", "max_tokens", "top_k", "seed", "top_logprobs", "prompt_logprobs", "stop_token_ids", mode="before"
+    )(not_a_bool)
+    _numbers = field_validator(
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        mode="before",
+    )(refuse_bool("a number"))
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

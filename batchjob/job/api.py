@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from batchjob.job.output.state import OutputDir
 from batchjob.job.run.runner import run_job
-from batchjob.job.spec import job_from_mapping, load_job
+from batchjob.job.spec import JobFileError, job_from_mapping, load_job
 from batchjob.job.telemetry.progress import LogProgress
 
 
@@ -44,6 +44,8 @@ def run(
     the main thread (only there can Python take them)."""
     if isinstance(overrides, str):  # one item, not its characters
         overrides = [overrides]
+    if not isinstance(overrides, Sequence) or isinstance(overrides, bytes):
+        raise JobFileError(f"overrides: expected a KEY=VALUE string or a list of them, got {overrides!r}")
     job = job_from_mapping(_plain(job), "job", overrides) if isinstance(job, Mapping) else load_job(job, overrides)
     progress = LogProgress(log or sys.stderr, interval=log_interval)
     code = run_job(job, progress, restart=restart, allow_numerics_change=allow_numerics_change, grace=grace)

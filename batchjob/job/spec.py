@@ -467,6 +467,8 @@ def _count_values(value: Any, counted: dict[int, int], open_: set[int]) -> int:
 
 
 def _apply_override(raw: dict, item: str, path: str | Path) -> tuple[str, ...]:
+    if not isinstance(item, str):  # from Python (batchjob.run_job): the CLI's items are strings
+        raise JobFileError(f"--set {item!r}: expected a KEY=VALUE string, e.g. engine.max_num_seqs=32")
     key, sep, text = item.partition("=")
     keys = tuple(key.strip().split("."))
     if not sep or not all(keys):

@@ -4,6 +4,8 @@ summary, the results cache across two calls, and a bad job raised as the CLI's o
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pyarrow.parquet as pq
@@ -11,7 +13,10 @@ import pytest
 
 import batchjob
 from batchjob.job.input.reader import InputError
+from batchjob.job.output.lock import LockHeld
+from batchjob.job.output.state import StateError
 from batchjob.job.spec import JobFileError
+from batchjob.model.errors import ModelError
 from tests.helpers import write_parquet
 
 ROWS = [{"id": f"r{i}", "text": f"Count from {i} to {i + 3}."} for i in range(6)]
@@ -79,3 +84,23 @@ def test_a_bad_job_raises_the_cli_s_one_line_error_naming_the_key(tmp_path):
     with pytest.raises(InputError, match="missing.parquet"):  # pathlib paths are taken as the YAML's strings
         batchjob.run_job({**paths, "cache": {"path": tmp_path / "cache"}})
     assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.parametrize("overrides", [[123], [None], [b"sampling.max_tokens=4"], ["output.path=x", 4.5], None, {}])
+def test_an_override_that_is_not_a_key_value_string_is_a_job_file_error(tmp_path, overrides):
+    """Seen: run_job(job, [123]) raised AttributeError: 'int' object has no attribute 'partition'."""
+    data = write_parquet(tmp_path / "a.parquet", ROWS)
+    with pytest.raises(JobFileError, match="KEY=VALUE string") as e:
+        batchjob.run_job(job(data, tmp_path), overrides)
+    assert "\n" not in str(e.value) and not (tmp_path / "unused").exists()
+
+
+def test_the_documented_exceptions_are_batchjob_s_own_names_and_import_no_torch():
+    documented = {"JobFileError": JobFileError, "InputError": InputError, "StateError": StateError}
+    documented |= {"LockHeld": LockHeld, "ModelError": ModelError}
+    for name, error in documented.items():
+        assert getattr(batchjob, name) is error and name in batchjob.__all__
+    names = ", ".join(documented)
+    code = f"import sys; from batchjob import {names}, JobResult; print('torch' in sys.modules)"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == "False"

@@ -128,6 +128,19 @@ def test_a_one_token_prompt_with_max_tokens_0_is_answered(tmp_path, engine, prog
     assert echo["usage"]["prompt_tokens"] == 1 and echo["usage"]["completion_tokens"] == 0
 
 
+def test_an_echo_with_logprobs_from_the_job_file_counts_the_echoed_prompt_in_its_offsets(tmp_path, engine, progress):
+    """sampling.logprobs in the job file, echo on the line: the logprobs are the completion's only (the line asked
+    for no prompt logprobs), and their text_offset still counts from the start of the choice's text, the prompt."""
+    lines = [completion("echo", STORY, echo=True, max_tokens=5), completion("plain", STORY, max_tokens=5)]
+    out = run_lines(tmp_path, engine, progress, lines, sampling={"logprobs": True, "top_logprobs": 1})
+    echo, plain = (out[k]["response"]["body"]["choices"][0] for k in ("echo", "plain"))
+    assert echo["text"] == STORY + plain["text"] and "prompt_logprobs" not in echo
+    lp = echo["logprobs"]
+    assert lp["tokens"] == plain["logprobs"]["tokens"] and lp["tokens"]
+    assert lp["text_offset"] == [len(STORY) + at for at in plain["logprobs"]["text_offset"]]
+    assert all(echo["text"][at : at + len(t)] == t for at, t in zip(lp["text_offset"], lp["tokens"]))
+
+
 def test_echo_with_generation_and_prompt_logprobs_on_both_urls(tmp_path, engine, progress):
     lines = [
         completion("echo", STORY, echo=True, logprobs=2, max_tokens=5),
@@ -248,7 +261,15 @@ def test_bad_scoring_lines_fail_alone(tmp_path, progress):
         completion("zero_echo", echo=True, max_tokens=0),
         completion("zero_n", echo=True, logprobs=1, max_tokens=0, n=2),
         completion("zero_false", echo=True, logprobs=1, max_tokens=False),
+        completion("logprobs_true", logprobs=True),  # was read as logprobs: 0, an empty top_logprobs each token
+        completion("logprobs_false", logprobs=False),
     ]
+    # Every number of a line refuses a flag: pydantic would read true as 1 and false as 0.
+    numbers = {"n": True, "max_tokens": False, "max_completion_tokens": True, "seed": False, "top_k": True}
+    numbers |= {"temperature": True, "top_p": True, "min_p": False, "repetition_penalty": True}
+    numbers |= {"presence_penalty": True, "frequency_penalty": False}
+    lines += [chat(f"bool_{key}", **{key: value}) for key, value in numbers.items()]
+    lines += [chat("bool_top_logprobs", logprobs=True, top_logprobs=True), chat("bool_bias", logit_bias={"5": True})]
     job = make_job(write_jsonl(tmp_path / "batch.jsonl", lines), tmp_path / "out", input={"format": "openai-batch"})
     assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
     rows = {r["id"]: r["error"] for r in pq.read_table(tmp_path / "out" / "data").to_pylist()}
@@ -266,7 +287,15 @@ def test_bad_scoring_lines_fail_alone(tmp_path, progress):
         "zero_echo": "max_tokens: 0 (no token drawn) is for scoring: it needs prompt_logprobs and n 1",
         "zero_n": "max_tokens: 0 (no token drawn) is for scoring: it needs prompt_logprobs and n 1",
         "zero_false": "max_tokens: an integer, not false",  # was read as max_tokens 0
+        "logprobs_true": f"body.logprobs {count} True",
+        "logprobs_false": f"body.logprobs {count} False",
+        "bool_top_logprobs": "top_logprobs: an integer, not true",
+        "bool_bias": "logit_bias: a number, not true",
     }
+    for key, value in numbers.items():
+        counted = key in ("n", "max_tokens", "max_completion_tokens", "seed", "top_k")
+        name = "max_tokens" if key == "max_completion_tokens" else key
+        want[f"bool_{key}"] = f"{name}: {'an integer' if counted else 'a number'}, not {str(value).lower()}"
     assert set(rows) == set(want)
     for key, message in want.items():
         assert message in rows[key], (key, rows[key])

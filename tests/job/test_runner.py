@@ -15,7 +15,9 @@ import batchjob.job.input.planner
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
 from batchjob.job.input.reader import InputError
 from batchjob.job.output.state import OutputDir, StateError
+from batchjob.job.run.executor import LocalExecutor, Pending
 from batchjob.job.run.runner import run_job
+from batchjob.job.run.stopper import Stopper
 from batchjob.job.spec import JobFileError
 from tests.helpers import SAMPLE_DATA, Messages, documents, fake_factory, make_job, write_jsonl, write_parquet
 
@@ -132,6 +134,20 @@ def test_a_second_signal_during_the_model_load_stops_it_at_once(tmp_path, docs, 
     (tmp_path / "found").mkdir()  # in a folder it found, the same stop leaves its lock and data/ (and no metrics)
     assert run_job(make_job(docs, tmp_path / "found"), progress, engine_factory=slow_load) == 130
     assert sorted(p.name for p in (tmp_path / "found").iterdir()) == ["_lock", "data"]
+
+
+def test_two_signals_before_the_model_load_mean_it_never_starts(tmp_path, docs, progress):
+    """A second signal asks for the stop at once; come before the load (during the input scan, say), it must keep
+    the load from starting: once started, a load cannot look at the flag, and would run its minutes to the end."""
+    loads = []
+    executor = LocalExecutor(loads.append, tmp_path / "_timeline.parquet")
+    with Stopper(grace=60) as stopper:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stopper.count == 2
+        # Nothing past the load is reached: the rows, input and folder stay unread.
+        executor.execute(Pending(make_job(docs, tmp_path / "out"), [], *[None] * 5, progress, stopper, lambda _: None))
+    assert loads == [] and executor.engine is None and stopper.signum == signal.SIGTERM
 
 
 def test_at_the_end_of_the_grace_the_requests_in_flight_are_dropped(tmp_path, docs, progress):
@@ -525,20 +541,24 @@ def test_a_part_dropped_after_the_job_finished_is_redone_and_the_completion_file
     assert len((out / "output.jsonl").read_text().splitlines()) == 9
 
 
+def echo_job(tmp_path, order: str = "completion"):
+    """An OpenAI Batch job of 9 echo lines, 3 rows a part (or a sorted file)."""
+    lines = [
+        {"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": f"w{i} x", "echo": True}} for i in range(9)
+    ]
+    return make_job(
+        write_jsonl(tmp_path / "b.jsonl", lines),
+        tmp_path / "out",
+        input={"format": "openai-batch"},
+        output={"checkpoint_rows": 3, "order": order, "rows_per_file": 3},
+    )
+
+
 @pytest.mark.parametrize("order", ["completion", "input"])
 def test_a_folder_resumed_across_new_columns_reads_as_one_dataset(tmp_path, order, progress):
     """Seen: an OpenAI Batch folder begun before the prompt columns (echo, prompt_logprobs) existed and finished
     after: pq.read_table took the first file's schema and dropped the columns that the later rows have."""
-    lines = [
-        {"custom_id": f"c{i}", "url": "/v1/completions", "body": {"prompt": f"w{i} x", "echo": True}} for i in range(9)
-    ]
-    out = tmp_path / "out"
-    job = make_job(
-        write_jsonl(tmp_path / "b.jsonl", lines),
-        out,
-        input={"format": "openai-batch"},
-        output={"checkpoint_rows": 3, "order": order, "rows_per_file": 3},
-    )
+    job, out = echo_job(tmp_path, order), tmp_path / "out"
     assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
     first, *others = sorted(out.glob("data/*.parquet"))
     older = pq.read_table(first).drop_columns(["prompt_logprobs", "echo"])  # as a batchjob before them wrote it
@@ -552,6 +572,42 @@ def test_a_folder_resumed_across_new_columns_reads_as_one_dataset(tmp_path, orde
     echoed = {r["id"] for r in table.to_pylist() if r["echo"] is not None}
     assert echoed == {f"c{i}" for i in range(9)} - set(older.column("id").to_pylist())
     assert set(frame.filter(pl.col("echo").is_not_null())["id"]) == echoed
+
+
+@pytest.mark.parametrize("order", ["completion", "input"])
+def test_a_folder_finished_with_parts_of_two_schemas_reads_whole_after_a_rerun(tmp_path, order, progress):
+    """A folder that a batchjob finished without giving its parts one schema (one before the prompt columns were
+    made whole at the finish): the rerun finds it complete, and must still leave it readable as one dataset."""
+    job, out = echo_job(tmp_path, order), tmp_path / "out"
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    first = sorted(out.glob("data/*.parquet"))[0]
+    pq.write_table(pq.read_table(first).drop_columns(["prompt_logprobs", "echo"]), first)
+    assert "echo" not in pq.read_table(out / "data").column_names  # what a reader of that folder got
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    assert "already complete" in " ".join(progress.messages)
+    table = pq.read_table(out / "data")
+    assert table.num_rows == 9 and table.column("echo").null_count == 3
+
+
+def test_a_resume_whose_columns_cannot_join_the_parts_is_refused_before_it_writes(tmp_path, progress):
+    """A part whose column has another type than this run writes (a part of another batchjob version): the folder
+    could never read as one dataset. Seen: the run computed every row, then failed its finish with an Arrow
+    traceback, at every rerun."""
+    job, out = echo_job(tmp_path), tmp_path / "out"
+    assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
+    first, *others = sorted(out.glob("data/*.parquet"))
+    older = pq.read_table(first)
+    older = older.set_column(older.schema.get_field_index("echo"), "echo", pa.array([[1]] * 3, pa.list_(pa.int8())))
+    pq.write_table(older, first)
+    for part in others:
+        part.unlink()
+    (out / "_SUCCESS").unlink()
+    conflict = r"column echo: list<element: int8> in part-000000.parquet, string in this run: .* --restart"
+    with pytest.raises(StateError, match=conflict):
+        run_job(job, progress, engine_factory=fake_factory())
+    assert sorted(out.glob("data/*.parquet")) == [first]  # nothing added to a folder that cannot be one dataset
+    assert run_job(job, progress, restart=True, engine_factory=fake_factory()) == EXIT_OK
+    assert pq.read_table(out / "data").num_rows == 9
 
 
 def test_cleanup_and_overwrites_touch_only_the_files_that_job_json_names(tmp_path, docs, progress):

@@ -80,6 +80,13 @@ def test_a_count_written_as_true_or_false_is_refused(tmp_path):
     message = error_of(tmp_path, MINIMAL + "sampling: {prompt_logprobs: true, max_tokens: false, n: true}\n")
     for key, value in (("prompt_logprobs", "true"), ("max_tokens", "false"), ("n", "true")):
         assert f"sampling.{key}: an integer, not {value}" in message
+    # any number: `temperature: true` was temperature 1.0
+    message = error_of(tmp_path, MINIMAL + "sampling: {temperature: true, top_p: false, logit_bias: {5: true}}\n")
+    for key, value in (("temperature", "true"), ("top_p", "false"), ("logit_bias", "true")):
+        assert f"sampling.{key}: a number, not {value}" in message
+    assert "sampling.stop_token_ids: an integer, not true" in error_of(
+        tmp_path, MINIMAL + "sampling: {stop_token_ids: [2, true]}\n"
+    )
     message = error_of(tmp_path, MINIMAL + "task: score\nsampling: {}\nscore: {prompt_logprobs: true}\n")
     assert "score.prompt_logprobs: an integer, not true" in message
     assert load(tmp_path, MINIMAL + "sampling: {prompt_logprobs: 1, seed: 0}\n").sampling.prompt_logprobs == 1

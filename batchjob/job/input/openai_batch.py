@@ -93,12 +93,10 @@ def parse_request(obj: dict, task: str = "generate") -> tuple[dict, dict]:
             raise RequestLineError("body.messages is required for /v1/chat/completions")
         return {"messages": body["messages"]}, overrides
     if "logprobs" in overrides:
-        # /v1/completions: `logprobs: k` asks for the k likeliest tokens at each position.
+        # /v1/completions: `logprobs: k` asks for the k likeliest tokens at each position (a count: `true` is no k).
         if "top_logprobs" in overrides:
             raise RequestLineError("unsupported field top_logprobs (/v1/completions takes logprobs: k)")
-        k = overrides.pop("logprobs")
-        if k is not False:
-            overrides.update(logprobs=True, top_logprobs=0 if k is True else _check_count("logprobs", k))
+        overrides.update(logprobs=True, top_logprobs=_check_count("logprobs", overrides["logprobs"]))
     if "prompt" not in body:
         raise RequestLineError("body.prompt is required for /v1/completions")
     echo = body.get("echo") or False  # null: the default, as for the other fields

@@ -16,7 +16,8 @@ import pyarrow.compute as pc
 
 from batchjob.job.input.openai_batch import format_response
 from batchjob.job.output.schema import CACHE_METADATA
-from batchjob.job.output.storage import Location, parquet_file, read_parquet, write_atomic, write_table
+from batchjob.job.output.state import StateError
+from batchjob.job.output.storage import Location, display, parquet_file, read_parquet, write_atomic, write_table
 
 
 class PartWriter:
@@ -72,14 +73,36 @@ class PartWriter:
         self.last_commit = time.monotonic()
 
 
-def folder_schema(parts: list[Location]) -> pa.Schema:
-    """The one schema of the dataset that `parts` make: every column of any part, in the widest part's order (a part
-    written before a column existed, an OpenAI Batch folder's prompt columns say, lacks it), without a part's own
-    metadata."""
-    schemas = sorted((parquet_file(p).schema_arrow for p in parts), key=len, reverse=True)
-    if not schemas:
+def folder_schema(parts: list[Location], this_run: pa.Schema | None = None) -> pa.Schema:
+    """The one schema of the dataset that `parts` make (with the rows of `this_run`'s schema): every column of any
+    part, in the widest part's order (a part written before a column existed, an OpenAI Batch folder's prompt columns
+    say, lacks it), without a part's own metadata. StateError when a column's types cannot be joined (a part written
+    by another batchjob version): such a folder would never read as one dataset."""
+    named = [(p.name, parquet_file(p).schema_arrow) for p in parts]
+    named += [("this run", this_run)] if this_run is not None else []
+    if not named:
         return pa.schema([])
-    return pa.unify_schemas(schemas, promote_options="permissive").remove_metadata()
+    try:
+        widest = sorted((schema for _, schema in named), key=len, reverse=True)
+        return pa.unify_schemas(widest, promote_options="permissive").remove_metadata()
+    except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
+        raise StateError(
+            f"{display(parts[0].parent)}: {_conflict(named) or e}: its parts would not read as one dataset; "
+            "--restart discards them and starts over"
+        ) from None
+
+
+def _conflict(named: list[tuple[str, pa.Schema]]) -> str | None:
+    """The first column whose type in one schema does not join its type in an earlier one, and where each is."""
+    first: dict[str, tuple[str, pa.Field]] = {}
+    for where, schema in named:
+        for field in schema:
+            there, seen = first.setdefault(field.name, (where, field))
+            try:
+                pa.unify_schemas([pa.schema([seen]), pa.schema([field])], promote_options="permissive")
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                return f"column {field.name}: {seen.type} in {there}, {field.type} in {where}"
+    return None  # only the promoted types conflict; pyarrow's message says which
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

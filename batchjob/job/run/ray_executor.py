@@ -206,9 +206,10 @@ class RayExecutor:
     def _commit(self, table: pa.Table, pending: Pending) -> None:
         model = json.loads(table.schema.metadata[MODEL])
         if self.model is None:  # the first results: now the model is known, and so is the whole job
+            # the rows' columns first: model_known checks that the folder's parts can join them
+            pending.writer.schema = table.schema.remove_metadata()  # an embedding's length is the model's
             pending.model_known(model)
             self.model = model
-            pending.writer.schema = table.schema.remove_metadata()  # an embedding's length is the model's
         elif model != self.model:
             raise StateError(
                 f"Ray workers run different models or numerics ({self.model} and {model}): the model path must "

@@ -17,7 +17,7 @@ from batchjob.job.output.lock import describe
 from batchjob.job.output.schema import prompt_columns, result_schema
 from batchjob.job.output.state import METRICS, OPENAI_OUTPUT, TIMELINE, Committed, OutputDir, StateError, now_iso
 from batchjob.job.output.storage import display
-from batchjob.job.output.writer import PartWriter, conform_parts, sort_parts, write_openai_output
+from batchjob.job.output.writer import PartWriter, conform_parts, folder_schema, sort_parts, write_openai_output
 from batchjob.job.run.executor import Executor, LocalExecutor, Pending, load_engine
 from batchjob.job.run.stopper import Stopper
 from batchjob.job.spec import JobSpec
@@ -149,6 +149,9 @@ class JobRun:
             # A job recorded without a model (its input was empty) has no result that a model computed.
             if meta and meta["fingerprint"].get("model_digest") is not None:
                 out.check_fingerprint(fp, keys=["model_digest", "model_revision"])
+            # The rows' columns are known now (an embedding's length is the model's): refused before any is computed
+            # if the folder's parts could not join them in one dataset at the finish.
+            folder_schema(out.parts(), writer.schema)
             self._write_job(fp, scan, meta, self._numerics_change(meta, fp["numerics"], committed.rows))
             out.own(TIMELINE)  # a local executor's engine steps from now on
 
@@ -268,6 +271,8 @@ class JobRun:
         return code
 
     def _already_done(self) -> int:
+        # A folder finished by a batchjob that left its parts' schemas apart still reads as one dataset after this.
+        conform_parts(self.out.parts())
         summary = self.out.read_summary() or {}
         self.progress.message(f"{self.out.path} is already complete (_SUCCESS, same job): nothing to do")
         return self._exit_code(summary.get("rows_failed", 0))
