@@ -33,9 +33,10 @@ from batchjob.model.loader import folder_digest, locate_model
 __all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
 
 
-# A pass's rows x longest over its tokens, at most: what its attention computes (padded to the longest on a CPU,
-# ops.varlen_attention) against what it needs. Without a bound, one 256-token text among 1,500 one-word ones padded
-# them all to 256 tokens (5.6x the CPU time and 2.6x the peak memory of the job without it; docs/benchmarks.md).
+# A pass's rows x longest over its tokens, at most: a pass of near lengths. Its attention on a CPU was one SDPA call
+# padded to the longest, where one 256-token text among 1,500 one-word ones padded them all to 256 tokens (5.6x the
+# CPU time and 2.6x the peak memory of the job without a bound; docs/benchmarks.md); it is now a call per length
+# (ops.varlen_attention), which near lengths keep few.
 MAX_PADDING = 1.25
 
 
