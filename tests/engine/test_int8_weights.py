@@ -16,6 +16,7 @@ from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 from batchjob.model import llama
+from batchjob.model.arithmetic import VERSIONS
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
 from tests.conftest import forward_logits, teacher_forced_nll
@@ -69,7 +70,8 @@ def test_the_decoder_layers_matmuls_are_int8_and_the_numerics_say_so(engines):
     assert all(isinstance(lin, Int8Linear) for i in range(len(model.layers)) for lin in model.linears(i))
     assert isinstance(model.lm_head, Linear)  # the LM head stays float: docs/cpu.md#int8-weights
     gemm = model.layers[0]["qkv"].backend  # onednn-int8, or onednn-int8-w7 without VNNI
-    assert int8.numerics == {**exact.numerics, "matmul": f"onednn+{gemm}", "weights": "int8"}
+    version = str(VERSIONS["int8"])  # smoothed: not the int8 of before smoothing
+    assert int8.numerics == {**exact.numerics, "matmul": f"onednn+{gemm}", "weights": "int8", "arithmetic": version}
     assert "weights" not in exact.numerics  # dequantize, the default, is what results from before it were
     layer_bytes = sum(lin.nbytes for lin in model.linears(0))
     assert layer_bytes < 0.3 * sum(lin.nbytes for lin in exact.runner.model.linears(0))  # a quarter, plus scales
