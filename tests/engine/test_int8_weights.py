@@ -21,6 +21,8 @@ from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
 from tests.conftest import forward_logits, teacher_forced_nll
 from tests.helpers import summarize_prompts
+from tests.model.test_arithmetic import IDS as TINY_IDS
+from tests.model.test_arithmetic import decoder as tiny_decoder
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTINUATION = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -118,3 +120,15 @@ def test_smoothing_alone_leaves_the_float_model_as_it_was(monkeypatch, engines, 
     for p in prompts[:4]:
         ours, ref = forward_logits(model, p, last_only=False), forward_logits(exact, p, last_only=False)
         torch.testing.assert_close(ours, ref, rtol=0, atol=2e-3)
+
+
+def test_smoothing_leaves_a_qwen2_with_qkv_biases_as_it_was(monkeypatch):
+    """On a Qwen2 shape (q/k/v biases, outlier input channels): the v bias is divided with v's rows, so that with the
+    matmuls kept float the smoothed model's logits equal the plain one's up to fp32 rounding."""
+    monkeypatch.setattr(llama, "Int8Linear", Linear)
+    smoothed, plain = tiny_decoder(torch.float32, int8=True), tiny_decoder(torch.float32)
+    assert plain.config.attention_bias
+    moved = smoothed.layers[0]["input_norm"] / plain.layers[0]["input_norm"]
+    assert moved.max() / moved.min() > 4, moved  # sqrt of the 30x outliers: smoothing did something
+    ours, ref = forward_logits(smoothed, TINY_IDS, last_only=False), forward_logits(plain, TINY_IDS, last_only=False)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
