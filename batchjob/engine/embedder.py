@@ -24,6 +24,7 @@ from batchjob.engine.host_memory import keep_freed_memory
 from batchjob.engine.model_runner import device_numerics, load_ops, pick_device, pick_dtype, pick_ops_backend
 from batchjob.engine.outputs import EmbedderStats, EmbeddingOutput, EmbeddingRequestOutput
 from batchjob.env import configure_threads
+from batchjob.model.arithmetic import arithmetic_label, arithmetic_path
 from batchjob.model.cpu_native import native_ops_for
 from batchjob.model.decoder_embedding import DecoderEmbeddingModel
 from batchjob.model.encoder import Encoder, Tokenized, load_encoder
@@ -33,9 +34,10 @@ from batchjob.model.loader import folder_digest, locate_model
 __all__ = ["Embedder", "EmbedderConfig", "EmbeddingRequestOutput"]
 
 
-# A pass's rows x longest over its tokens, at most: what its attention computes (padded to the longest on a CPU,
-# ops.varlen_attention) against what it needs. Without a bound, one 256-token text among 1,500 one-word ones padded
-# them all to 256 tokens (5.6x the CPU time and 2.6x the peak memory of the job without it; docs/benchmarks.md).
+# A pass's rows x longest over its tokens, at most: a pass of near lengths. Its attention on a CPU was one SDPA call
+# padded to the longest, where one 256-token text among 1,500 one-word ones padded them all to 256 tokens (5.6x the
+# CPU time and 2.6x the peak memory of the job without a bound; docs/benchmarks.md); it is now a call per length
+# (ops.varlen_attention), which near lengths keep few.
 MAX_PADDING = 1.25
 
 
@@ -86,11 +88,13 @@ class Embedder:
         decoder = isinstance(self.encoder.model, DecoderEmbeddingModel)  # BERT's ops have no C++ form
         if ops == "torch" and decoder and native_ops_for(self.device, self.dtype) is not None:
             ops += "+cpp"  # as the generation engine names it: the C++ kernels sum in other orders than torch's
+        dtype = str(self.dtype).removeprefix("torch.")
         self.numerics = {
             "device": device_numerics(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype,
             "ops_backend": ops,
             "task": "embed",
+            **arithmetic_label(arithmetic_path(dtype, task="embed")),
         }
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         self._matryoshka = config.get("is_matryoshka") or config.get("matryoshka_dimensions")

@@ -20,6 +20,7 @@ from batchjob.engine.prompt_logprobs import PromptLogprobRows
 from batchjob.engine.scheduler import SchedulerOutput
 from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.env import configure_threads
+from batchjob.model.arithmetic import arithmetic_label, arithmetic_path
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.cpu_features import has_native_bf16
@@ -165,14 +166,16 @@ class ModelRunner:
         ops = self.ops_backend
         if ops == "torch" and native_ops_for(self.device, self.dtype, self.kv_dtype) is not None:
             ops += "+cpp"  # the C++ kernels sum in other orders than torch's
+        dtype = str(self.dtype).removeprefix("torch.")
         return {
             "device": device,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype,
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "ops_backend": ops,
             "matmul": self.model.matmul_backend,
             # recorded where not the default, so that results from before the setting keep their numerics
             **({"weights": self.weights} if self.weights != "dequantize" else {}),
+            **arithmetic_label(arithmetic_path(dtype, self.weights)),
         }
 
     def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:

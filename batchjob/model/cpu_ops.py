@@ -59,7 +59,7 @@ def fused_moe(x, experts, topk_weights, topk_ids) -> torch.Tensor:
 
 moe_experts = torch_ops.moe_experts
 gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # Gemma's MLP: torch's GELU kernel, no C++ form of its own
-varlen_attention = torch_ops.varlen_attention  # an encoder's attention: torch's SDPA on the padded sequences
+varlen_attention = torch_ops.varlen_attention  # an encoder's attention: torch's SDPA per run of one length
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None:

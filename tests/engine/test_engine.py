@@ -13,6 +13,7 @@ import torch
 from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.model.arithmetic import VERSIONS
 from batchjob.model.cpu_features import has_native_bf16
 from batchjob.model.cpu_native import native_ops
 
@@ -222,6 +223,7 @@ def test_numerics_are_recorded_as_resolved(engine):
     assert engine.numerics == exact
     auto = Engine("smollm2-135m-instruct", load_format="dummy", num_kv_blocks=8)
     resolved = "bfloat16" if has_native_bf16() else "float32"
-    assert auto.numerics == {**exact, "dtype": resolved, "kv_cache_dtype": resolved}
+    bf16 = {"arithmetic": str(VERSIONS["bfloat16"])} if resolved == "bfloat16" else {}  # fp32's is 1, unrecorded
+    assert auto.numerics == {**exact, "dtype": resolved, "kv_cache_dtype": resolved, **bf16}
     fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8, **EXACT)
     assert fp8.numerics["kv_cache_dtype"] == "float8_e4m3fn" and fp8.numerics["dtype"] == "float32"

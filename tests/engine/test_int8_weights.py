@@ -16,10 +16,13 @@ from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 from batchjob.model import llama
+from batchjob.model.arithmetic import VERSIONS
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
 from tests.conftest import forward_logits, teacher_forced_nll
 from tests.helpers import summarize_prompts
+from tests.model.test_arithmetic import IDS as TINY_IDS
+from tests.model.test_arithmetic import decoder as tiny_decoder
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTINUATION = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -69,7 +72,8 @@ def test_the_decoder_layers_matmuls_are_int8_and_the_numerics_say_so(engines):
     assert all(isinstance(lin, Int8Linear) for i in range(len(model.layers)) for lin in model.linears(i))
     assert isinstance(model.lm_head, Linear)  # the LM head stays float: docs/cpu.md#int8-weights
     gemm = model.layers[0]["qkv"].backend  # onednn-int8, or onednn-int8-w7 without VNNI
-    assert int8.numerics == {**exact.numerics, "matmul": f"onednn+{gemm}", "weights": "int8"}
+    version = str(VERSIONS["int8"])  # smoothed: not the int8 of before smoothing
+    assert int8.numerics == {**exact.numerics, "matmul": f"onednn+{gemm}", "weights": "int8", "arithmetic": version}
     assert "weights" not in exact.numerics  # dequantize, the default, is what results from before it were
     layer_bytes = sum(lin.nbytes for lin in model.linears(0))
     assert layer_bytes < 0.3 * sum(lin.nbytes for lin in exact.runner.model.linears(0))  # a quarter, plus scales
@@ -116,3 +120,15 @@ def test_smoothing_alone_leaves_the_float_model_as_it_was(monkeypatch, engines, 
     for p in prompts[:4]:
         ours, ref = forward_logits(model, p, last_only=False), forward_logits(exact, p, last_only=False)
         torch.testing.assert_close(ours, ref, rtol=0, atol=2e-3)
+
+
+def test_smoothing_leaves_a_qwen2_with_qkv_biases_as_it_was(monkeypatch):
+    """On a Qwen2 shape (q/k/v biases, outlier input channels): the v bias is divided with v's rows, so that with the
+    matmuls kept float the smoothed model's logits equal the plain one's up to fp32 rounding."""
+    monkeypatch.setattr(llama, "Int8Linear", Linear)
+    smoothed, plain = tiny_decoder(torch.float32, int8=True), tiny_decoder(torch.float32)
+    assert plain.config.attention_bias
+    moved = smoothed.layers[0]["input_norm"] / plain.layers[0]["input_norm"]
+    assert moved.max() / moved.min() > 4, moved  # sqrt of the 30x outliers: smoothing did something
+    ours, ref = forward_logits(smoothed, TINY_IDS, last_only=False), forward_logits(plain, TINY_IDS, last_only=False)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())

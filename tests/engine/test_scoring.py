@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from batchjob.engine.engine import Engine
-from batchjob.engine.outputs import Request
+from batchjob.engine.outputs import Request, RequestOutput, TokenLogprob, score_output
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.scheduler import PREFILL_CHUNK_ALIGN
 from tests.conftest import forward_logits
@@ -197,3 +197,17 @@ def test_a_follower_waits_for_its_leader_and_reads_its_blocks(engine):
     assert [o.request_id for o in outs] == ["r0", "r1"]
     block = engine.config.block_size
     assert outs[1].num_cached_tokens == (len(ids) - 1) // block * block and outs[0].num_cached_tokens == 0
+
+
+def test_label_probabilities_of_very_unlikely_labels_are_their_softmax():
+    """Labels whose logprob sums are all far below zero (-900 and -901: exp underflows to 0.0 in a double) still
+    get the softmax of their sums, [e / (e + 1), 1 / (e + 1)], not 0/0."""
+    start, prompt = 2, [5, 6]
+    outputs = [
+        RequestOutput(str(i), prompt + [7, 8], [], "", "length", prompt_logprobs=[None, None, *lps])
+        for i, lps in enumerate([[TokenLogprob(7, -450.0), TokenLogprob(8, -450.0)], [TokenLogprob(7, -901.0)]])
+    ]
+    score = score_output("r", outputs, start, ["yes", "no"])
+    assert score.label_logprobs == [-900.0, -901.0] and score.label == "yes"
+    assert score.label_probs == pytest.approx([math.e / (math.e + 1), 1 / (math.e + 1)], rel=1e-12)
+    assert score.label_probs == pytest.approx([0.731, 0.269], abs=5e-4)

@@ -23,7 +23,7 @@ from batchjob.model.decoder_embedding import DecoderEmbeddingModel  # noqa: E402
 from batchjob.model.encoder import load_encoder  # noqa: E402
 from batchjob.model.errors import ModelLoadError  # noqa: E402
 from batchjob.model.packed import PackedBatch  # noqa: E402
-from tests.model.test_encoder import cu_seqlens_of  # noqa: E402
+from tests.model.test_encoder import INVARIANCE_LENGTHS, assert_batch_invariant, cu_seqlens_of  # noqa: E402
 from tests.oracle.test_tiny_architectures import COMMON, _randomize, tiny_tokenizer  # noqa: E402
 
 QUERY = "Instruct: Given a question, find the passage that answers it\nQuery:"
@@ -146,6 +146,14 @@ def test_packed_batch_equals_each_sequence_alone(qwen2, texts):
     for row, (start, end) in zip(ids, pairwise(cu_seqlens_of(ids))):
         alone = encoder.model(PackedBatch.build([row]))
         torch.testing.assert_close(hidden[start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rows_embedding_does_not_depend_on_its_pass(qwen2, texts, dtype):
+    encoder = load_encoder(qwen2, dtype)
+    ids = sorted((t.token_ids for t in encoder.tokenize(texts)), key=len)
+    lengths = [n for n in INVARIANCE_LENGTHS if n <= MAX_SEQ_LENGTH]
+    assert_batch_invariant(encoder, [row[:n] for row, n in zip(ids[::-1], lengths)])
 
 
 def test_prompts_as_sentence_transformers(qwen2, llama_mean, texts):

@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchjob.model.encoder import load_encoder
+from batchjob.model.encoder import Encoder, load_encoder
 from batchjob.model.errors import ModelLoadError
 from batchjob.model.packed import PackedBatch
 from batchjob.model.pooling import Pooling
 
 MIN_COSINE = {torch.float32: 0.9999, torch.bfloat16: 0.999}
+# Lengths near and apart, repeated, odd and even, below and past a multiple of 16 or 64: passes that pad differently.
+INVARIANCE_LENGTHS = [2, 3, 3, 5, 9, 12, 15, 16, 17, 17, 31, 33, 40, 63, 64, 65, 100, 128, 129, 200, 255, 256]
 
 
 def cu_seqlens_of(ids: list[list[int]]) -> list[int]:
@@ -44,6 +46,27 @@ def test_packed_batch_equals_each_sequence_alone(fp32_encoder, embed_texts):
     for row, (start, end) in zip(ids, pairwise(cu_seqlens_of(ids))):
         alone = fp32_encoder.model(PackedBatch.build([row]))
         torch.testing.assert_close(hidden[start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+def assert_batch_invariant(encoder: Encoder, ids: list[list[int]]) -> None:
+    """Each row's embedding bit for bit what it gets alone, in passes of every size from 2 to 16 over `ids` (which
+    are near in length where sorted, as the embedder's passes are): which rows share its pass, and so how far its
+    attention is padded and how many rows its matmuls take, must not change a bit of it (a job resumed after a kill
+    cuts its passes elsewhere)."""
+    alone = [encoder.embed([row])[0] for row in ids]
+    for size in range(2, 17):
+        for start in range(0, len(ids) - size + 1, size):
+            batch = ids[start : start + size]
+            for i, (got, row) in enumerate(zip(encoder.embed(batch), batch)):
+                same, diff = torch.equal(got, alone[start + i]), (got - alone[start + i]).abs().max().item()
+                assert same, f"{len(row)} tokens among {len(batch)} rows: differs from alone by {diff}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rows_embedding_does_not_depend_on_its_pass(minilm, fp32_encoder, embed_texts, dtype):
+    encoder = fp32_encoder if dtype == torch.float32 else load_encoder(minilm, dtype)
+    ids = sorted((t.token_ids for t in encoder.tokenize(embed_texts)), key=len)
+    assert_batch_invariant(encoder, [row[:n] for row, n in zip(ids[::-1], INVARIANCE_LENGTHS)])
 
 
 @pytest.mark.parametrize("mode", ["mean", "cls", "lasttoken"])

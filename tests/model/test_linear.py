@@ -109,3 +109,21 @@ def test_on_amx_a_rows_bf16_result_does_not_depend_on_the_calls_row_count():
     assert invariant()
     lin.row_blocks = ()
     assert not invariant()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN's bf16 GEMM (the packed path)")
+@pytest.mark.parametrize("n", [1, 37, 100, 200])
+def test_row_blocks_give_each_row_what_it_gets_alone_on_any_cpu(n):
+    """The row-block path (AMX's, forced here on any CPU): 128-row blocks, then 64-row ones, the last padded, every
+    row of the n in its place and none lost or doubled, each bit for bit what it gets alone. A bias rides along."""
+    lin_weight = (_tensor(96, 160, seed=9) * 0.05).to(torch.bfloat16)
+    lin = Linear(lin_weight, _tensor(96, seed=10).to(torch.bfloat16))
+    assert lin.packed is not None
+    lin.row_blocks = (128, 64)
+    x = (_tensor(n, 160, seed=11) * torch.linspace(0.1, 10, n)[:, None]).to(torch.bfloat16)  # rows apart
+    out = lin(x.view(1, n, 160))  # the leading dims kept
+    assert out.shape == (1, n, 96)
+    for i in range(n):
+        assert torch.equal(out[0, i], lin(x[i])), i
+    reference = F.linear(x.float(), lin_weight.float(), lin.bias.float())  # and each row its own product
+    torch.testing.assert_close(out[0].float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())

@@ -1,0 +1,32 @@
+"""The version of each numerics path's arithmetic, recorded in a job's numerics as `arithmetic` (results cache keys
+and a resume's check read it): a change that moves any result's bits on a path (another kernel, another order of
+sums, smoothing) bumps that path's version, so that rows computed before and after the change are never mixed in one
+dataset or taken from the cache for one another. Version 1 is the arithmetic of before the label (not recorded, so
+those jobs keep their numerics). tests/model/test_arithmetic.py pins a digest of each path's results beside its
+version and fails on a change of results that kept the version."""
+
+from __future__ import annotations
+
+VERSIONS: dict[str, int] = {
+    "float32": 1,
+    "bfloat16": 2,  # 2: oneDNN's AMX bf16 GEMM in row blocks (linear.py)
+    "float16": 1,
+    "int8": 2,  # 2: SmoothQuant's scales folded in at load (smoothing.py)
+    # 2: an encoder's attention one SDPA call per run of one length, unpadded (ops.varlen_attention)
+    "embed float32": 2,
+    "embed bfloat16": 2,
+    "embed float16": 2,
+}
+
+
+def arithmetic_path(dtype: str, weights: str = "dequantize", task: str = "generate") -> str:
+    """The path's name: its dtype (float32, bfloat16, float16), `int8` with int8 weights, `embed` before an
+    embedding model's."""
+    path = "int8" if weights == "int8" else dtype
+    return f"embed {path}" if task == "embed" else path
+
+
+def arithmetic_label(path: str) -> dict[str, str]:
+    """The numerics' `arithmetic` entry of `path`: its version, recorded from 2 on."""
+    version = VERSIONS[path]
+    return {"arithmetic": str(version)} if version > 1 else {}
