@@ -750,7 +750,7 @@ def test_an_embedding_job_takes_its_rows_from_the_cache(tmp_path, minilm):
     again = cli("run", job("out4", data))
     assert again.returncode == 0, again.stdout + again.stderr
     assert summary_cache(tmp_path / "out4") == {"hits": 29, "misses": 1}
-    assert f"results cache: the entry {entry['key']}" in again.stderr
+    assert f"results cache: the entry {entry['key']}" in again.stdout
     fourth = pq.read_table(tmp_path / "out4" / "data").sort_by("id").to_pylist()
     assert [(r["id"], r["prompt_tokens"], r["error"]) for r in fourth] == [
         (r["id"], r["prompt_tokens"], None) for r in first
