@@ -267,3 +267,15 @@ def test_a_key_keeps_where_token_ids_split():
     assert len({score.work_key(work) for work in works}) == 2
     generate = run_cache(folder, "generation")
     assert generate.work_key(Work("0", [1, 2, 3], GENERATION, False)) not in keys
+
+
+def test_an_entry_nested_past_json_s_depth_is_a_miss(tmp_path):
+    """json.loads raises RecursionError (no ValueError) on an entry nested deeper than the interpreter's stack: a
+    run that read one failed with a traceback."""
+    work, output = generation()
+    store(run_cache(tmp_path, "generation"), "generation", work, output)
+    (path,) = (tmp_path / "cache").rglob("*.json")
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    messages = Messages()
+    assert look_up(run_cache(tmp_path, "generation", messages), "generation", work) is None
+    assert [m for m in messages.messages if "is not a whole entry" in m]
