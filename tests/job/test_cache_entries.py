@@ -269,13 +269,20 @@ def test_a_key_keeps_where_token_ids_split():
     assert generate.work_key(Work("0", [1, 2, 3], GENERATION, False)) not in keys
 
 
-def test_an_entry_nested_past_json_s_depth_is_a_miss(tmp_path):
+@pytest.mark.parametrize("case", ["nested", "surrogate"])
+def test_an_entry_json_reads_but_no_writer_could_have_written_is_a_miss(tmp_path, case):
     """json.loads raises RecursionError (no ValueError) on an entry nested deeper than the interpreter's stack: a
-    run that read one failed with a traceback."""
+    run that read one failed with a traceback. A lone surrogate (JSON's \\ud800 alone) reads as a str that no writer
+    can encode: its checksum cannot be taken."""
     work, output = generation()
     store(run_cache(tmp_path, "generation"), "generation", work, output)
     (path,) = (tmp_path / "cache").rglob("*.json")
-    path.write_text("[" * 100_000 + "]" * 100_000)
+    if case == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        entry = json.loads(path.read_text())
+        entry["result"]["samples"][0]["text"] = "a\ud800b"
+        path.write_text(json.dumps(entry))
     messages = Messages()
     assert look_up(run_cache(tmp_path, "generation", messages), "generation", work) is None
     assert [m for m in messages.messages if "is not a whole entry" in m]

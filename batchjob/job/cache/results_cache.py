@@ -129,7 +129,7 @@ class ResultsCache:
                 return self.unusable(key, "it holds another key")
             if entry["sha256"] != _sha256(_canonical(result)):
                 return self.unusable(key, "its result does not match its checksum")
-        except (ValueError, LookupError, TypeError, RecursionError):  # not an entry: cut short, not JSON, too deep
+        except (ValueError, LookupError, TypeError, RecursionError):  # cut short, not JSON, too deep, not text
             return self.unusable(key, "not a whole entry")
         if touch:
             self._touch(path, data)
