@@ -6,8 +6,10 @@ typo in a job that runs overnight should fail in the first second, not in the mo
 from __future__ import annotations
 
 import copy
+import posixpath
 import string
 import typing
+import urllib.parse
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
@@ -25,8 +27,13 @@ from batchjob.job.output.schema import (
     RESULT_COLUMNS,
     SCORE_COLUMNS,
 )
+from batchjob.job.output.state import DATA, JOB_FILE, LOCK, QUARANTINE, STAGING, WRITTEN
+from batchjob.job.output.storage import is_url
 from batchjob.model.builtin import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchjob.model.tokenizer import RENDERER_VARIABLES
+
+# What batchjob writes in an output folder, by name: nothing else may live there (the results cache, say).
+OUTPUT_NAMES = frozenset({DATA, STAGING, QUARANTINE, JOB_FILE, LOCK, *WRITTEN})
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
@@ -262,9 +269,23 @@ class JobSpec(_Section):
                 )
         if self.cache is not None and self.executor == "ray":
             raise ValueError("cache: not yet used with executor 'ray' (its workers do not look rows up)")
+        if self.cache is not None:
+            self._check_cache_path()
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self
+
+    def _check_cache_path(self) -> None:
+        """The results cache may share the output folder, never one of the names batchjob writes there: its entries
+        in data/ would be read as results (pyarrow's read of the folder failed on them, and the next run refused the
+        folder as holding files batchjob did not write), and under a file's name they would stop that file."""
+        below = _below(self.output.path, self.cache.path)
+        if below and below[0] in OUTPUT_NAMES:
+            raise ValueError(
+                f"cache.path: {self.cache.path} is in the output folder's {below[0]}, which batchjob keeps for the "
+                "job's own files; give the cache a folder of its own (the output folder itself, or another in it, will "
+                "do)"
+            )
 
     def _check_score(self) -> None:
         """A scoring job draws no token, so nothing of sampling applies; it reads a row's text as written (no chat
@@ -481,6 +502,25 @@ def _apply_override(raw: dict, item: str, path: str | Path) -> tuple[str, ...]:
     # YAML parsing of the value gives 32 an int, true a bool and [a, b] a list, as in the file itself.
     node[keys[-1]] = _parse_yaml(text, f"--set {item!r}") if text.strip() else ""
     return keys
+
+
+def _below(folder: str, path: str) -> list[str] | None:
+    """The names leading from `folder` down to `path`: [] for the folder itself, None for a path outside it. Local
+    paths as a run resolves them (from the working folder, through links and '..'); URLs by scheme, bucket and key."""
+    if is_url(folder) != is_url(path):
+        return None
+    if not is_url(folder):
+        top, inner = (Path(p.removeprefix("file://")).resolve() for p in (folder, path))
+        return list(inner.relative_to(top).parts) if inner.is_relative_to(top) else None
+    (scheme, bucket, top), (other, place, inner) = (_url_parts(p) for p in (folder, path))
+    if (scheme, bucket) != (other, place) or inner[: len(top)] != top:
+        return None
+    return inner[len(top) :]
+
+
+def _url_parts(url: str) -> tuple[str, str, list[str]]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.netloc, [p for p in posixpath.normpath("/" + parts.path).split("/") if p]
 
 
 def _describe(err: dict, set_paths: list[tuple[str, ...]]) -> str:

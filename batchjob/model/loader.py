@@ -10,11 +10,13 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +30,9 @@ from batchjob.model.builtin import BUILTIN_MODELS, BuiltinModel, cache_dir
 from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, moe_weight_names, weight_shapes
 from batchjob.model.errors import ModelError, ModelLoadError, ModelNotFoundError
 from batchjob.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 # org/name, org/name@revision, or org/name/file.gguf (one GGUF file of the repo), as the Hub spells repo ids.
 _HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:/(?P<file>[^@]+\.gguf))?(?:@(?P<revision>[\w./-]+))?$")
@@ -434,32 +439,60 @@ def _gguf_config(meta: dict, has_output: bool, rope_factors: dict[str, list[floa
 def _digest_memo(path: Path) -> str:
     """The file's sha256, remembered by (path, size, mtime, inode, ctime) so that a repeat load does not read it
     again. The inode and ctime because a file swapped in with its size and mtime kept (`cp -p`, `rsync -a`, builds
-    with fixed timestamps) must not pass for the one it replaced: no tool sets a ctime."""
+    with fixed timestamps) must not pass for the one it replaced: no tool sets a ctime. The memo only saves that read:
+    one that holds no digest (cut short, another's file) is read past, and a cache folder that cannot hold it (read
+    only, full) is warned about and the load goes on."""
     st = path.stat()
     stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
     memo = cache_dir() / "digests" / hashlib.sha256(stamp.encode()).hexdigest()
-    if memo.exists():
-        return memo.read_text()
+    with contextlib.suppress(OSError, ValueError):
+        known = memo.read_text()
+        if SHA256.fullmatch(known):
+            return known
     digest = file_digest([path])
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(digest)
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(digest)
+        os.replace(tmp, memo)  # whole or not at all: a load killed while writing leaves no short memo
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        log.warning(
+            "cannot remember the model's digest in %s (%s); the next load reads the model again", memo.parent, e
+        )
     return digest
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     """Dequantizing and parsing the GGUF (its 49k-token vocabulary) takes seconds, so both are cached by digest
-    as safetensors + tokenizer.json + config.json."""
+    as safetensors + tokenizer.json + config.json. A cache folder that cannot take the conversion (read only) is
+    warned about, and the GGUF is converted into a temporary folder for this load alone."""
     digest = _digest_memo(path)
     cached = cache_dir() / "gguf" / digest
-    if not (cached / "config.json").exists():
+    if (cached / "config.json").exists():
+        return _read_converted(path, cached, digest, dtype)
+    with contextlib.suppress(OSError):
+        cached.parent.mkdir(parents=True, exist_ok=True)
+    if os.access(cached.parent, os.W_OK):
         convert_gguf(path, cached)
+        return _read_converted(path, cached, digest, dtype)
+    log.warning(
+        "cannot keep the converted model in %s (not writable); converting it for this load alone", cached.parent
+    )
+    with tempfile.TemporaryDirectory(prefix="batchjob-gguf-") as scratch:
+        convert_gguf(path, Path(scratch) / digest)
+        return _read_converted(path, Path(scratch) / digest, digest, dtype)
+
+
+def _read_converted(path: Path, converted: Path, digest: str, dtype: torch.dtype) -> LoadedModel:
     with reading_model(path):  # the converted copy holds the GGUF's content: its chat template is parsed here
-        config = json.loads((cached / "config.json").read_text())
+        config = json.loads((converted / "config.json").read_text())
         config = ModelConfig(**{**config, "eos_token_ids": tuple(config["eos_token_ids"])})
-        weights = load_file(str(cached / "model.safetensors"))
+        weights = load_file(str(converted / "model.safetensors"))
         rope_freqs = weights.pop("rope_freqs.weight", None)
         weights = {k: v.to(dtype) for k, v in weights.items()}
-        tokenizer = Tokenizer.from_folder(cached)
+        tokenizer = Tokenizer.from_folder(converted)
     return LoadedModel(config, weights, tokenizer, path, digest, rope_freqs)
 
 

@@ -60,6 +60,10 @@ def test_the_output_folder_is_never_input(tmp_path):
     job = make_job(d / "summaries" / "_timeline.parquet", d)
     with pytest.raises(InputError, match=f"{d}/summaries/_timeline.parquet is inside the output folder {d};"):
         InputSource(job)
+    # input.path the output folder itself (its parts would be read as input on a rerun), however it is written
+    for path in [d / "summaries", f"{d}/a/../summaries/"]:
+        with pytest.raises(InputError, match=f"input.path: {path} is inside the output folder {d / 'summaries'};"):
+            InputSource(make_job(path, d / "summaries", input={"format": "parquet"}))
 
 
 def test_inputs_that_cannot_be_used_fail_before_any_work(tmp_path):

@@ -298,11 +298,18 @@ def test_a_stopped_job_resumes_and_a_cache_answers_a_rerun(tmp_path, texts_file,
 
 
 @pytest.mark.parametrize(
-    "score, column", [({"prompt_logprobs": 1}, "token_logprobs"), ({"labels": LABELS}, "label_logprobs")]
+    "score, column, value",
+    [
+        ({"prompt_logprobs": 1}, "token_logprobs", None),
+        ({"labels": LABELS}, "label_logprobs", None),
+        ({"prompt_logprobs": 1}, "sum_nll", "1.5"),  # failed every run at exit 70: Arrow cannot write it
+        ({"labels": LABELS}, "label_probs", [0.5]),
+    ],
 )
-def test_a_cache_entry_without_the_logprobs_of_its_columns_is_never_served(tmp_path, score, column):
+def test_a_cache_entry_without_the_logprobs_of_its_columns_is_never_served(tmp_path, score, column, value):
     """As for a generation's prompt logprobs: an entry rewritten whole (a valid checksum) without its token or label
-    logprobs was a hit, and its row had a null token_logprobs or label_logprobs column and no error."""
+    logprobs was a hit, and its row had a null token_logprobs or label_logprobs column and no error; one with a
+    column of another type failed the run."""
     data = write_parquet(tmp_path / "t.parquet", [{"id": "a", "text": REVIEWS[0], "n": 0}])
     cache = {"path": str(tmp_path / "cache")}
     runs = {}
@@ -312,7 +319,7 @@ def test_a_cache_entry_without_the_logprobs_of_its_columns_is_never_served(tmp_p
             for path in (tmp_path / "cache").rglob("*.json"):
                 entry = json.loads(path.read_bytes())
                 assert entry["result"][column] is not None
-                store.put(entry["key"], {**entry["result"], column: None})
+                store.put(entry["key"], {**entry["result"], column: value})
         job = write_job(tmp_path / f"{name}.yaml", data, tmp_path / name, score=score, cache=cache)
         runs[name] = run(job)["a"]
         assert json.loads((tmp_path / name / "_summary.json").read_text())["cache"] == {"hits": 0, "misses": 1}

@@ -6,10 +6,15 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import logging
+import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import gguf
@@ -495,6 +500,79 @@ def test_a_gguf_replaced_in_place_with_its_size_and_mtime_kept_is_loaded_anew(tm
     assert after.digest == hashlib.sha256(other.read_bytes()).hexdigest() != before.digest
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(after.weights[name], load_model(str(other)).weights[name])
+
+
+def test_a_digest_memo_that_holds_no_digest_is_read_past(tmp_path, monkeypatch):
+    """A memo cut short (a load killed while writing it) or another's file gave its bytes as the model's digest, the
+    fingerprint's and the results cache key's; it is read past, and the digest remembered anew."""
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path, np.random.default_rng(0))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert load_model(str(path)).digest == digest
+    for text in ["", digest[:20], digest.upper(), f"{digest}\n"]:
+        for memo in (tmp_path / "cache" / "digests").iterdir():
+            memo.write_text(text)
+        assert load_model(str(path)).digest == digest
+        assert {m.read_text() for m in (tmp_path / "cache" / "digests").iterdir()} == {digest}
+
+
+NOBODY = 65534  # the unprivileged user: root writes any folder, whatever its mode
+
+
+def load_unprivileged(gguf_path: str, cache: str) -> tuple[str, list[str], float]:
+    """load_model as a user the cache folder denies writes (as nobody, if this is root): the digest, what the loader
+    logged, and a sum of the weights."""
+    if os.geteuid() == 0:
+        # one load first, as root in a cache of its own: what it imports lazily (root's Python is in /root) is loaded
+        with tempfile.TemporaryDirectory() as warm, pytest.MonkeyPatch.context() as patch:
+            patch.setenv("BATCHJOB_CACHE", warm)
+            load_model(gguf_path)
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    os.environ["BATCHJOB_CACHE"] = cache
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger(model_loader.__name__).addHandler(handler)
+    loaded = load_model(gguf_path)
+    return loaded.digest, said, float(sum(w.double().sum() for w in loaded.weights.values()))
+
+
+def test_a_read_only_cache_is_used_as_it_is_and_said_once(monkeypatch):
+    """Seen: a read-only BATCHJOB_CACHE holding the converted model (and the built kernels) failed the run at exit 74,
+    'Read-only file system: .../digests'. The digest memo only saves a read: the load goes on without it, said once;
+    a conversion that cannot be kept is made for this load alone, said once too; nothing is written in the cache."""
+    folder = Path(tempfile.mkdtemp(prefix="batchjob-test-"))  # one an unprivileged user reaches
+    folder.chmod(0o755)
+    try:
+        gguf_path, cache = folder / "model.gguf", folder / "cache"
+        write_tiny_gguf(gguf_path, np.random.default_rng(0))
+        gguf_path.chmod(0o644)
+        monkeypatch.setenv("BATCHJOB_CACHE", str(cache))
+        loaded = load_model(str(gguf_path))
+        expected = (loaded.digest, float(sum(w.double().sum() for w in loaded.weights.values())))
+        shutil.rmtree(cache / "digests")  # the model is another copy of the file: a memo to write
+        for missing, warned in [(None, "cannot remember the model's digest"), ("gguf", "for this load alone")]:
+            if missing:
+                shutil.rmtree(cache / missing / loaded.digest)
+            read_only(cache, True)
+            before = sorted(cache.rglob("*"))
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                digest, said, total = pool.apply(load_unprivileged, (str(gguf_path), str(cache)))
+            assert (digest, total) == expected
+            assert [m for m in said if warned in m] and len(said) == 1 + (missing is not None), said
+            assert sorted(cache.rglob("*")) == before
+            read_only(cache, False)
+    finally:
+        read_only(folder, False)
+        shutil.rmtree(folder)
+
+
+def read_only(folder: Path, on: bool) -> None:
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o555 if path.is_dir() else 0o444) if on else (0o755 if path.is_dir() else 0o644))
 
 
 @pytest.mark.parametrize("changed", model_loader.HF_RESULT_FILES)

@@ -5,7 +5,9 @@ DIR/<key[:2]>/<key>.json   one entry: {"key": its key, "sha256": of its result's
 
 An entry is written whole (storage.write_atomic: a temporary file renamed locally, one PUT on an object store), so
 jobs can share a cache while they run: two writers of one key write the same result. An entry that does not read back
-whole and consistent (truncated, bad JSON, another key inside, a wrong checksum) is a miss, never a result. An entry's
+whole and consistent (truncated, bad JSON, another key inside, a wrong checksum), or that is not exactly the shape of
+its row's result (entries.py: what others wrote is untrusted input), is a miss, never a result; the first in a run is
+said, with its key, and the row's computed result is stored over it. An entry's
 modification time is its last use: a hit refreshes it when it is older than TOUCH_AFTER_S (on an object store by
 writing the entry again, hence not at every hit), and when the cache is over `max_size` the entries used longest ago
 are deleted."""
@@ -23,8 +25,16 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
-from batchjob.engine.outputs import CompletionOutput, RequestOutput, ScoreOutput, TokenLogprob
+from batchjob.engine.outputs import RequestOutput, ScoreOutput
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.cache.entries import (
+    Unfit,
+    embedding_result,
+    generation_entry,
+    generation_result,
+    score_entry,
+    score_result,
+)
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.input.planner import EmbeddingWork, Work
 from batchjob.job.input.scoring import ScoreWork
@@ -82,7 +92,7 @@ class ResultsCache:
         self.fs, self.fs_root = url_to_fs(spec.path, spec.storage_options)
         self.max_size = int(spec.max_size)
         self.written_since_evict = 0
-        self.warn, self.unlistable, self.unreachable = warn, False, False
+        self.warn, self.unlistable, self.unreachable, self.said_unusable = warn, False, False, False
         self.reads = _Failures(
             self.root, warn, "read", "that entry is a miss, the next are looked up", "looks nothing more up"
         )
@@ -115,13 +125,25 @@ class ResultsCache:
         try:
             entry = json.loads(data)
             result = entry["result"]
-            if entry["key"] != key or entry["sha256"] != _sha256(_canonical(result)):
-                return None
-        except (ValueError, LookupError, TypeError):  # not an entry
-            return None
+            if entry["key"] != key:
+                return self.unusable(key, "it holds another key")
+            if entry["sha256"] != _sha256(_canonical(result)):
+                return self.unusable(key, "its result does not match its checksum")
+        except (ValueError, LookupError, TypeError, RecursionError):  # cut short, not JSON, too deep, not text
+            return self.unusable(key, "not a whole entry")
         if touch:
             self._touch(path, data)
         return result
+
+    def unusable(self, key: str, why: str) -> None:
+        """An entry that is a miss for what it holds, said the first time in a run, with its key: another job or a
+        person wrote it, and it stays until a run stores its row's result over it (or eviction takes it)."""
+        if not self.said_unusable:
+            self.said_unusable = True
+            self.warn(
+                f"results cache: the entry {key} in {self.root} is {why}; it is a miss: its row is computed and "
+                "stored over it (further such entries in this run are not said)"
+            )
 
     def _failed(self, failures: _Failures, error: Exception) -> None:
         """A store that cannot be reached fails each request, each after its retries: given up at its first failure,
@@ -229,6 +251,7 @@ class RunCache:
                 "engine": job.engine.model_dump(mode="json", include=RESULT_ENGINE_SETTINGS),
             }
         )
+        self._dimension = engine.dimension if job.task == "embed" else 0  # of an embedding entry's vectors
         self._params: tuple[SamplingParams | None, bytes] = (None, _canonical(None))
         self.keys: dict[str, str] = {}  # request id -> key, for the generation works sent to the engine
 
@@ -266,11 +289,18 @@ class RunCache:
 
     def _result(self, work: Work | EmbeddingWork | ScoreWork, key: str, touch: bool = True) -> Any:
         """The result that the entry under `key` gives `work` (its RequestOutput, ScoreOutput or vectors); None for a
-        miss: no entry, a damaged one, or one that is no result for this work."""
+        miss: no entry, a damaged one, or one that is no result for this work (entries.py: said once, with its
+        key; the row's computed result is stored over it)."""
         entry = self.cache.get(key, touch)
-        if isinstance(work, EmbeddingWork):
-            return entry if _vectors_fit(entry, work) else None
-        return _score(entry, work) if isinstance(work, ScoreWork) else _output(entry, work)
+        if entry is None:
+            return None
+        try:
+            if isinstance(work, EmbeddingWork):
+                return embedding_result(entry, work, self._dimension)
+            return score_result(entry, work) if isinstance(work, ScoreWork) else generation_result(entry, work)
+        except Unfit as e:
+            self.cache.unusable(key, f"no result for its row: {e}")
+            return None
 
     def generation_misses(self, works: Iterable[Work], on_hit: Callable[[Work, RequestOutput], None]) -> Iterator[Work]:
         """The works that the cache does not answer, with their keys kept for `store`; `on_hit` takes the others."""
@@ -300,7 +330,7 @@ class RunCache:
         reasons = {output.finish_reason, *(s.finish_reason for s in output.samples)}
         if key is None or output.error is not None or reasons & {"abort", "error", "length_capped"}:
             return
-        self.cache.put(key, _output_entry(output))
+        self.cache.put(key, generation_entry(output))
 
     def score_misses(
         self, works: Iterable[ScoreWork], on_hit: Callable[[ScoreWork, ScoreOutput], None]
@@ -312,7 +342,7 @@ class RunCache:
         """Store a row's score; an error is not a result to keep."""
         key = self.keys.pop(work.request_id, None)
         if key is not None and score.error is None:
-            self.cache.put(key, _score_entry(score))
+            self.cache.put(key, score_entry(score))
 
     def embedding_misses(
         self, works: Iterable[EmbeddingWork], on_hit: Callable[[EmbeddingWork, list[list[float]]], None]
@@ -346,127 +376,6 @@ def _cpu_isa(numerics: dict) -> list[str] | None:
     one (or BATCHJOB_CPU_ISA=avx2) sum in other orders and differ in the last bits, where "numerics" says only `cpu`.
     A cache shared by such hosts gives each the results it computes itself."""
     return sorted(set(ISA_FLAGS) & set(cpu_flags().split())) if numerics.get("device") == "cpu" else None
-
-
-def _output_entry(output: RequestOutput) -> dict:
-    prompt = output.prompt_logprobs
-    return {
-        "text": output.text,
-        "finish_reason": output.finish_reason,
-        # with sampling's prompt_logprobs: per prompt token [id, logprob, top, rank], null for the first
-        "prompt_logprobs": None
-        if prompt is None
-        else [lp and [lp.token_id, lp.logprob, lp.top, lp.rank] for lp in prompt],
-        "samples": [
-            {
-                "text": s.text,
-                "token_ids": s.token_ids,
-                "finish_reason": s.finish_reason,
-                "logprobs": None if s.logprobs is None else [[lp.token_id, lp.logprob, lp.top] for lp in s.logprobs],
-            }
-            for s in output.samples
-        ],
-    }
-
-
-def _output(entry: Any, work: Work) -> RequestOutput | None:
-    """The RequestOutput an entry stores, for `work`'s request; None if the entry is not one (a miss)."""
-    if entry is None:
-        return None
-    try:
-        samples = [
-            CompletionOutput(
-                i,
-                s["text"],
-                list(s["token_ids"]),
-                s["finish_reason"],
-                None
-                if s["logprobs"] is None
-                else [TokenLogprob(t, v, [tuple(x) for x in top]) for t, v, top in s["logprobs"]],
-            )
-            for i, s in enumerate(entry["samples"])
-        ]
-        first = samples[0]
-        prompt = _prompt_logprobs(entry.get("prompt_logprobs"), work)
-        if work.params.prompt_logprobs is not None and prompt is None:
-            return None  # an entry without the prompt logprobs the row asks for is no result for it
-        # the whole prompt counts as cached, as for a duplicate row: nothing of it was computed
-        return RequestOutput(
-            work.request_id,
-            work.token_ids,
-            first.token_ids,
-            entry["text"],
-            entry["finish_reason"],
-            num_cached_tokens=len(work.token_ids),
-            logprobs=first.logprobs,
-            outputs=samples,
-            prompt_logprobs=prompt,
-        )
-    except (KeyError, TypeError, ValueError, IndexError):
-        return None
-
-
-def _prompt_logprobs(stored: Any, work: Work) -> list[TokenLogprob | None] | None:
-    """An entry's prompt logprobs, if it holds them whole: one per prompt token, each of that token, the first
-    without."""
-    if not isinstance(stored, list) or len(stored) != len(work.token_ids) or stored[0] is not None:
-        return None
-    out: list[TokenLogprob | None] = [None]
-    for token_id, (t, v, top, rank) in zip(work.token_ids[1:], stored[1:]):
-        if t != token_id:
-            return None
-        out.append(TokenLogprob(t, v, [tuple(x) for x in top], rank))
-    return out
-
-
-def _score_entry(score: ScoreOutput) -> dict:
-    lps = score.token_logprobs
-    return {
-        "num_scored_tokens": score.num_scored_tokens,
-        "token_logprobs": None if lps is None else [[lp.token_id, lp.logprob, lp.top] for lp in lps],
-        "sum_nll": score.sum_nll,
-        "mean_nll": score.mean_nll,
-        "perplexity": score.perplexity,
-        "label_logprobs": score.label_logprobs,
-        "label": score.label,
-        "label_probs": score.label_probs,
-    }
-
-
-def _score(entry: Any, work: ScoreWork) -> ScoreOutput | None:
-    """The ScoreOutput an entry stores, for `work`; None if the entry is not one (a miss)."""
-    if entry is None:
-        return None
-    try:
-        lps = entry["token_logprobs"]
-        labelled = work.labels is not None
-        if labelled != (entry["label"] is not None):
-            return None
-        # Without the logprobs that a row's columns are made of (each label's, or each scored token's)
-        if labelled and not len(entry["label_probs"]) == len(entry["label_logprobs"]) == len(work.labels):
-            return None
-        if not labelled and (lps is None or len(lps) != entry["num_scored_tokens"]):
-            return None
-        return ScoreOutput(
-            work.request_id,
-            work.token_ids,
-            num_scored_tokens=entry["num_scored_tokens"],
-            token_logprobs=None if lps is None else [TokenLogprob(t, v, [tuple(x) for x in top]) for t, v, top in lps],
-            sum_nll=entry["sum_nll"],
-            mean_nll=entry["mean_nll"],
-            perplexity=entry["perplexity"],
-            labels=work.labels,
-            label_logprobs=entry["label_logprobs"],
-            label=entry["label"],
-            label_probs=entry["label_probs"],
-            finish_reason="length",
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _vectors_fit(vectors: Any, work: EmbeddingWork) -> bool:
-    return isinstance(vectors, list) and len(vectors) == len(work.inputs) and all(isinstance(v, list) for v in vectors)
 
 
 def _canonical(value: Any) -> bytes:
