@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import inspect
 import io
@@ -149,3 +150,26 @@ def summarize_prompts(tokenizer, n: int = 12) -> list[list[int]]:
         tokenizer.encode_chat([{"role": "user", "content": "Summarize: " + " ".join(docs[i].split()[: 20 + 23 * i])}])
         for i in range(n)
     ]
+
+
+# The capabilities that let root pass any file's mode bits (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH).
+DAC_CAPABILITIES = (1, 2)
+CAPABILITY_VERSION_3 = 0x20080522
+
+
+def deny_by_mode() -> None:
+    """Make this process one that file modes deny, as they deny any user (a folder of mode 000 unreadable, one of
+    0555 unwritable): as root, it gives up the capabilities that pass a mode and keeps uid 0, so root's own files
+    (the venv, the checkout, in a private folder or not) stay readable by their owner. Becoming another user (nobody)
+    instead denied the lazy imports of a venv in a folder of mode 700. Irreversible: for a test's child process."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this process
+    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: capabilities 0-31, then 32-63
+    if libc.capget(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed")
+    for i in range(3):
+        sets[i] &= ~sum(1 << c for c in DAC_CAPABILITIES)
+    if libc.capset(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")

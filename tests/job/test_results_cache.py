@@ -6,7 +6,6 @@ real default model and the real embedder run the issue's test: one row edited in
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import multiprocessing
@@ -30,7 +29,7 @@ from batchjob.job.plan import plan_job
 from batchjob.job.run.runner import run_job
 from batchjob.job.spec import CacheSpec, JobFileError, load_job
 from tests.fakes import FakeEngine
-from tests.helpers import Messages, documents, make_job, write_jsonl, write_parquet
+from tests.helpers import Messages, deny_by_mode, documents, make_job, write_jsonl, write_parquet
 from tests.job.test_e2e import cli
 from tests.job.test_s3 import BUCKET, moto_server, s3  # noqa: F401 (the moto server fixture)
 
@@ -357,31 +356,10 @@ def test_a_cache_on_a_store_that_cannot_be_reached_costs_only_its_use(tmp_path):
     assert plan_job(job, calibrate=False, engine_factory=Counting())["rows_from_results_cache"] == 0
 
 
-# The capabilities that let root pass any file's mode bits (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH).
-DAC_CAPABILITIES = (1, 2)
-CAPABILITY_VERSION_3 = 0x20080522
-
-
-def drop_dac_capabilities() -> None:
-    """As root, give up what passes a file's mode bits and keep uid 0: a folder of mode 000 is then denied as it is to
-    any user, while root's own files (the venv, the checkout, in a private folder or not) stay readable by their
-    owner. (Becoming another user instead denied the lazy imports of a venv in a folder of mode 700.)"""
-    libc = ctypes.CDLL(None, use_errno=True)
-    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)  # this process
-    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: capabilities 0-31, then 32-63
-    if libc.capget(header, sets) != 0:
-        raise OSError(ctypes.get_errno(), "capget failed")
-    for i in range(3):
-        sets[i] &= ~sum(1 << c for c in DAC_CAPABILITIES)
-    if libc.capset(header, sets) != 0:
-        raise OSError(ctypes.get_errno(), "capset failed")
-
-
 def run_unprivileged(data: str, out: str, cache: str) -> tuple[int, int, list[str], int]:
     """A cached run in a process that the cache folder's mode denies (root less its DAC capabilities): its exit code,
     the rows it computed, its messages and the entries it tried to read."""
-    if os.geteuid() == 0:
-        drop_dac_capabilities()
+    deny_by_mode()
     read_bytes, tried = Path.read_bytes, []
 
     def counted(path: Path) -> bytes:

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +28,7 @@ from batchjob.model import loader as model_loader
 from batchjob.model.builtin import BuiltinModel, Wheel
 from batchjob.model.errors import ModelNotFoundError
 from batchjob.model.loader import load_model, locate_model, unpermute_qk
-from tests.helpers import REPO
+from tests.helpers import REPO, deny_by_mode
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -517,20 +516,10 @@ def test_a_digest_memo_that_holds_no_digest_is_read_past(tmp_path, monkeypatch):
         assert {m.read_text() for m in (tmp_path / "cache" / "digests").iterdir()} == {digest}
 
 
-NOBODY = 65534  # the unprivileged user: root writes any folder, whatever its mode
-
-
 def load_unprivileged(gguf_path: str, cache: str) -> tuple[str, list[str], float]:
-    """load_model as a user the cache folder denies writes (as nobody, if this is root): the digest, what the loader
-    logged, and a sum of the weights."""
-    if os.geteuid() == 0:
-        # one load first, as root in a cache of its own: what it imports lazily (root's Python is in /root) is loaded
-        with tempfile.TemporaryDirectory() as warm, pytest.MonkeyPatch.context() as patch:
-            patch.setenv("BATCHJOB_CACHE", warm)
-            load_model(gguf_path)
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+    """load_model in a process the cache folder's mode denies writes (root less its DAC capabilities): the digest,
+    what the loader logged, and a sum of the weights."""
+    deny_by_mode()
     os.environ["BATCHJOB_CACHE"] = cache
     said: list[str] = []
     handler = logging.Handler()
@@ -540,12 +529,11 @@ def load_unprivileged(gguf_path: str, cache: str) -> tuple[str, list[str], float
     return loaded.digest, said, float(sum(w.double().sum() for w in loaded.weights.values()))
 
 
-def test_a_read_only_cache_is_used_as_it_is_and_said_once(monkeypatch):
+def test_a_read_only_cache_is_used_as_it_is_and_said_once(tmp_path, monkeypatch):
     """Seen: a read-only BATCHJOB_CACHE holding the converted model (and the built kernels) failed the run at exit 74,
     'Read-only file system: .../digests'. The digest memo only saves a read: the load goes on without it, said once;
     a conversion that cannot be kept is made for this load alone, said once too; nothing is written in the cache."""
-    folder = Path(tempfile.mkdtemp(prefix="batchjob-test-"))  # one an unprivileged user reaches
-    folder.chmod(0o755)
+    folder = tmp_path
     try:
         gguf_path, cache = folder / "model.gguf", folder / "cache"
         write_tiny_gguf(gguf_path, np.random.default_rng(0))
@@ -567,7 +555,6 @@ def test_a_read_only_cache_is_used_as_it_is_and_said_once(monkeypatch):
             read_only(cache, False)
     finally:
         read_only(folder, False)
-        shutil.rmtree(folder)
 
 
 def read_only(folder: Path, on: bool) -> None:
