@@ -9,7 +9,8 @@ from __future__ import annotations
 
 VERSIONS: dict[str, int] = {
     "float32": 1,
-    "bfloat16": 2,  # 2: oneDNN's AMX bf16 GEMM in row blocks (linear.py)
+    # 2: oneDNN's AMX bf16 GEMM in row blocks (linear.py); the LM head on bf16_dot with AVX512_BF16 (lm_head.py)
+    "bfloat16": 2,
     "float16": 1,
     "int8": 2,  # 2: SmoothQuant's scales folded in at load (smoothing.py)
     # 2: an encoder's attention one SDPA call per run of one length, unpadded (ops.varlen_attention)

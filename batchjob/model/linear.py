@@ -94,6 +94,7 @@ class Linear:
         return self.weight.numel() * self.weight.element_size() + bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.weight.dtype)  # a bf16 model's hidden states into a float32 LM head
         if self.packed is None or not x.numel():
             return F.linear(x, self.weight, self.bias)
         if self.row_blocks:

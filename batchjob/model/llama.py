@@ -12,6 +12,8 @@ from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig, moe_weight_names
 from batchjob.model.int8_linear import Int8Linear
 from batchjob.model.linear import Linear
+from batchjob.model.lm_head import Bf16DotLinear
+from batchjob.model.lm_head import lm_head as make_lm_head
 from batchjob.model.moe import SparseMoeBlock
 from batchjob.model.smoothing import AbsMaxRecorder, smoothing_scales
 
@@ -59,11 +61,7 @@ class LlamaModel:
         self.norm = w["model.norm.weight"]
         tied = c.tie_word_embeddings
         head = self.embed if tied or not lm_head else w["lm_head.weight"]
-        # Logits in fp32 on a CPU whatever the model's dtype: bf16 logits keep 8 bits, so near the top (16 to 32 for
-        # SmolLM2) they fall on steps of 1/8 and ties appear, which greedy breaks by the lowest id.
-        self.logits_dtype = torch.float32 if torch.device(device).type == "cpu" else head.dtype
-        keep = tied and head.dtype == self.logits_dtype
-        self.lm_head = Linear(head.to(self.logits_dtype), keep_weight=keep) if lm_head else None
+        self.lm_head = make_lm_head(head, device, keep_weight=tied) if lm_head else None
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -170,7 +168,7 @@ class LlamaModel:
             return [w["qkv"], w["o"], w["gate_up"], w["down"]]
         return [w["qkv"], w["o"]] + w["moe"].linears(w["moe"].top_k)
 
-    def all_linears(self) -> list[Linear | Int8Linear]:
+    def all_linears(self) -> list[Linear | Int8Linear | Bf16DotLinear]:
         """Every matmul of the model: each layer's (every expert's), then the LM head (where there is one)."""
         every = []
         for w in self.layers:
@@ -241,4 +239,4 @@ class LlamaModel:
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden.to(self.logits_dtype)).float()
+        return self.lm_head(hidden).float()

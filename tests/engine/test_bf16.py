@@ -15,6 +15,7 @@ from batchjob.engine.config import EngineConfig
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.cpu_features import has_native_bf16
+from batchjob.model.lm_head import bf16_dot_ops
 from tests.conftest import teacher_forced_nll
 from tests.helpers import summarize_prompts
 
@@ -58,8 +59,12 @@ def test_bf16_runs_with_a_bf16_kv_cache_and_auto_picks_it_where_the_cpu_has_it(e
     assert bf16.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert bf16.num_kv_blocks >= 1.9 * exact.num_kv_blocks  # the same 2 GiB hold twice the tokens
     gemm = "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch"  # else F.linear, still bf16
-    assert all(lin.backend == gemm for lin in bf16.runner.model.all_linears())
-    assert bf16.runner.model.lm_head.weight.dtype == torch.float32  # logits in fp32
+    model = bf16.runner.model
+    assert all(lin.backend == gemm for lin in model.all_linears()[:-1])
+    # the LM head: bf16 W on the bf16 dot product where the CPU has it, else a float32 copy; logits in fp32 either way
+    assert model.lm_head.backend == ("bf16dot" if bf16_dot_ops(torch.device("cpu")) else gemm)
+    hidden = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    assert model.compute_logits(hidden).dtype == torch.float32
 
 
 def test_bf16_scores_the_exact_continuation_almost_as_well(engines, prompts):

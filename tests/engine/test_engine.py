@@ -16,6 +16,7 @@ from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.arithmetic import VERSIONS
 from batchjob.model.cpu_features import has_native_bf16
 from batchjob.model.cpu_native import native_ops
+from batchjob.model.lm_head import bf16_dot_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -224,6 +225,8 @@ def test_numerics_are_recorded_as_resolved(engine):
     auto = Engine("smollm2-135m-instruct", load_format="dummy", num_kv_blocks=8)
     resolved = "bfloat16" if has_native_bf16() else "float32"
     bf16 = {"arithmetic": str(VERSIONS["bfloat16"])} if resolved == "bfloat16" else {}  # fp32's is 1, unrecorded
+    if bf16 and bf16_dot_ops(torch.device("cpu")):  # the LM head on the bf16 dot product (model/lm_head.py)
+        bf16["matmul"] = "bf16dot+" + exact["matmul"]
     assert auto.numerics == {**exact, "dtype": resolved, "kv_cache_dtype": resolved, **bf16}
     fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8, **EXACT)
     assert fp8.numerics["kv_cache_dtype"] == "float8_e4m3fn" and fp8.numerics["dtype"] == "float32"

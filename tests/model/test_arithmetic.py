@@ -41,7 +41,7 @@ SEQUENCES = [IDS[:5], IDS[5:22], IDS[22:40], IDS[40:70]]
 PINNED: dict[tuple[str, str], dict[str, dict[int, str]]] = {
     ("2.13.0+cpu", "avx2 fma avx512f avx512_bf16 avx512_vnni"): {  # the project's AMD EPYC
         "float32": {1: "d49525e3de275585"},
-        "bfloat16": {2: "3e6c3a071498d940"},
+        "bfloat16": {2: "68b40c655a3433ee"},
         "int8": {2: "88e6240f720ede08"},
         "embed float32": {1: "6e05fadfd080bb81", 2: "966b182791ca8a19"},
         "embed bfloat16": {1: "394c36df50f3fe69", 2: "4b348b040766c0d2"},

@@ -1,0 +1,49 @@
+"""The LM head: hidden states to float32 logits. On a CPU a bf16 model's head runs on the C++ kernel bf16_dot
+(csrc/bf16_dot.cpp) where the CPU has AVX512_BF16: W read as bf16 (half the bytes of a float32 copy, the LM head being
+the largest matmul of a small model's decode step) at the bf16 dot product's rate, each product exact and summed in
+float32, so the logits keep float32's precision (bf16 logits fall on steps of 1/8 near the top: ties). Elsewhere the
+head is a float32 Linear on a CPU and a Linear in the model's dtype on a GPU, as before."""
+
+from __future__ import annotations
+
+import torch
+
+from batchjob.model.cpu_native import native_ops_for
+from batchjob.model.linear import Linear
+
+
+class Bf16DotLinear:
+    """W [out_features, in_features] in bf16, packed once for bf16_dot; callable on x [..., in_features] (cast to
+    bf16, exactly where x comes from a bf16 model) into float32 [..., out_features]."""
+
+    backend = "bf16dot"
+
+    def __init__(self, weight: torch.Tensor, ops):
+        self.ops, self.shape = ops, weight.shape
+        self.packed = ops.bf16_dot_pack(weight.contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
+        return self.ops.bf16_dot(rows, self.packed, self.shape[0]).view(*x.shape[:-1], self.shape[0])
+
+
+def bf16_dot_ops(device: torch.device):
+    """The C++ ops where a bf16 head runs on bf16_dot on this device, else None."""
+    ops = native_ops_for(device, torch.bfloat16)
+    return ops if ops is not None and ops.bf16_dot_available() else None
+
+
+def lm_head(weight: torch.Tensor, device: str | torch.device, keep_weight: bool) -> Linear | Bf16DotLinear:
+    """The head over `weight` (the tied embedding, kept where `keep_weight`, or lm_head.weight)."""
+    device = torch.device(device)
+    bf16_on_cpu = device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+    if bf16_on_cpu and (ops := bf16_dot_ops(device)) is not None:
+        return Bf16DotLinear(weight, ops)
+    # Logits in fp32 on a CPU whatever the model's dtype: bf16 logits keep 8 bits, so near the top (16 to 32 for
+    # SmolLM2) they fall on steps of 1/8 and ties appear, which greedy breaks by the lowest id.
+    dtype = torch.float32 if device.type == "cpu" else weight.dtype
+    return Linear(weight.to(dtype), keep_weight=keep_weight and weight.dtype == dtype)

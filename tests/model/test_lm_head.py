@@ -1,0 +1,57 @@
+"""The LM head on the bf16 dot product (model/lm_head.py, csrc/bf16_dot.cpp): float32 logits from bf16 W and x, each
+product exact and summed in float32, a row's logits the same whatever its batch. Where the CPU has no AVX512_BF16 (or
+the C++ kernels do not build) the head is a float32 Linear, which these tests check too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchjob.model.linear import Linear
+from batchjob.model.lm_head import Bf16DotLinear, bf16_dot_ops, lm_head
+
+CPU = torch.device("cpu")
+needs_bf16_dot = pytest.mark.skipif(bf16_dot_ops(CPU) is None, reason="no AVX512_BF16 here (or no C++ kernels)")
+
+
+def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16)
+
+
+def reference(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()  # the exact sums of the same bf16 values, rounded once
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("n, k", [(49152, 576), (1000, 64), (70, 2)])
+def test_logits_keep_float32_precision(n, k):
+    w = weight(n, k)
+    head = lm_head(w, CPU, keep_weight=False)
+    assert isinstance(head, Bf16DotLinear) and head.shape == (n, k)
+    x = torch.randn(2, 3, k).to(torch.bfloat16)  # leading dimensions kept
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (2, 3, n)
+    ref = reference(w, x.reshape(-1, k)).view(2, 3, n)
+    # float32 sums: ~1e-6 of the logits' scale; bf16 output would be off by ~4e-3 of it
+    assert (logits - ref).abs().max() <= 2e-5 * ref.abs().max()
+
+
+@needs_bf16_dot
+def test_a_rows_logits_do_not_depend_on_its_batch():
+    w = weight(300, 128)
+    head = lm_head(w, CPU, keep_weight=False)
+    x = torch.randn(41, 128).to(torch.bfloat16)
+    alone = torch.cat([head(x[i : i + 1]) for i in range(len(x))])
+    for rows in [*range(1, 14), 37, 41]:
+        assert torch.equal(head(x[:rows]), alone[:rows]), rows
+    assert torch.equal(head(x.flip(0)), alone.flip(0))  # nor on its place
+
+
+def test_without_the_bf16_dot_product_the_head_is_float32(monkeypatch):
+    monkeypatch.setenv("BATCHJOB_CPU_OPS", "torch")  # no C++ kernels: the float32 head, as on a CPU without bf16 dots
+    w = weight(100, 64)
+    head = lm_head(w, CPU, keep_weight=False)
+    assert isinstance(head, Linear) and head.backend in ("onednn", "torch")
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert head(x).dtype == torch.float32 and torch.allclose(head(x), reference(w, x), atol=1e-5)
+    assert isinstance(lm_head(w.float(), CPU, keep_weight=True), Linear)  # a float32 model's head: as it was
