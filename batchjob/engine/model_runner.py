@@ -268,7 +268,9 @@ class ModelRunner:
             hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
             rows = step.sample_rows if rows is None else torch.tensor(rows, device=self.device)
             if prompt is not None:
-                prompt.compute(hidden, self.model.compute_logits, self.config.max_num_seqs)
+                prompt.compute(
+                    hidden, self.model.compute_logits, self.config.max_num_seqs, self.model.ops.count_greater
+                )
         if not rows.shape[0]:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[rows])

@@ -26,9 +26,9 @@ class PromptLogprobRows:
     ranks: torch.Tensor | None = None  # [rows] int64, each prompt token's rank, on the device too
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # [rows, k] values and token ids, when k
 
-    def compute(self, hidden: torch.Tensor, compute_logits, slice_rows: int) -> None:
+    def compute(self, hidden: torch.Tensor, compute_logits, slice_rows: int, count_greater) -> None:
         """From the step's hidden states: the float32 log-softmax of the rows' logits, a slice of rows at a time,
-        left on the device."""
+        left on the device; `count_greater` is the ops backend's (each token's rank from its row)."""
         rows = torch.tensor(self.rows, device=hidden.device)
         targets = torch.tensor(self.targets, device=hidden.device)
         chosen, ranks, values, ids = [], [], [], []
@@ -36,7 +36,7 @@ class PromptLogprobRows:
             logprobs = compute_logits(hidden[rows[i : i + slice_rows]]).log_softmax(-1)
             picked = logprobs.gather(1, targets[i : i + slice_rows, None])
             chosen.append(picked.squeeze(1))
-            ranks.append((logprobs > picked).sum(-1) + 1)
+            ranks.append(count_greater(logprobs, picked) + 1)
             if self.k:
                 top = logprobs.topk(self.k, -1)
                 values.append(top.values)

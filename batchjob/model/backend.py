@@ -28,6 +28,8 @@ class OpsBackend(Protocol):
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def count_greater(self, x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor: ...
+
     def moe_experts(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> Any:
         """A sparse layer's experts (each expert's gate [I, H], up [I, H], down [H, I]) laid out for fused_moe, once
         at load."""

@@ -52,6 +52,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return native.silu_and_mul(x)
 
 
+def count_greater(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    native = native_ops_for(x.device, x.dtype, threshold.dtype)
+    if native is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+        return torch_ops.count_greater(x, threshold)
+    return native.count_greater(x, threshold)
+
+
 def fused_moe(x, experts, topk_weights, topk_ids) -> torch.Tensor:
     """ops.fused_moe (each expert's packed Linears), with this module's silu_and_mul between the matmuls."""
     return torch_ops.per_expert_moe(x, experts, topk_weights, topk_ids, silu_and_mul)

@@ -48,6 +48,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def count_greater(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """x [R, V], threshold [R, 1]: how many of each row's values exceed its threshold (int64 [R]); a prompt token's
+    rank less one, from its row of logprobs."""
+    return (x > threshold).sum(-1)
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] holds gate then up; returns gelu_tanh(gate) * up (Gemma's MLP, HF's gelu_pytorch_tanh)."""
     gate, up = x.chunk(2, dim=-1)

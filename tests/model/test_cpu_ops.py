@@ -261,3 +261,14 @@ def test_mixed_dtypes_take_the_torch_ops():
     """A float32 q over a bf16 cache (or any other mix) has no C++ kernel: the torch op runs."""
     assert cpu_native.native_ops_for(torch.device("cpu"), torch.float32, torch.bfloat16) is None
     assert cpu_native.native_ops_for(torch.device("cpu"), torch.float16) is None
+
+
+@pytest.mark.parametrize("rows, width", [(1, 7), (37, 49152), (300, 100)])
+def test_count_greater_matches_the_torch_op(rows, width):
+    """A token's rank from its row of logprobs: ties and values equal to the threshold are not above it."""
+    x = torch.randn(rows, width).log_softmax(-1)
+    x[:, : width // 3] = x[:, :1]  # values equal to the threshold
+    threshold = x.gather(1, torch.randint(0, width, (rows, 1)))
+    got = cpu_ops.count_greater(x, threshold)
+    assert got.dtype == torch.int64 and torch.equal(got, ops.count_greater(x, threshold))
+    assert torch.equal(cpu_ops.count_greater(x, x[:, :1]), (x > x[:, :1]).sum(-1))

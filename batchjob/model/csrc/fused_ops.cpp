@@ -204,6 +204,30 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   return {q, scale};
 }
 
+// How many of each row's values exceed the row's threshold: a prompt token's rank less one, from its row of
+// logprobs. torch's (x > t).sum(-1) widens the booleans to int64 first, a pass over [rows, vocab] eight times their size.
+at::Tensor count_greater(const at::Tensor& x, const at::Tensor& threshold) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && threshold.scalar_type() == at::kFloat, "count_greater: float32 only");
+  check_rows(x, at::kFloat, "count_greater");
+  const at::Tensor t = threshold.contiguous();
+  TORCH_CHECK(t.numel() == x.size(0), "count_greater: one threshold a row");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const int64_t n = x.size(1), xs = x.stride(0);
+  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * xs;
+      const float limit = tp[r];
+      int32_t above = 0;
+#pragma omp simd reduction(+ : above)
+      for (int64_t i = 0; i < n; ++i) above += xr[i] > limit;
+      op[r] = above;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchjob_cpu, m) {
@@ -213,10 +237,12 @@ TORCH_LIBRARY_FRAGMENT(batchjob_cpu, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("count_greater(Tensor x, Tensor threshold) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
   m.impl("rotary_", c10::DispatchKey::CPU, &rotary_);
   m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("quantize_rows", c10::DispatchKey::CPU, &quantize_rows);
+  m.impl("count_greater", c10::DispatchKey::CPU, &count_greater);
 }
