@@ -29,6 +29,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+KEPT_BLOCK_BYTES = 32 << 20  # the largest block malloc keeps for reuse (keep_freed_memory): larger ones fault anew
 
 
 def keep_freed_memory() -> bool:
@@ -39,6 +40,6 @@ def keep_freed_memory() -> bool:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
     except (OSError, AttributeError, TypeError):  # no C library found, or one without mallopt (musl, macOS)
         return False

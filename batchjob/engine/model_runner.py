@@ -13,7 +13,7 @@ from batchjob import env
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
-from batchjob.engine.host_memory import keep_freed_memory, lazy_zeros
+from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, keep_freed_memory, lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.prompt_logprobs import PromptLogprobRows
@@ -158,6 +158,16 @@ class ModelRunner:
         return DecodeGraphs(self.model, caches, self.block_size, c.max_num_seqs, self.max_model_len, pad_block, capture)
 
     @property
+    def prompt_logprob_rows(self) -> int:
+        """Rows of prompt logprobs computed at once: at most a step's sampled rows (what the memory probe covers),
+        and on a CPU few enough that a slice's [rows, vocab] float32 logits stay a block malloc keeps (at 256 x
+        49,152 each slice's logits and log-softmax were fresh mappings, faulted in again)."""
+        rows = self.config.max_num_seqs
+        if self.device.type == "cpu":
+            rows = min(rows, KEPT_BLOCK_BYTES // (4 * self.model.config.vocab_size))
+        return max(1, rows)
+
+    @property
     def numerics(self) -> dict[str, str]:
         """What decides the numbers beyond the weights, as resolved (dtype `auto` is bfloat16 on a GPU and on a CPU
         with native bf16, else float32; see pick_dtype): results computed under two of these differ in their last
@@ -269,7 +279,7 @@ class ModelRunner:
             rows = step.sample_rows if rows is None else torch.tensor(rows, device=self.device)
             if prompt is not None:
                 prompt.compute(
-                    hidden, self.model.compute_logits, self.config.max_num_seqs, self.model.ops.count_greater
+                    hidden, self.model.compute_logits, self.prompt_logprob_rows, self.model.ops.count_greater
                 )
         if not rows.shape[0]:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
