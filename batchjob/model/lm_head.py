@@ -21,6 +21,7 @@ class Bf16DotLinear:
     def __init__(self, weight: torch.Tensor, ops):
         self.ops, self.shape = ops, weight.shape
         self.packed = ops.bf16_dot_pack(weight.contiguous())
+        self._logits: torch.Tensor | None = None  # the last call's, handed out again once nothing holds it
 
     @property
     def nbytes(self) -> int:
@@ -28,7 +29,19 @@ class Bf16DotLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
-        return self.ops.bf16_dot(rows, self.packed, self.shape[0]).view(*x.shape[:-1], self.shape[0])
+        out = self._output(rows.shape[0])
+        self.ops.bf16_dot(rows, self.packed, out)
+        return out.view(*x.shape[:-1], self.shape[0])
+
+    def _output(self, rows: int) -> torch.Tensor:
+        """[rows, out_features] float32 for the logits: the last call's memory where nothing holds any of it any more
+        (a decode step's sampler is done with it), else a new block. Past 32 MiB (170 rows of a 49,152 vocabulary)
+        malloc maps every new block afresh and its pages fault in again on first write: at 256 rows that cost as
+        much as a third of the matmul, every step."""
+        last = self._logits
+        if last is None or last.shape[0] < rows or torch._C._storage_Use_Count(last.untyped_storage()._cdata) > 2:
+            last = self._logits = torch.empty(rows, self.shape[0])
+        return last[:rows]
 
 
 def bf16_dot_ops(device: torch.device):

@@ -55,3 +55,21 @@ def test_without_the_bf16_dot_product_the_head_is_float32(monkeypatch):
     x = torch.randn(5, 64).to(torch.bfloat16)
     assert head(x).dtype == torch.float32 and torch.allclose(head(x), reference(w, x), atol=1e-5)
     assert isinstance(lm_head(w.float(), CPU, keep_weight=True), Linear)  # a float32 model's head: as it was
+
+
+@needs_bf16_dot
+def test_logits_memory_is_handed_out_again_only_once_nothing_holds_it():
+    """Past malloc's 32 MiB a new block faults in afresh each call: the head hands its last block out again, but
+    never one a caller still holds (a view of it included)."""
+    w = weight(200, 64)
+    head = lm_head(w, CPU, keep_weight=False)
+    x, y = torch.randn(8, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16)
+    first = head(x)[:3]  # a view held
+    kept = first.clone()
+    second = head(y)
+    assert torch.equal(first, kept) and torch.allclose(second, reference(w, y), atol=1e-5)
+    assert first.data_ptr() != second.data_ptr()
+    address = second.data_ptr()
+    del first, kept, second
+    assert head(x).data_ptr() == address  # nothing holds it: the same memory again
+    assert torch.equal(head(y[:5]), head(y)[:5])  # the first still held while the second is computed

@@ -90,12 +90,15 @@ inline void dot_rows(const uint32_t* x, int64_t rows, int64_t k2, const __m512i*
 }
 #endif
 
-// x [R, K] bfloat16, W packed by bf16_dot_pack from [N, K] -> float32 [R, N].
-at::Tensor bf16_dot(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+// x [R, K] bfloat16, W packed by bf16_dot_pack from [N, K] -> out, float32 [R, N] (the caller's, so that it can
+// hand the same memory back call after call).
+void bf16_dot(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
   check_bf16_matrix(x, "x");
+  const int64_t n = out.size(1);
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1) && packed.size(0) * kLanes >= n,
-              "bf16_dot: a weight packed by bf16_dot_pack for this x and n expected");
-  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+              "bf16_dot: a weight packed by bf16_dot_pack for this x and out expected");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous(),
+              "bf16_dot: out must be a contiguous float32 [rows of x, n]");
 #ifdef __AVX512BF16__
   const int64_t rows = x.size(0), k2 = packed.size(1), blocks = (n + kBlock - 1) / kBlock;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
@@ -113,7 +116,6 @@ at::Tensor bf16_dot(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
 #else
   TORCH_CHECK(false, "bf16_dot: this build has no AVX512_BF16 (see bf16_dot_available)");
 #endif
-  return out;
 }
 
 }  // namespace
@@ -121,7 +123,7 @@ at::Tensor bf16_dot(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
 TORCH_LIBRARY_FRAGMENT(batchjob_cpu, m) {
   m.def("bf16_dot_available() -> bool", &bf16_dot_available);  // no tensor to dispatch on: one kernel for all
   m.def("bf16_dot_pack(Tensor weight) -> Tensor");
-  m.def("bf16_dot(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("bf16_dot(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("bf16_dot_pack", c10::DispatchKey::CPU, &bf16_dot_pack);
   m.impl("bf16_dot", c10::DispatchKey::CPU, &bf16_dot);
 }
