@@ -335,7 +335,7 @@ from pathlib import Path
 import fsspec.asyn
 import s3fs
 from batchjob import cli
-from batchjob.job import runner
+from batchjob.job.run import runner
 from tests.fakes import FakeEngine
 
 factory = lambda job: FakeEngine(job.model)

@@ -5,7 +5,6 @@ host synchronisation between a batch's copy to the device and the read of its em
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -85,17 +84,16 @@ def test_triton_embedder_equals_torch_embedder_and_transformers(tiny_bert, embed
     torch.testing.assert_close(ours, F.normalize(expected, dim=-1), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("ops_backend", ["triton", "torch"])
-def test_the_triton_path_reads_no_device_value_between_copy_in_and_read_out(tiny_bert, embed_texts, ops_backend):
+def test_the_triton_path_reads_no_device_value_between_copy_in_and_read_out(tiny_bert, embed_texts):
     """Between the one copy of a batch's inputs to the device and the one read of its pooled embeddings, the Triton
-    path (attention kernel, pooling) makes no op whose result the host must wait for; the torch reference, whose
-    padding is sized from the lengths, does."""
-    embedder = Embedder(str(tiny_bert), dtype="float32", device="cpu", ops_backend=ops_backend)
+    path (attention kernel, pooling) makes no op whose result the host must wait for. (The torch reference reads the
+    sequence lengths with `tolist`, to call SDPA per run of one length: a wait on a GPU that the CPU guard cannot
+    see, so the guard's own control here is a read it does see.)"""
+    embedder = Embedder(str(tiny_bert), dtype="float32", device="cpu", ops_backend="triton")
     ids = [t.token_ids for t in embedder.tokenize(embed_texts[:4])]
     packed = PackedBatch.build(ids, embedder.device)
     encoder = embedder.encoder
-    with contextlib.ExitStack() as stack:
-        if ops_backend == "torch":
-            stack.enter_context(pytest.raises(HostSync))
-        with forbid_host_sync(embedder.device):
-            encoder.pooling(encoder.model(packed), packed.cu_seqlens, packed.prompt_lengths)
+    with forbid_host_sync(embedder.device):
+        encoder.pooling(encoder.model(packed), packed.cu_seqlens, packed.prompt_lengths)
+    with pytest.raises(HostSync), forbid_host_sync(embedder.device):
+        int(packed.cu_seqlens.max())
