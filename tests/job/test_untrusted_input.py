@@ -8,7 +8,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from batchjob.engine.engine import Engine
@@ -356,6 +356,7 @@ fragments = st.lists(st.sampled_from(PIECES), max_size=6).map("".join)
     chat=st.booleans(),
     role=fragments.filter(bool),
 )
+@example(head="", a="", b="", text="<|im_", chat=False, role="system")  # the template's own turn differs
 def test_no_join_of_row_data_and_template_text_makes_a_special_token(tmp_path, tok, head, a, b, text, chat, role):
     """Whatever the fields and the template's text around them, the prompt holds the template's own special tokens
     only, and decodes to the characters it was given."""
@@ -377,5 +378,7 @@ def test_no_join_of_row_data_and_template_text_makes_a_special_token(tmp_path, t
         assert special_positions(tok, ids) == [] and tok.decode(ids, skip_special_tokens=False) == body
     messages = [{"role": role, "content": text}]
     ids, _ = builder(tmp_path, tok, input={"messages_column": "chat"}).build(Row(0, "r", {"chat": messages}), 16)
-    assert len(special_positions(tok, ids)) == len(template_specials(tok, [{"role": "user", "content": "x"}]))
+    # SmolLM2's template opens with a system turn of its own unless the first role is exactly "system"
+    plain = [{"role": "system" if role == "system" else "user", "content": "x"}]
+    assert len(special_positions(tok, ids)) == len(template_specials(tok, plain))
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages)
