@@ -8,10 +8,10 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   ops (BATCHJOB_CPU_OPS=torch) against the C++ kernels; `prof` adds a torch-profiler table per path and phase.
   DTYPE sets the engine's dtype (default: its own).
 - gemm: a decoder layer's four matmuls at the model's shapes, F.linear against the weights packed for oneDNN's GEMM
-  (model/linear.py), at 8 to 2,048 rows.
+  (model/matmul/linear.py), at 8 to 2,048 rows.
 - int8: the same matmuls (and with HEAD=1 the LM head) per row count (ROWS, default 1 to 2,048), interleaved in one
-  run: float32 and bfloat16 packed for oneDNN (model/linear.py), W8A8 through oneDNN's int8 GEMM on packed weights
-  (model/int8_linear.py, activation quantization and scaling included) and through torch._int_mm: GFLOP/s and the
+  run: float32 and bfloat16 packed for oneDNN (matmul/linear.py), W8A8 through oneDNN's int8 GEMM on packed weights
+  (model/matmul/int8_linear.py, activation quantization and scaling included) and through torch._int_mm: GFLOP/s and the
   ratio to float32. Under BATCHJOB_CPU_ISA=avx2 (oneDNN and MKL capped at AVX2) the bf16 column is left out.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
@@ -56,16 +56,17 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-import batchjob.model.linear as linear
+import batchjob.model.matmul.linear as linear
 from batchjob.bench.quality import continuation_nll
 from batchjob.bench.systems import run_engine
 from batchjob.bench.workloads import job_workload, synthetic
 from batchjob.engine.engine import Engine, SamplingParams
 from batchjob.job.spec import load_job
-from batchjob.model import int8_linear, llama, smoothing
+from batchjob.model import llama, smoothing
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.cpu_native import native_ops
-from batchjob.model.int8_linear import Int8Linear, quantize_rows, quantize_weight
+from batchjob.model.matmul import int8_linear
+from batchjob.model.matmul.int8_linear import Int8Linear, quantize_rows, quantize_weight
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "steps"
 rng = random.Random(0)
@@ -343,7 +344,7 @@ def dtype_ab() -> None:
     bf16 = Engine("smollm2-135m-instruct", dtype="bfloat16")
     bf16_head = Engine("smollm2-135m-instruct", dtype="bfloat16")
     model = bf16_head.runner.model  # the LM head packed in bf16, logits rounded to bf16 before the sampler
-    model.logits_dtype, model.lm_head = torch.bfloat16, linear.Linear(model.embed, keep_weight=True)
+    model.lm_head = linear.Linear(model.embed, keep_weight=True)
     configs = {"float32": fp32, "bfloat16": bf16, "bfloat16, bf16 LM head": bf16_head}
     wl = synthetic(fp32.model_config.vocab_size, n, 256, 64)
     for engine in configs.values():  # warm-up: builds, first touch of each KV pool

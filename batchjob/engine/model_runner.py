@@ -77,7 +77,7 @@ def pick_dtype(config: EngineConfig | EmbedderConfig, device: torch.device) -> t
 
 
 def pick_weights(config: EngineConfig, device: torch.device) -> str:
-    """`int8` (W8A8 matmuls, model/int8_linear.py) where asked for and possible. `auto` is dequantize on every CPU:
+    """`int8` (W8A8 matmuls, matmul/int8_linear.py) where asked for and possible. `auto` is dequantize on every CPU:
     where int8 ran faster (AVX-512 VNNI), its NLL bound against fp32 is not established, and without VNNI it is
     slower at decode sizes, on 7-bit weights (docs/cpu.md#int8-weights has the figures)."""
     if config.weights == "int8" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from batchjob.model.backend import OpsBackend
 from batchjob.model.errors import ModelLoadError
-from batchjob.model.linear import Linear
+from batchjob.model.matmul.linear import Linear
 from batchjob.model.packed import PackedBatch
 
 # transformers' names of the activations (ACT2FN): "gelu" is the exact erf form, the others its tanh approximation.

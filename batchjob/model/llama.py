@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig, moe_weight_names
-from batchjob.model.int8_linear import Int8Linear
-from batchjob.model.linear import Linear
-from batchjob.model.lm_head import Bf16DotLinear
-from batchjob.model.lm_head import lm_head as make_lm_head
+from batchjob.model.matmul.int8_linear import Int8Linear
+from batchjob.model.matmul.linear import Linear
+from batchjob.model.matmul.lm_head import Bf16DotLinear
+from batchjob.model.matmul.lm_head import lm_head as make_lm_head
 from batchjob.model.moe import SparseMoeBlock
 from batchjob.model.smoothing import AbsMaxRecorder, smoothing_scales
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from batchjob.model.backend import OpsBackend
-from batchjob.model.linear import Linear
+from batchjob.model.matmul.linear import Linear
 
 
 class ExpertLinears:

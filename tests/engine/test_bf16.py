@@ -15,7 +15,7 @@ from batchjob.engine.config import EngineConfig
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.cpu_features import has_native_bf16
-from batchjob.model.lm_head import bf16_dot_ops
+from batchjob.model.matmul.lm_head import bf16_dot_ops
 from tests.conftest import teacher_forced_nll
 from tests.helpers import summarize_prompts
 

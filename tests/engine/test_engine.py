@@ -16,7 +16,7 @@ from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.arithmetic import VERSIONS
 from batchjob.model.cpu_features import has_native_bf16
 from batchjob.model.cpu_native import native_ops
-from batchjob.model.lm_head import bf16_dot_ops
+from batchjob.model.matmul.lm_head import bf16_dot_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -219,13 +219,13 @@ def test_numerics_are_recorded_as_resolved(engine):
         "dtype": "float32",
         "kv_cache_dtype": "float32",
         "ops_backend": "torch" + cpp,
-        "matmul": "onednn" if torch.backends.mkldnn.is_available() else "torch",  # packed weights (model/linear.py)
+        "matmul": "onednn" if torch.backends.mkldnn.is_available() else "torch",  # packed weights (matmul/linear.py)
     }
     assert engine.numerics == exact
     auto = Engine("smollm2-135m-instruct", load_format="dummy", num_kv_blocks=8)
     resolved = "bfloat16" if has_native_bf16() else "float32"
     bf16 = {"arithmetic": str(VERSIONS["bfloat16"])} if resolved == "bfloat16" else {}  # fp32's is 1, unrecorded
-    if bf16 and bf16_dot_ops(torch.device("cpu")):  # the LM head on the bf16 dot product (model/lm_head.py)
+    if bf16 and bf16_dot_ops(torch.device("cpu")):  # the LM head on the bf16 dot product (model/matmul/lm_head.py)
         bf16["matmul"] = "bf16dot+" + exact["matmul"]
     assert auto.numerics == {**exact, "dtype": resolved, "kv_cache_dtype": resolved, **bf16}
     fp8 = Engine("smollm2-135m-instruct", load_format="dummy", kv_cache_dtype="fp8", num_kv_blocks=8, **EXACT)

@@ -17,8 +17,8 @@ from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.spec import JobFileError, load_job
 from batchjob.model import llama
 from batchjob.model.arithmetic import VERSIONS
-from batchjob.model.int8_linear import Int8Linear
-from batchjob.model.linear import Linear
+from batchjob.model.matmul.int8_linear import Int8Linear
+from batchjob.model.matmul.linear import Linear
 from tests.conftest import forward_logits, teacher_forced_nll
 from tests.helpers import summarize_prompts
 from tests.model.test_arithmetic import IDS as TINY_IDS

@@ -1,4 +1,4 @@
-"""W8A8 matmuls (model/int8_linear.py): the product of the quantized operands, exactly; within the bound that
+"""W8A8 matmuls (model/matmul/int8_linear.py): the product of the quantized operands, exactly; within the bound that
 quantization allows of the float matmul; a row's result independent of its batch."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchjob.model import int8_linear
-from batchjob.model.int8_linear import (
+from batchjob.model.matmul import int8_linear
+from batchjob.model.matmul.int8_linear import (
     QMAX,
     QMAX_WITHOUT_VNNI,
     Int8Linear,

@@ -1,4 +1,4 @@
-"""Matmuls on weights packed for oneDNN (model/linear.py) against F.linear, at the row counts steps take."""
+"""Matmuls on weights packed for oneDNN (model/matmul/linear.py) against F.linear, at the row counts steps take."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.model.cpu_features import cpu_flags
-from batchjob.model.linear import Linear
+from batchjob.model.matmul.linear import Linear
 
 
 def _tensor(*shape, seed):

@@ -1,4 +1,4 @@
-"""The LM head on the bf16 dot product (model/lm_head.py, csrc/bf16_dot.cpp): float32 logits from bf16 W and x, each
+"""The LM head on the bf16 dot product (matmul/lm_head.py, csrc/bf16_dot.cpp): float32 logits from bf16 W and x, each
 product exact and summed in float32, a row's logits the same whatever its batch. Where the CPU has no AVX512_BF16 (or
 the C++ kernels do not build) the head is a float32 Linear, which these tests check too."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchjob.model.linear import Linear
-from batchjob.model.lm_head import Bf16DotLinear, bf16_dot_ops, lm_head
+from batchjob.model.matmul.linear import Linear
+from batchjob.model.matmul.lm_head import Bf16DotLinear, bf16_dot_ops, lm_head
 
 CPU = torch.device("cpu")
-needs_bf16_dot = pytest.mark.skipif(bf16_dot_ops(CPU) is None, reason="no AVX512_BF16 here (or no C++ kernels)")
+# What a bf16 head is on this CPU: the bf16 dot product with AVX512_BF16 (and the C++ kernels), else float32 Linear.
+HEAD = Linear if bf16_dot_ops(CPU) is None else Bf16DotLinear
 
 
 def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -22,12 +23,11 @@ def reference(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).float()  # the exact sums of the same bf16 values, rounded once
 
 
-@needs_bf16_dot
 @pytest.mark.parametrize("n, k", [(49152, 576), (1000, 64), (70, 2)])
 def test_logits_keep_float32_precision(n, k):
     w = weight(n, k)
     head = lm_head(w, CPU, keep_weight=False)
-    assert isinstance(head, Bf16DotLinear) and head.shape == (n, k)
+    assert isinstance(head, HEAD) and head.shape == (n, k)
     x = torch.randn(2, 3, k).to(torch.bfloat16)  # leading dimensions kept
     logits = head(x)
     assert logits.dtype == torch.float32 and logits.shape == (2, 3, n)
@@ -36,7 +36,6 @@ def test_logits_keep_float32_precision(n, k):
     assert (logits - ref).abs().max() <= 2e-5 * ref.abs().max()
 
 
-@needs_bf16_dot
 def test_a_rows_logits_do_not_depend_on_its_batch():
     w = weight(300, 128)
     head = lm_head(w, CPU, keep_weight=False)
@@ -57,12 +56,14 @@ def test_without_the_bf16_dot_product_the_head_is_float32(monkeypatch):
     assert isinstance(lm_head(w.float(), CPU, keep_weight=True), Linear)  # a float32 model's head: as it was
 
 
-@needs_bf16_dot
 def test_logits_memory_is_handed_out_again_only_once_nothing_holds_it():
     """Past malloc's 32 MiB a new block faults in afresh each call: the head hands its last block out again, but
     never one a caller still holds (a view of it included)."""
     w = weight(200, 64)
     head = lm_head(w, CPU, keep_weight=False)
+    if HEAD is Linear:  # no bf16 dot product here: the float32 head, whose logits are torch's own each call
+        assert isinstance(head, Linear) and head(torch.randn(2, 64).to(torch.bfloat16)).dtype == torch.float32
+        return
     x, y = torch.randn(8, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16)
     first = head(x)[:3]  # a view held
     kept = first.clone()

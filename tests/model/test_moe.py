@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from batchjob.model import cpu_ops
 from batchjob.model import ops as torch_ops
-from batchjob.model.linear import Linear
+from batchjob.model.matmul.linear import Linear
 from batchjob.model.moe import SparseMoeBlock
 
 HIDDEN, INTER = 64, 32

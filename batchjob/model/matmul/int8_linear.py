@@ -8,7 +8,7 @@ in int16 and saturates past 2 x 255 x 63: there W takes 7 bits (-63..63), as one
 the sums stay exact; the activations keep 8.
 
 The int32 sums are exact whatever order a kernel takes, so a row's result does not depend on its batch or on how
-many rows a kernel runs at once (no two-row trick as model/linear.py needs). oneDNN's x86 int8 kernels multiply
+many rows a kernel runs at once (no two-row trick as model/matmul/linear.py needs). oneDNN's x86 int8 kernels multiply
 unsigned by signed bytes (vpmaddubsw, VNNI's vpdpbusd): a row's int8 values go in shifted by 128 with 128 as its zero
 point, which oneDNN takes back exactly."""
 
@@ -55,7 +55,7 @@ def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear:
-    """Linear's interface (model/linear.py) over int8 W [out_features, in_features] and an optional bias; its output
+    """Linear's interface (matmul/linear.py) over int8 W [out_features, in_features] and an optional bias; its output
     in W's dtype as given."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, qmax: int | None = None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from batchjob.model.cpu_native import native_ops_for
-from batchjob.model.linear import Linear
+from batchjob.model.matmul.linear import Linear
 
 
 class Bf16DotLinear:
