@@ -1,7 +1,8 @@
 """The arithmetic versions (model/arithmetic.py) against what each numerics path computes: a digest of each path's
 results on a fixed tiny model is pinned beside the version it was taken at, so that a change of the arithmetic that
 moves a bit of the results, made without bumping the path's version, fails here. The digests hold for one machine
-kind (its torch and the CPU's instruction sets pick the kernels); elsewhere the test says what to pin, and skips."""
+kind (its torch and the CPU's instruction sets pick the kernels); elsewhere the test checks that each path's results
+repeat, and says what to pin."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from batchjob.model import cpu_ops
 from batchjob.model.arithmetic import VERSIONS, arithmetic_label, arithmetic_path
 from batchjob.model.bert import BertConfig, BertModel
 from batchjob.model.config import ModelConfig
-from batchjob.model.cpu_features import ISA_FLAGS, cpu_flags, has_native_bf16
+from batchjob.model.cpu_features import ISA_FLAGS, cpu_flags
 from batchjob.model.decoder_embedding import DecoderEmbeddingModel
 from batchjob.model.llama import LlamaModel
 from batchjob.model.packed import PackedBatch
@@ -134,15 +135,13 @@ CPU_PATHS = ["float32", "bfloat16", "int8", "embed float32", "embed bfloat16"]
 
 @pytest.mark.parametrize("path", CPU_PATHS)
 def test_a_change_of_results_bumps_the_paths_version(path):
-    if "bfloat16" in path and not has_native_bf16():
-        pytest.skip("bf16 runs emulated here, as no job runs it")
-    if path == "int8" and not torch.backends.mkldnn.is_available():
-        pytest.skip("oneDNN's int8 GEMM")
     got = digest(results(path))
-    pinned = PINNED.get(machine())
-    if pinned is None:
-        pytest.skip(f"no digests pinned for {machine()}: {path} v{VERSIONS[path]} gives {got}")
-    assert pinned[path] == {**pinned[path], VERSIONS[path]: got}, (
+    assert digest(results(path)) == got  # a path's results are its own, run after run
+    pinned = PINNED.get(machine(), {}).get(path)
+    if pinned is None:  # a machine kind with no digest pinned: repeatability is what holds here; what to pin is said
+        print(f"no digest pinned for {machine()}: {path} v{VERSIONS[path]} gives {got}")
+        return
+    assert pinned == {**pinned, VERSIONS[path]: got}, (
         f"{path}'s results changed at version {VERSIONS[path]} (digest {got}): bump its version in "
         "batchjob/model/arithmetic.py and pin the new digest beside it here"
     )
