@@ -44,10 +44,12 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     ops_backend: Literal["auto", "torch", "triton"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    weights: Literal["auto", "dequantize", "int8"] = Field(
+    weights: Literal["auto", "dequantize", "quantized", "int8"] = Field(
         "auto",
-        description="dequantize: the matmuls in `dtype`; int8: W8A8 int8 matmuls on a CPU (weights per output channel, "
-        "activations per token); auto: int8 where it is faster and within the quality bound (docs/cpu.md)",
+        description="dequantize: the matmuls in `dtype` on dequantized weights; quantized: a GGUF's weight matrices "
+        "kept in their quantized blocks, dequantized a panel at a time inside the matmul (a CPU with AVX-512); int8: "
+        "W8A8 int8 matmuls on a CPU (weights per output channel, activations per token); auto: quantized for a GGUF "
+        "in bf16 where the CPU computes it, else dequantize (docs/cpu.md)",
     )
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="dummy: random weights (seeded by `seed`) with the named model's config, nothing read"

@@ -15,7 +15,7 @@ from batchjob.engine.config import PROFILES, EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.host_sync import device_index
 from batchjob.engine.memory_profile import MemoryProfile
-from batchjob.engine.model_runner import ModelRunner, pick_device, pick_dtype
+from batchjob.engine.model_runner import ModelRunner, keep_gguf_blocks, pick_device, pick_dtype
 from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, ScoreOutput, StepMetrics, score_output
 from batchjob.engine.prompt_logprobs import prompt_logprob_rows
 from batchjob.engine.sampler import Sampler, takes_argmax
@@ -51,7 +51,8 @@ class Engine:
             device = pick_device(self.config)
             loaded = load_dummy(model, self.config.seed, device, pick_dtype(self.config, device))
         else:
-            loaded = load_model(model)
+            device = pick_device(self.config)
+            loaded = load_model(model, quantized=keep_gguf_blocks(self.config, device, pick_dtype(self.config, device)))
         self.model_config, self.tokenizer, self.model_digest = loaded.config, loaded.tokenizer, loaded.digest
         self.model_path = loaded.path  # the GGUF file or HF folder (with load_format dummy, the config.json)
         self.model_revision = loaded.revision  # the Hub commit of a model named by Hub id, else None

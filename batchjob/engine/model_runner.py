@@ -28,6 +28,7 @@ from batchjob.model.cpu_native import native_ops_for
 from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.gemma import decoder_class
 from batchjob.model.loader import LoadedModel
+from batchjob.model.matmul.gguf_linear import GGML_TYPES, QuantizedWeight, computable
 from batchjob.model.smoothing import CALIBRATION_TEXT
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -76,18 +77,38 @@ def pick_dtype(config: EngineConfig | EmbedderConfig, device: torch.device) -> t
     return torch.bfloat16 if device.type == "cuda" or has_native_bf16() else torch.float32
 
 
-def pick_weights(config: EngineConfig, device: torch.device) -> str:
-    """`int8` (W8A8 matmuls, matmul/int8_linear.py) where asked for and possible. `auto` is dequantize on every CPU:
-    where int8 ran faster (AVX-512 VNNI), its NLL bound against fp32 is not established, and without VNNI it is
-    slower at decode sizes, on 7-bit weights (docs/cpu.md#int8-weights has the figures)."""
+def keep_gguf_blocks(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF's weight matrices stay in their quantized blocks (matmul/gguf_linear.py): with `quantized`
+    (where the CPU's build computes them, else DeviceSettingError), and with `auto` for bf16 on a CPU that computes
+    them: a fraction of the memory, at the matmul rate of the dequantized weights or close (docs/cpu.md). fp32, the
+    exact mode, dequantizes them with `auto`."""
+    computes = device.type == "cpu" and computable(dtype)
+    if config.weights == "quantized" and not computes:
+        raise DeviceSettingError(
+            f"weights: quantized computes GGUF's blocks on a CPU with AVX-512 (bf16 with AVX512_BF16), which this "
+            f"{device.type} lacks for {str(dtype).removeprefix('torch.')}; use weights dequantize or auto"
+        )
+    return config.weights == "quantized" or (config.weights == "auto" and computes and dtype == torch.bfloat16)
+
+
+def pick_weights(config: EngineConfig, device: torch.device, loaded: LoadedModel) -> str:
+    """`quantized` where the loaded model kept GGUF blocks (keep_gguf_blocks). `int8` (W8A8 matmuls,
+    matmul/int8_linear.py) where asked for and possible. Otherwise `dequantize`: `auto` never picks int8, as where
+    it ran faster (AVX-512 VNNI) its NLL bound against fp32 is not established, and without VNNI it is slower at
+    decode sizes, on 7-bit weights (docs/cpu.md#int8-weights has the figures)."""
+    if any(isinstance(w, QuantizedWeight) for w in loaded.weights.values()):
+        return "quantized"
+    if config.weights == "quantized":
+        raise DeviceSettingError(
+            f"weights: quantized keeps a GGUF file's quantized blocks; {loaded.path} has none that batchjob computes "
+            f"(its types: {', '.join(GGML_TYPES.values())}); use weights dequantize or auto"
+        )
     if config.weights == "int8" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise DeviceSettingError(
             "weights: int8 runs on a CPU, through oneDNN's int8 GEMM, which torch here lacks or this device is not; "
             "use weights dequantize or auto"
         )
-    if config.weights != "auto":
-        return config.weights
-    return "dequantize"
+    return "dequantize" if config.weights == "auto" else config.weights
 
 
 def use_cuda_graphs(config: EngineConfig, device: torch.device, ops: OpsBackend) -> bool:
@@ -105,7 +126,7 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = pick_dtype(config, self.device)
         self.ops_backend = pick_ops_backend(config, self.device)
-        self.weights = pick_weights(config, self.device)
+        self.weights = pick_weights(config, self.device, loaded)
         self.model = decoder_class(loaded.config)(
             loaded.config,
             # Taken out of `loaded`: weights drawn on the GPU (load_format dummy) would otherwise stay there unfused

@@ -13,6 +13,8 @@ VERSIONS: dict[str, int] = {
     "bfloat16": 2,
     "float16": 1,
     "int8": 2,  # 2: SmoothQuant's scales folded in at load (smoothing.py)
+    "quantized float32": 1,  # GGUF's blocks dequantized inside the matmul (matmul/gguf_linear.py)
+    "quantized bfloat16": 1,
     # 2: an encoder's attention one SDPA call per run of one length, unpadded (ops.varlen_attention)
     "embed float32": 2,
     "embed bfloat16": 2,
@@ -23,7 +25,7 @@ VERSIONS: dict[str, int] = {
 def arithmetic_path(dtype: str, weights: str = "dequantize", task: str = "generate") -> str:
     """The path's name: its dtype (float32, bfloat16, float16), `int8` with int8 weights, `embed` before an
     embedding model's."""
-    path = "int8" if weights == "int8" else dtype
+    path = "int8" if weights == "int8" else f"quantized {dtype}" if weights == "quantized" else dtype
     return f"embed {path}" if task == "embed" else path
 
 

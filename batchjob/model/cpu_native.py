@@ -30,7 +30,10 @@ from batchjob.model.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "bf16_dot.cpp")]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "bf16_dot.cpp", "gguf_matmul.cpp")
+]
 HEADERS = [Path(__file__).with_name("csrc") / "cpu_types.h"]  # included by the sources: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: glibc's vector expf in the softmax
 _ISA_FLAGS = {"avx2": ["-mno-avx512f"]}  # BATCHJOB_CPU_ISA: -march=native less AVX-512 (all its subsets go with F)

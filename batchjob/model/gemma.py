@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig
-from batchjob.model.llama import LlamaModel
+from batchjob.model.llama import LlamaModel, embedding
 
 
 def _one_plus(weight: torch.Tensor) -> torch.Tensor:
@@ -64,7 +63,7 @@ class GemmaModel(LlamaModel):
             layer["input_norm"], layer["post_norm"] = _one_plus(layer["input_norm"]), _one_plus(layer["post_norm"])
             layer.update(more)
         self.norm = _one_plus(self.norm)
-        self.normalizer = torch.tensor(c.hidden_size**0.5, dtype=self.embed.dtype, device=self.embed.device)
+        self.normalizer = torch.tensor(c.hidden_size**0.5, dtype=self.norm.dtype, device=self.norm.device)
         self.scale = c.query_pre_attn_scalar**-0.5
         if c.rope_local_base_freq is not None:  # Gemma 3: the sliding layers' rope, never scaled
             local = dataclasses.replace(c, rope_theta=c.rope_local_base_freq, rope_scaling=None)
@@ -87,7 +86,7 @@ class GemmaModel(LlamaModel):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens; K/V of every token is written to the cache."""
         c, ops, eps = self.config, self.ops, self.config.rms_norm_eps
-        h = F.embedding(input_ids, self.embed) * self.normalizer
+        h = embedding(self.embed, input_ids) * self.normalizer
         residual = None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             if residual is None:

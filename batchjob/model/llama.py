@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig, moe_weight_names
+from batchjob.model.matmul.gguf_linear import GGUFLinear, QuantizedWeight
 from batchjob.model.matmul.int8_linear import Int8Linear
 from batchjob.model.matmul.linear import Linear
 from batchjob.model.matmul.lm_head import Bf16DotLinear
@@ -20,12 +21,23 @@ from batchjob.model.smoothing import AbsMaxRecorder, smoothing_scales
 _CALIBRATION_BLOCK = 16  # the scratch KV cache's block size for the calibration pass (any works)
 
 
-def _fused(w: dict[str, torch.Tensor], prefix: str, fused: str, parts: list[str]) -> torch.Tensor:
+def _fused(w: dict, prefix: str, fused: str, parts: list[str]) -> torch.Tensor | list[QuantizedWeight]:
     """The weight of projections `parts` (popped from `w`) stacked into one matmul; a checkpoint that stores them
-    fused already (Phi-3's qkv_proj and gate_up_proj, in this order) gives its tensor as it is, without a copy."""
+    fused already (Phi-3's qkv_proj and gate_up_proj, in this order) gives its tensor as it is, without a copy. GGUF
+    blocks stay apart (each part may have its own type): a list, stacked by the matmul (GGUFLinear); where only some
+    parts are blocks, all are dequantized."""
     if prefix + fused + ".weight" in w:
         return w.pop(prefix + fused + ".weight")
-    return torch.cat([w.pop(prefix + part + ".weight") for part in parts])
+    weights = [w.pop(prefix + part + ".weight") for part in parts]
+    quantized = [isinstance(t, QuantizedWeight) for t in weights]
+    if all(quantized):
+        return weights
+    return torch.cat([t.dequantize() if q else t for t, q in zip(weights, quantized)])
+
+
+def embedding(table: torch.Tensor | QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` of an embedding table, dequantizing only those of one kept in GGUF blocks."""
+    return table.rows(ids) if isinstance(table, QuantizedWeight) else F.embedding(ids, table)
 
 
 class LlamaModel:
@@ -53,11 +65,13 @@ class LlamaModel:
         self.config, self.ops = config, ops
 
         def dense(weight, bias=None):  # with int8, kept unpacked until quantize_int8 smooths and quantizes it
+            if isinstance(weight, QuantizedWeight | list):
+                return GGUFLinear(weight if isinstance(weight, list) else [weight], bias)
             return Linear(weight, bias, pack=not int8)
 
         c = config
         w = {k: v.to(device) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
+        self.embed = w["model.embed_tokens.weight"]  # a tensor, or GGUF blocks (QuantizedWeight)
         self.norm = w["model.norm.weight"]
         tied = c.tie_word_embeddings
         head = self.embed if tied or not lm_head else w["lm_head.weight"]
@@ -154,7 +168,7 @@ class LlamaModel:
         c, n = self.config, len(tokens)
         blocks = -(-n // _CALIBRATION_BLOCK)
         shape = (blocks, _CALIBRATION_BLOCK, c.num_key_value_heads, c.head_dim)
-        device = self.embed.device
+        device = self.norm.device
         caches = [tuple(torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2)) for _ in self.layers]
         meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), device)
         ids = torch.tensor(tokens, device=device)
@@ -168,7 +182,7 @@ class LlamaModel:
             return [w["qkv"], w["o"], w["gate_up"], w["down"]]
         return [w["qkv"], w["o"]] + w["moe"].linears(w["moe"].top_k)
 
-    def all_linears(self) -> list[Linear | Int8Linear | Bf16DotLinear]:
+    def all_linears(self) -> list[Linear | Int8Linear | Bf16DotLinear | GGUFLinear]:
         """Every matmul of the model: each layer's (every expert's), then the LM head (where there is one)."""
         every = []
         for w in self.layers:
@@ -199,7 +213,7 @@ class LlamaModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
 
     def forward(
         self,
@@ -210,7 +224,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens; K/V of every token is written to the cache."""
         c, ops = self.config, self.ops
-        h = F.embedding(input_ids, self.embed)
+        h = embedding(self.embed, input_ids)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             if residual is None:

@@ -24,14 +24,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from batchjob.model.builtin import BUILTIN_MODELS, BuiltinModel, cache_dir
 from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, moe_weight_names, weight_shapes
 from batchjob.model.errors import ModelError, ModelLoadError, ModelNotFoundError
+from batchjob.model.matmul.gguf_linear import GGML_TYPES, QuantizedWeight
 from batchjob.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# The cache's folder of converted GGUFs; "gguf" held the whole-float32 conversions of before block-kept weights.
+CONVERTED_GGUF = "gguf-v2"
+_BLOCKS_KEY = "gguf_blocks"  # safetensors metadata: {name: [ggml type, in_features]} of the tensors kept in blocks
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 # org/name, org/name@revision, or org/name/file.gguf (one GGUF file of the repo), as the Hub spells repo ids.
@@ -209,14 +215,16 @@ class LoadedModel:
     revision: str | None = None  # the Hub commit, for a model named by Hub id
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """ModelNotFoundError when there is no such model, ModelLoadError (naming it) when its files cannot be used."""
+def load_model(model: str, dtype: torch.dtype = torch.float32, quantized: bool = False) -> LoadedModel:
+    """ModelNotFoundError when there is no such model, ModelLoadError (naming it) when its files cannot be used.
+    With `quantized`, a GGUF's weight matrices in block formats GGUFLinear computes stay in their blocks
+    (QuantizedWeight); otherwise every weight is dequantized into `dtype`."""
     where = locate_model(model)
     path = where.path
     if path.is_dir():
         loaded = _load_hf(path, dtype)
     elif path.suffix == ".gguf":
-        loaded = _load_gguf(path, dtype)
+        loaded = _load_gguf(path, dtype, quantized)
     else:
         raise ModelNotFoundError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
     with reading_model(path):
@@ -464,33 +472,40 @@ def _digest_memo(path: Path) -> str:
     return digest
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
-    """Dequantizing and parsing the GGUF (its 49k-token vocabulary) takes seconds, so both are cached by digest
-    as safetensors + tokenizer.json + config.json. A cache folder that cannot take the conversion (read only) is
+def _load_gguf(path: Path, dtype: torch.dtype, quantized: bool) -> LoadedModel:
+    """Parsing the GGUF (its 49k-token vocabulary, its tensor table; q/k rows unpermuted) takes seconds, so it is
+    cached by digest as safetensors + tokenizer.json + config.json, the weight matrices in GGUF's blocks as they are
+    (GGML_TYPES), the rest dequantized to float32. A cache folder that cannot take the conversion (read only) is
     warned about, and the GGUF is converted into a temporary folder for this load alone."""
     digest = _digest_memo(path)
-    cached = cache_dir() / "gguf" / digest
+    cached = cache_dir() / CONVERTED_GGUF / digest
     if (cached / "config.json").exists():
-        return _read_converted(path, cached, digest, dtype)
+        return _read_converted(path, cached, digest, dtype, quantized)
     with contextlib.suppress(OSError):
         cached.parent.mkdir(parents=True, exist_ok=True)
     if os.access(cached.parent, os.W_OK):
         convert_gguf(path, cached)
-        return _read_converted(path, cached, digest, dtype)
+        return _read_converted(path, cached, digest, dtype, quantized)
     log.warning(
         "cannot keep the converted model in %s (not writable); converting it for this load alone", cached.parent
     )
     with tempfile.TemporaryDirectory(prefix="batchjob-gguf-") as scratch:
         convert_gguf(path, Path(scratch) / digest)
-        return _read_converted(path, Path(scratch) / digest, digest, dtype)
+        return _read_converted(path, Path(scratch) / digest, digest, dtype, quantized)
 
 
-def _read_converted(path: Path, converted: Path, digest: str, dtype: torch.dtype) -> LoadedModel:
+def _read_converted(path: Path, converted: Path, digest: str, dtype: torch.dtype, quantized: bool) -> LoadedModel:
     with reading_model(path):  # the converted copy holds the GGUF's content: its chat template is parsed here
         config = json.loads((converted / "config.json").read_text())
         config = ModelConfig(**{**config, "eos_token_ids": tuple(config["eos_token_ids"])})
-        weights = load_file(str(converted / "model.safetensors"))
+        file = str(converted / "model.safetensors")
+        with safe_open(file, "pt") as f:
+            blocks = json.loads((f.metadata() or {}).get(_BLOCKS_KEY, "{}"))
+        weights = load_file(file)
         rope_freqs = weights.pop("rope_freqs.weight", None)
+        for name, (ggml_type, in_features) in blocks.items():
+            q = QuantizedWeight(weights[name], ggml_type, in_features, dtype)
+            weights[name] = q if quantized else q.dequantize()
         weights = {k: v.to(dtype) for k, v in weights.items()}
         tokenizer = Tokenizer.from_folder(converted)
     return LoadedModel(config, weights, tokenizer, path, digest, rope_freqs)
@@ -516,17 +531,28 @@ def convert_gguf(path: Path, out: Path) -> None:
         if not config.vocab_size:
             vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
             config = ModelConfig(**{**config.__dict__, "vocab_size": vocab_size})
-        weights = {}
+        weights, blocks = {}, {}
         arch = meta["general.architecture"]
         permute = arch == "llama"  # convert_hf_to_gguf permutes q/k for llama alone
         for t in reader.tensors:
             if t.name.startswith("rope_factors_"):
                 continue  # in the config's rope_scaling
             name = hf_name(t.name, arch) or t.name  # e.g. rope_freqs.weight stays as it is
+            blk, layer, kind, _ = (t.name.split(".") + ["", "", ""])[:4]
+            moe = blk == "blk" and kind in _GGUF_MOE
+            if int(t.tensor_type) in GGML_TYPES and len(t.shape) == 2 and not moe:
+                # a weight matrix kept in its blocks: rows of bytes, permuted as the matrix's rows are
+                rows = np.asarray(t.data)
+                if permute and name.endswith("q_proj.weight"):
+                    rows = unpermute_qk(rows, config.num_attention_heads)
+                elif permute and name.endswith("k_proj.weight"):
+                    rows = unpermute_qk(rows, config.num_key_value_heads)
+                weights[name] = torch.from_numpy(np.array(rows, dtype=np.uint8))  # a copy of the read-only mmap
+                blocks[name] = (int(t.tensor_type), int(t.shape[0]))
+                continue
             arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape([int(d) for d in reversed(t.shape)])
-            blk, layer, kind, _ = (t.name.split(".") + ["", "", ""])[:4]
-            if blk == "blk" and kind in _GGUF_MOE:
+            if moe:
                 router, experts = moe_weight_names(config, int(layer))
                 proj = _GGUF_MOE[kind]
                 parts = {router: arr} if proj is None else {experts[e][proj]: a for e, a in enumerate(arr)}
@@ -543,7 +569,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        save_file(weights, str(tmp / "model.safetensors"))
+        save_file(weights, str(tmp / "model.safetensors"), metadata={_BLOCKS_KEY: json.dumps(blocks)})
         tokenizer.save(tmp)
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
         try:

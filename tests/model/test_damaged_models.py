@@ -20,7 +20,7 @@ from batchjob.bench.hf_export import export_hf
 from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
 from batchjob.model.builtin import DEFAULT_MODEL
 from batchjob.model.errors import ModelLoadError
-from batchjob.model.loader import load_model, locate_model
+from batchjob.model.loader import CONVERTED_GGUF, load_model, locate_model
 from tests.helpers import REPO, write_jsonl
 from tests.model.test_loader import write_tiny_gguf
 
@@ -85,7 +85,9 @@ def test_a_damaged_gguf_is_a_model_load_error_naming_it(real_gguf, tmp_path, cac
     message = str(e.value)
     assert message.startswith(f"model {path} cannot be loaded: not a readable GGUF file (damaged or cut short?): ")
     assert says in message and "\n" not in message
-    assert not (cache / "gguf").exists() or not any((cache / "gguf").iterdir())  # nothing half-converted
+    assert not (cache / CONVERTED_GGUF).exists() or not any(
+        (cache / CONVERTED_GGUF).iterdir()
+    )  # nothing half-converted
 
 
 def tokenizer_config(folder) -> dict:

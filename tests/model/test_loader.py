@@ -27,7 +27,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from batchjob.model import loader as model_loader
 from batchjob.model.builtin import BuiltinModel, Wheel
 from batchjob.model.errors import ModelNotFoundError
-from batchjob.model.loader import load_model, locate_model, unpermute_qk
+from batchjob.model.loader import CONVERTED_GGUF, load_model, locate_model, unpermute_qk
 from tests.helpers import REPO, deny_by_mode
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -416,8 +416,8 @@ def test_gguf_dequantized_weights_config_and_tokenizer(tiny_gguf):
 def test_gguf_second_load_uses_the_conversion_cache(tiny_gguf, cache, monkeypatch):
     path, _ = tiny_gguf
     first = load_model(str(path))
-    assert (cache / "gguf" / first.digest / "model.safetensors").exists()
-    assert not [p for p in (cache / "gguf").iterdir() if p.name.endswith(".part")]
+    assert (cache / CONVERTED_GGUF / first.digest / "model.safetensors").exists()
+    assert not [p for p in (cache / CONVERTED_GGUF).iterdir() if p.name.endswith(".part")]
 
     def no_conversion(*args):
         raise AssertionError("converted again")
@@ -480,7 +480,7 @@ def test_a_gguf_converted_by_two_processes_at_once_leaves_one_cache_and_no_part(
     assert sorted(p.name for p in gate.iterdir()) == ["a", "b"]  # both converted
     digests = {out.split()[-1] for out, _ in results}
     assert len(digests) == 1
-    assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted(digests)
+    assert sorted(p.name for p in (cache / CONVERTED_GGUF).iterdir()) == sorted(digests)
     assert load_model(str(path)).config.vocab_size == 300
 
 
@@ -542,7 +542,7 @@ def test_a_read_only_cache_is_used_as_it_is_and_said_once(tmp_path, monkeypatch)
         loaded = load_model(str(gguf_path))
         expected = (loaded.digest, float(sum(w.double().sum() for w in loaded.weights.values())))
         shutil.rmtree(cache / "digests")  # the model is another copy of the file: a memo to write
-        for missing, warned in [(None, "cannot remember the model's digest"), ("gguf", "for this load alone")]:
+        for missing, warned in [(None, "cannot remember the model's digest"), (CONVERTED_GGUF, "for this load alone")]:
             if missing:
                 shutil.rmtree(cache / missing / loaded.digest)
             read_only(cache, True)

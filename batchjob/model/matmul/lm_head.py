@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from batchjob.model.cpu_native import native_ops_for
+from batchjob.model.matmul.gguf_linear import GGUFLinear, QuantizedWeight
 from batchjob.model.matmul.linear import Linear
 
 
@@ -50,8 +51,13 @@ def bf16_dot_ops(device: torch.device):
     return ops if ops is not None and ops.bf16_dot_available() else None
 
 
-def lm_head(weight: torch.Tensor, device: str | torch.device, keep_weight: bool) -> Linear | Bf16DotLinear:
-    """The head over `weight` (the tied embedding, kept where `keep_weight`, or lm_head.weight)."""
+def lm_head(
+    weight: torch.Tensor | QuantizedWeight, device: str | torch.device, keep_weight: bool
+) -> Linear | Bf16DotLinear | GGUFLinear:
+    """The head over `weight` (the tied embedding, kept where `keep_weight`, or lm_head.weight): GGUF blocks stay
+    blocks, read by GGUFLinear into float32 logits."""
+    if isinstance(weight, QuantizedWeight):
+        return GGUFLinear([weight], out_dtype=torch.float32)
     device = torch.device(device)
     bf16_on_cpu = device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
     if bf16_on_cpu and (ops := bf16_dot_ops(device)) is not None:

@@ -1,0 +1,413 @@
+// GGUF's quantized weights used as they are stored: y = x W^T with W [N, K] in GGUF blocks (Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), each output column's row of blocks dequantized into a small buffer next to the
+// arithmetic, never into a whole float copy of W. The dequantized values are bit for bit those of gguf-py's
+// dequantize (the same float32 operations in the same order: no fused multiply-add, no reassociation), rounded to
+// bfloat16 to nearest even where x is bfloat16, as torch's .to(bfloat16) of them would be. So a matmul here differs
+// from F.linear on the dequantized weight only in the order of its float32 sums.
+//
+// Each output is a dot product over K in one fixed order (16 float32 lanes summed along K, then across lanes), the
+// same whatever the row count or a row's place in the batch: a row's result does not depend on its batch.
+#pragma GCC optimize("no-fast-math", "fp-contract=off")  // the build's -ffast-math would fuse and reorder them
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Layout {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+Layout layout_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "gguf: no kernel for ggml type ", type);
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Q4_K and Q5_K pack 8 six-bit scales and 8 six-bit mins into 12 bytes.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One block of `type` into y (layout_of(type).block floats).
+void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+  switch (type) {
+    case Q8_0: {
+      const float d = half_at(b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(q[i]) * d;
+      return;
+    }
+    case Q4_0: {
+      const float d = half_at(b);
+      const uint8_t* q = b + 2;
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>((q[i] & 0x0F) - 8);
+        y[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+      }
+      return;
+    }
+    case Q4_1: {
+      const float d = half_at(b), m = half_at(b + 2);
+      const uint8_t* q = b + 4;
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>(q[i] & 0x0F) + m;
+        y[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+      }
+      return;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const bool has_min = type == Q5_1;
+      const float d = half_at(b), m = has_min ? half_at(b + 2) : 0.0f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
+      const uint8_t* q = b + (has_min ? 8 : 6);
+      for (int i = 0; i < 32; ++i) {
+        const int low = i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4);
+        const int v = low | (((qh >> i) & 1) << 4);
+        y[i] = has_min ? d * static_cast<float>(v) + m : d * static_cast<float>(v - 16);
+      }
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t* scales = b + 4;
+      const bool five = type == Q5_K;
+      const uint8_t* qh = b + 16;  // Q5_K's fifth bits, 32 bytes
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        scale_min_k4(scales, j, sc, m);
+        const float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(m);
+        const uint8_t* q = qs + (j / 2) * 32;
+        const int shift = (j % 2) * 4;
+        for (int l = 0; l < 32; ++l) {
+          int v = (q[l] >> shift) & 0x0F;
+          if (five) v |= ((qh[l] >> j) & 1) << 4;
+          y[j * 32 + l] = dj * static_cast<float>(v) - mj;
+        }
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_at(b + 208);
+      for (int g = 0; g < 8; ++g) {  // groups of 32: which half of the block, which nibble, which 32 of 64
+        const int h = g / 4, nibble = (g / 2) % 2, part = g % 2;
+        const float d0 = d * static_cast<float>(scales[g * 2]), d1 = d * static_cast<float>(scales[g * 2 + 1]);
+        for (int l = 0; l < 32; ++l) {
+          const int low = (ql[h * 64 + part * 32 + l] >> (4 * nibble)) & 0x0F;
+          const int high = (qh[h * 32 + l] >> (2 * (g % 4))) & 0x03;
+          y[g * 32 + l] = (l < 16 ? d0 : d1) * static_cast<float>((low | (high << 4)) - 32);
+        }
+      }
+      return;
+    }
+    default: TORCH_CHECK(false, "gguf: no kernel for ggml type ", type);
+  }
+}
+
+inline uint16_t bf16_nearest_even(float f) {  // as c10::BFloat16's round_to_nearest_even (weights are finite)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// Row n of W (K weights) into out: float32, or bfloat16 bits.
+template <typename T>
+void dequantize_row(int64_t type, const uint8_t* row, int64_t k, T* out, float* scratch) {
+  const Layout l = layout_of(type);
+  for (int64_t i = 0; i < k / l.block; ++i) {
+    dequantize_block(type, row + i * l.bytes, scratch);
+    T* o = out + i * l.block;
+    if constexpr (std::is_same_v<T, float>)
+      std::memcpy(o, scratch, l.block * sizeof(float));
+    else
+      for (int64_t j = 0; j < l.block; ++j) o[j] = bf16_nearest_even(scratch[j]);
+  }
+}
+
+void check_weight(const at::Tensor& q, int64_t type, int64_t k) {
+  const Layout l = layout_of(type);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous(),
+              "gguf: the weight must be a contiguous 2-d uint8 tensor of GGUF blocks");
+  TORCH_CHECK(k > 0 && k % l.block == 0 && q.size(1) == k / l.block * l.bytes, "gguf: a row of ", q.size(1),
+              " bytes does not hold ", k, " weights of ggml type ", type);
+}
+
+// W [N, K] dequantized: float32 [N, K] (as gguf-py's dequantize gives it).
+at::Tensor gguf_dequantize(const at::Tensor& q, int64_t type, int64_t k) {
+  check_weight(q, type, k);
+  const int64_t n = q.size(0), row_bytes = q.size(1);
+  at::Tensor out = at::empty({n, k}, q.options().dtype(at::kFloat));
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> scratch(256);
+    for (int64_t i = n0; i < n1; ++i) dequantize_row(type, src + i * row_bytes, k, dst + i * k, scratch.data());
+  });
+  return out;
+}
+
+#ifdef __AVX512F__
+// The same dequantization 16 weights at a time (the same float32 operations, so the same bits), written straight
+// into the matmul's panel, in float32 or bfloat16.
+template <typename T>
+inline void emit(T* o, __m512 f) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(o, f);
+  } else {
+#ifdef __AVX512BF16__
+    // Nearest even, as torch rounds; its treatment of denormals never shows: a dequantized weight is 0 or at least
+    // the smallest fp16 scale's multiple, 2^-24 (or a difference of such products, far above float32's 2^-126).
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(f));
+#endif
+  }
+}
+
+inline __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F)); }
+inline __m512i high_nibbles(__m512i v) { return _mm512_srli_epi32(v, 4); }
+
+template <typename T>
+void dequantize_row_avx512(int64_t type, const uint8_t* row, int64_t k, T* out) {
+  const Layout l = layout_of(type);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (int64_t blk = 0; blk < k / l.block; ++blk) {
+    const uint8_t* b = row + blk * l.bytes;
+    T* o = out + blk * l.block;
+    switch (type) {
+      case Q8_0: {
+        const __m512 d = _mm512_set1_ps(half_at(b));
+        for (int h = 0; h < 2; ++h) {
+          const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * h)));
+          emit(o + 16 * h, _mm512_mul_ps(to_float(q), d));
+        }
+        break;
+      }
+      case Q4_0:
+      case Q4_1: {
+        const bool has_min = type == Q4_1;
+        const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(has_min ? half_at(b + 2) : 0.0f);
+        const __m512i q = bytes16(b + (has_min ? 4 : 2));
+        const __m512i half[2] = {low_nibbles(q), high_nibbles(q)};
+        for (int h = 0; h < 2; ++h)
+          emit(o + 16 * h, has_min ? _mm512_add_ps(_mm512_mul_ps(d, to_float(half[h])), m)
+                                   : _mm512_mul_ps(d, to_float(_mm512_sub_epi32(half[h], _mm512_set1_epi32(8)))));
+        break;
+      }
+      case Q5_0:
+      case Q5_1: {
+        const bool has_min = type == Q5_1;
+        const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(has_min ? half_at(b + 2) : 0.0f);
+        uint32_t bits;
+        std::memcpy(&bits, b + (has_min ? 4 : 2), 4);
+        const __m512i q = bytes16(b + (has_min ? 8 : 6));
+        const __m512i half[2] = {low_nibbles(q), high_nibbles(q)};
+        for (int h = 0; h < 2; ++h) {
+          const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits >> (16 * h))), lanes), one);
+          const __m512i v = _mm512_or_si512(half[h], _mm512_slli_epi32(hi, 4));
+          emit(o + 16 * h, has_min ? _mm512_add_ps(_mm512_mul_ps(d, to_float(v)), m)
+                                   : _mm512_mul_ps(d, to_float(_mm512_sub_epi32(v, _mm512_set1_epi32(16)))));
+        }
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const bool five = type == Q5_K;
+        const uint8_t* qs = b + (five ? 48 : 16);
+        for (int j = 0; j < 8; ++j) {
+          int sc, mn;
+          scale_min_k4(b + 4, j, sc, mn);
+          const __m512 dj = _mm512_set1_ps(d * static_cast<float>(sc)), mj = _mm512_set1_ps(dmin * static_cast<float>(mn));
+          for (int h = 0; h < 2; ++h) {
+            const __m512i q = bytes16(qs + (j / 2) * 32 + 16 * h);
+            __m512i v = j % 2 ? high_nibbles(q) : low_nibbles(q);
+            if (five) {
+              const __m512i hb = _mm512_and_si512(_mm512_srli_epi32(bytes16(b + 16 + 16 * h), j), one);
+              v = _mm512_or_si512(v, _mm512_slli_epi32(hb, 4));
+            }
+            emit(o + j * 32 + 16 * h, _mm512_sub_ps(_mm512_mul_ps(dj, to_float(v)), mj));
+          }
+        }
+        break;
+      }
+      case Q6_K: {
+        const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+        const float d = half_at(b + 208);
+        for (int g = 0; g < 8; ++g) {
+          const int hb = g / 4, nibble = (g / 2) % 2, part = g % 2;
+          for (int h = 0; h < 2; ++h) {
+            const __m512 dg = _mm512_set1_ps(d * static_cast<float>(scales[g * 2 + h]));
+            const __m512i low = _mm512_and_si512(_mm512_srli_epi32(bytes16(b + hb * 64 + part * 32 + 16 * h), 4 * nibble), _mm512_set1_epi32(0x0F));
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi32(bytes16(b + 128 + hb * 32 + 16 * h), 2 * (g % 4)), _mm512_set1_epi32(3));
+            const __m512i v = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
+            emit(o + g * 32 + 16 * h, _mm512_mul_ps(dg, to_float(v)));
+          }
+        }
+        break;
+      }
+      default: TORCH_CHECK(false, "gguf: no kernel for ggml type ", type);
+    }
+  }
+}
+
+constexpr int kCols = 4;   // W's rows (output columns) per microkernel: 4 x 6 accumulators, 1 x vector, 4 W vectors
+constexpr int kRows = 6;   // x's rows per microkernel
+constexpr int64_t kPanelBytes = 384 << 10;
+
+// The 16 lanes of each of 4 accumulators summed, in one fixed order: {sum a[0], sum a[1], sum a[2], sum a[3]}.
+inline __m128 sum_lanes(const __m512* a) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // per 128-bit lane: 4 partial sums
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// R rows of x (row stride k) against `cols` dequantized rows of W (stride k): out[r][c], fp32 sums over K.
+template <typename T, int R>
+inline void dot_tile(const T* x, const T* w, int64_t k, int cols, float* out, int64_t ldo) {
+  constexpr int64_t step = 64 / sizeof(T);  // elements per 512-bit vector
+  __m512 acc[R][kCols];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += step) {
+    __m512i b[kCols];
+    for (int c = 0; c < kCols; ++c) b[c] = _mm512_loadu_si512(w + c * k + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_loadu_si512(x + r * k + i);
+      for (int c = 0; c < kCols; ++c) {
+        if constexpr (std::is_same_v<T, float>) {
+          acc[r][c] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b[c]), acc[r][c]);
+        } else {
+#ifdef __AVX512BF16__
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
+#endif
+        }
+      }
+    }
+  }
+  const __mmask8 mask = static_cast<__mmask8>((1u << cols) - 1);
+  for (int r = 0; r < R; ++r) _mm_mask_storeu_ps(out + r * ldo, mask, sum_lanes(acc[r]));
+}
+
+template <typename T, int R>
+inline void dot_rows(const T* x, int64_t rows, const T* w, int64_t k, int cols, float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      dot_tile<T, R>(x, w, k, cols, out, ldo);
+    else
+      dot_rows<T, R - 1>(x, rows, w, k, cols, out, ldo);
+  }
+}
+#endif
+
+bool gguf_matmul_available(at::ScalarType dtype) {
+#if defined(__AVX512BF16__)
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#elif defined(__AVX512F__)
+  return dtype == at::kFloat;
+#else
+  return false;
+#endif
+}
+
+// x [R, K] (float32 or bfloat16) times W^T, W [N, K] in GGUF blocks of `type` -> out float32 [R, N] (a view whose
+// rows may be longer: one part of a fused matmul's output).
+void gguf_matmul(const at::Tensor& x, const at::Tensor& q, int64_t type, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gguf_matmul: x must be a contiguous 2-d tensor");
+  const int64_t rows = x.size(0), k = x.size(1), n = q.size(0);
+  check_weight(q, type, k);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows && out.size(1) == n &&
+                  out.stride(1) == 1,
+              "gguf_matmul: out must be float32 [rows of x, rows of W] with unit column stride");
+  TORCH_CHECK(gguf_matmul_available(x.scalar_type()), "gguf_matmul: this build has no kernel for x of ",
+              x.scalar_type());
+#ifdef __AVX512F__
+  // Columns dequantized at once, then read by every row of x: as many as fit in about half of a core's L2 (fewer
+  // passes over x), in multiples of the microkernel's, at least 16; and at least two panels per thread.
+  const int64_t element = x.scalar_type() == at::kFloat ? 4 : 2, threads = at::get_num_threads();
+  int64_t width = std::clamp<int64_t>(kPanelBytes / (k * element) / kCols * kCols, 16, 128);
+  width = std::max<int64_t>(16, std::min<int64_t>(width, (n / (2 * threads) + kCols - 1) / kCols * kCols));
+  const int64_t row_bytes = q.size(1), ldo = out.stride(0), panels = (n + width - 1) / width;
+  const uint8_t* wq = q.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  auto run = [&](auto* xp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<T> panel(width * k);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t first = p * width, cols = std::min<int64_t>(width, n - first);
+        for (int64_t c = 0; c < cols; ++c) dequantize_row_avx512(type, wq + (first + c) * row_bytes, k, panel.data() + c * k);
+        for (int64_t c = cols; c < (cols + kCols - 1) / kCols * kCols; ++c) std::fill_n(panel.data() + c * k, k, T(0));
+        for (int64_t r = 0; r < rows; r += kRows)
+          for (int64_t c = 0; c < cols; c += kCols)
+            dot_rows<T, kRows>(xp + r * k, std::min<int64_t>(kRows, rows - r), panel.data() + c * k, k,
+                               static_cast<int>(std::min<int64_t>(kCols, cols - c)), op + r * ldo + first + c, ldo);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>());
+  else
+    run(reinterpret_cast<const uint16_t*>(x.data_ptr()));
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchjob_cpu, m) {
+  m.def("gguf_matmul_available(ScalarType dtype) -> bool", &gguf_matmul_available);
+  m.def("gguf_dequantize(Tensor q, int type, int k) -> Tensor");
+  m.def("gguf_matmul(Tensor x, Tensor q, int type, int k, Tensor(a!) out) -> ()");
+  m.impl("gguf_dequantize", c10::DispatchKey::CPU, &gguf_dequantize);
+  m.impl("gguf_matmul", c10::DispatchKey::CPU, [](const at::Tensor& x, const at::Tensor& q, int64_t type, int64_t k,
+                                                 at::Tensor& out) {
+    TORCH_CHECK(x.size(-1) == k, "gguf_matmul: x has ", x.size(-1), " features, W ", k);
+    gguf_matmul(x, q, type, out);
+  });
+}
