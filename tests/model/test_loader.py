@@ -28,6 +28,7 @@ from batchjob.model import loader as model_loader
 from batchjob.model.builtin import BuiltinModel, Wheel
 from batchjob.model.errors import ModelNotFoundError
 from batchjob.model.loader import CONVERTED_GGUF, load_model, locate_model, unpermute_qk
+from batchjob.model.matmul.gguf_linear import GGML_TYPES, QuantizedWeight
 from tests.helpers import REPO, deny_by_mode
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -370,6 +371,23 @@ def write_tiny_gguf(path, rng: np.random.Generator) -> dict[str, np.ndarray]:
     w.write_tensors_to_file()
     w.close()
     return expected
+
+
+def test_a_gguf_loaded_quantized_keeps_its_blocks_with_the_dequantized_loads_values(tiny_gguf):
+    path, expected = tiny_gguf
+    floats = load_model(str(path)).weights
+    kept = load_model(str(path), torch.bfloat16, quantized=True).weights
+    blocks = {name for name, w in kept.items() if isinstance(w, QuantizedWeight)}
+    # the tensors in a block format the matmul computes (Q4_0 ... Q6_K); F16, BF16 and F32 ones are dequantized
+    in_blocks = [n for n, (t, _) in TYPES.items() if int(t) in GGML_TYPES] + ["blk.1.attn_q", "blk.1.ffn_down"]
+    assert blocks == {model_loader.hf_name(n + ".weight") for n in in_blocks} and len(blocks) == 8
+    for name in blocks:
+        w = kept[name]
+        assert w.dtype == torch.bfloat16 and w.shape == floats[name].shape, name
+        assert torch.equal(w.to(torch.float32).dequantize(), floats[name]), name  # q/k rows unpermuted as blocks
+    exact = expected["model.layers.1.self_attn.q_proj.weight"][0]
+    assert np.array_equal(kept["model.layers.1.self_attn.q_proj.weight"].to(torch.float32).dequantize(), exact)
+    assert all(kept[n].dtype == torch.bfloat16 for n in set(kept) - blocks)
 
 
 @pytest.fixture
