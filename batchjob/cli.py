@@ -388,9 +388,9 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 @click.option(
     "--weights",
     default=None,
-    type=click.Choice(["auto", "dequantize", "int8"]),
-    help="the engine's matmuls: in its dtype, or int8 (W8A8); default: the job file's, else auto; with --quality, "
-    "int8 measures int8 against fp32 instead of bf16",
+    type=click.Choice(["auto", "dequantize", "quantized", "int8"]),
+    help="the engine's matmuls: in its dtype on dequantized weights, on a GGUF's quantized blocks, or int8 (W8A8); "
+    "default: the job file's, else auto; with --quality, int8 measures int8 against fp32 instead of bf16",
 )
 @click.option("--enforce-eager", is_flag=True, help="decode without CUDA graphs (vLLM's flag)")
 @click.option(
@@ -414,6 +414,15 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     metavar="TYPE",
     help="llama-server runs the engine's GGUF requantized to TYPE (Q8_0, Q4_0, ..., BF16, F16) by llama.cpp's "
     "llama-quantize",
+)
+@click.option(
+    "--gguf",
+    "dummy_gguf",
+    default=None,
+    metavar="TYPE",
+    help="with --load-format dummy: the dummy weights written as a GGUF by llama.cpp's convert_hf_to_gguf.py and "
+    "quantized to TYPE (Q8_0, Q4_K_M, ...) by its llama-quantize (cached); the engine and llama-server load that "
+    "file, vLLM its HF export: the very same weights at a model's real shape",
 )
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.bench import llama_server
+from batchjob.bench.gguf_export import dummy_gguf
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
 from batchjob.bench.quality import run_quality
 from batchjob.bench.scoring import run_score_bench
@@ -286,6 +287,7 @@ class BenchOptions:
     json_path: str | None
     slots: int = LlamaServerOptions.slots
     requantize: str | None = None
+    dummy_gguf: str | None = None
 
 
 QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
@@ -382,6 +384,13 @@ def bench(o: BenchOptions) -> str:
     if o.quality and o.weights not in (None, "int8"):
         raise JobFileError("bench --quality: --weights int8 sets int8 matmuls against fp32; other values do not apply")
     model, job = o.model, None
+    if o.dummy_gguf:
+        if o.load_format != "dummy":
+            raise JobFileError("bench --gguf TYPE writes the dummy weights as a GGUF: give --load-format dummy too")
+        if o.dummy_gguf not in llama_server.QUANT_TYPES:
+            raise JobFileError(f"bench --gguf {o.dummy_gguf}: not one of {', '.join(llama_server.QUANT_TYPES)}")
+        model = str(dummy_gguf(o.model, 0, o.dummy_gguf))
+        overrides.pop("load_format")  # every system reads the file
     job_file = o.job_file or (QUALITY_JOB if o.quality else None)
     if job_file:
         job = load_job(job_file)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchjob import env
-from batchjob.bench.measure import Result
+from batchjob.bench.measure import Result, peak_rss
 from batchjob.bench.workloads import Workload
 from batchjob.engine.outputs import Request
 from batchjob.model.build_lock import build_lock
@@ -119,10 +119,10 @@ def _build(folder: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
     try:
-        src = _unpacked_sdist(tmp)
+        src = unpacked_sdist(tmp)
         build = tmp / "build"
-        _check([*_NICE, "cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *cmake_flags()], tmp)
-        _check([*_NICE, "cmake", "--build", str(build), "--target", *TARGETS, "-j", str(BUILD_JOBS)], tmp)
+        check_run([*_NICE, "cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *cmake_flags()], tmp)
+        check_run([*_NICE, "cmake", "--build", str(build), "--target", *TARGETS, "-j", str(BUILD_JOBS)], tmp)
         out = tmp / "bin"
         out.mkdir()
         for t in TARGETS:
@@ -135,12 +135,12 @@ def _build(folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _unpacked_sdist(tmp: Path) -> Path:
+def unpacked_sdist(tmp: Path) -> Path:
     """The sdist, fetched by pip (its index settings apply) and checked against the pinned digest, unpacked; its
     vendored llama.cpp folder is returned."""
     dl = tmp / "sdist"
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dl)]
-    _check([*pip, f"{SDIST}=={VERSION}"], tmp)
+    check_run([*pip, f"{SDIST}=={VERSION}"], tmp)
     (archive,) = dl.glob("*.tar.gz")
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
@@ -154,7 +154,7 @@ def _unpacked_sdist(tmp: Path) -> Path:
     return src
 
 
-def _check(cmd: list[str], cwd: Path) -> None:
+def check_run(cmd: list[str], cwd: Path) -> None:
     done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if done.returncode:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
@@ -185,7 +185,7 @@ def requantized(gguf_path: Path, quant_type: str) -> Path:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     try:
         cmd = [str(quantize), "--allow-requantize", str(gguf_path), str(tmp), quant_type, "2"]
-        _check([*_NICE, *cmd], out.parent)
+        check_run([*_NICE, *cmd], out.parent)
         tmp.rename(out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -318,6 +318,7 @@ def run_llama_server(binary: Path, gguf_path: Path, wl: Workload, slots: int, th
             with ThreadPoolExecutor(max_workers=slots) as pool:
                 done = list(pool.map(lambda r: complete(server.url, r), wl.requests))
             wall = time.perf_counter() - t0
+            rss = peak_rss(server.process.pid)
         finally:
             server.stop()
     result = Result(
@@ -329,5 +330,6 @@ def run_llama_server(binary: Path, gguf_path: Path, wl: Workload, slots: int, th
         max_batch=min(slots, len(wl.requests)),
     )
     result.outputs = {r.request_id: c.token_ids for r, c in zip(wl.requests, done)}
+    result.peak_rss = rss
     result.note = f"llama.cpp ({SDIST} {VERSION}, {build_label()}) {slots} slots, -cb, {threads} threads; {weights}"
     return result

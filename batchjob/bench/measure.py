@@ -3,10 +3,12 @@ compared with, and the agreement of two systems' greedy outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -37,6 +39,7 @@ class Result:
     cpu_s: float = 0.0  # this process's CPU time: steadier than wall time on a host shared with other work
     constraint_s: float = 0.0  # of the wall time, spent on output constraints (grammar masks and matchers)
     note: str = ""  # how the system was run, where it differs from its defaults or from the others
+    peak_rss: int | None = None  # bytes: the system's process's peak resident memory during the run, where measured
     outputs: dict[str, list[int]] | None = None  # output token ids by request id, to compare systems' greedy outputs
     sample_tokens: dict[str, int] | None = None  # by request id, its longest sample's output tokens
     embeddings: torch.Tensor | None = None  # --task embed: the texts' embeddings [texts, hidden], in input order
@@ -54,6 +57,23 @@ class Result:
             output_tokens_per_s=self.output_tokens / self.wall,
         )
         return d
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS (VmHWM) afresh from its present RSS (Linux's clear_refs; elsewhere a no-op)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory in bytes since it started or since reset_peak_rss (VmHWM), or None where
+    /proc does not say."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    return None if kb is None else int(kb) * 1024
 
 
 def interleaved_rounds(names: list, repeats: int, run: Callable) -> tuple[dict, dict]:

@@ -12,7 +12,7 @@ import torch
 
 from batchjob import env
 from batchjob.bench.llama_server import cached_binary, weight_types
-from batchjob.bench.measure import Result, summarize
+from batchjob.bench.measure import Result, peak_rss, reset_peak_rss, summarize
 from batchjob.bench.workloads import Workload
 from batchjob.engine.block_manager import KVPoolExhausted
 from batchjob.engine.embedder import Embedder
@@ -25,6 +25,7 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     steps: list[StepMetrics] = []
     engine.reset_prefix_cache()  # each run starts cold, not with the previous run's prompts cached
     engine.add_step_callback(steps.append)
+    reset_peak_rss()
     t0, c0, g0 = time.perf_counter(), time.process_time(), engine.structured.seconds
     try:
         outs = list(engine.stream(wl.requests))
@@ -33,6 +34,7 @@ def run_engine(engine: Engine, wl: Workload, system: str = "engine") -> Result:
     tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
     result = summarize(system, time.perf_counter() - t0, wl, tokens, steps)
     result.token_budget, result.cpu_s = engine.token_budget, time.process_time() - c0
+    result.peak_rss = peak_rss()  # the whole process's: the peers loaded in it too (transformers; vLLM's front end)
     result.note = engine_mode(engine)
     result.constraint_s = engine.structured.seconds - g0
     result.outputs = {o.request_id: o.token_ids for o in outs}
@@ -197,7 +199,10 @@ def engine_mode(engine: Engine) -> str:
     """The dtype the engine computed in and, for a GGUF, the format its weights were read from."""
     mode = dtype_name(engine.dtype)
     if engine.model_path.suffix == ".gguf" and engine.config.load_format != "dummy":
-        mode += f", weights {weight_types(engine.model_path)} dequantized to {mode}"
+        kept = engine.numerics.get("weights") == "quantized"
+        mode += f", weights {weight_types(engine.model_path)} " + (
+            "kept quantized" if kept else f"dequantized to {mode}"
+        )
     if engine.numerics.get("weights") == "int8":
         mode += ", int8 matmuls (W8A8)"
     if engine.config.kv_cache_dtype != "auto":

@@ -62,7 +62,7 @@ def format_sweep(report: dict) -> str:
 
 def format_report(report: dict) -> str:
     columns = ["system", "req/s", "total tok/s", "out tok/s", "ratio", "mean batch", "max batch", "KV use"]
-    columns += ["preempt", "prefix hit", "how it ran"]
+    columns += ["preempt", "prefix hit", "peak RSS", "how it ran"]
     rows = [
         [
             r["system"],
@@ -75,6 +75,7 @@ def format_report(report: dict) -> str:
             f"{100 * r['mean_kv_usage']:.1f}%",
             str(r["preemptions"]),
             f"{100 * r['prefix_hit_rate']:.1f}%",
+            "" if r.get("peak_rss") is None else f"{r['peak_rss'] / 2**30:.2f} GiB",
             r["note"],
         ]
         for r in report["systems"]
