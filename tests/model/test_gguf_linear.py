@@ -78,6 +78,15 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype):
 
 
 @needs_kernel
+@pytest.mark.skipif(not computable(torch.bfloat16), reason="a CPU build with AVX512_BF16")
+def test_bf16_results_are_the_biased_float32_sums_rounded_once():
+    q, bias = weight(12, 40, 512, torch.bfloat16), torch.randn(40)
+    x = torch.randn(11, 512).to(torch.bfloat16)
+    sums = GGUFLinear([q], out_dtype=torch.float32)(x)
+    assert torch.equal(GGUFLinear([q], bias)(x), (sums + bias).to(torch.bfloat16))
+
+
+@needs_kernel
 def test_a_fused_matmul_stacks_parts_of_different_types_and_adds_the_bias():
     k = 256
     parts = [weight(t, n, k, torch.float32, seed=n) for t, n in ((12, 40), (14, 8), (8, 24))]  # q4_k, q6_k, q8_0
@@ -100,8 +109,10 @@ def test_blocks_of_the_wrong_size_are_refused_not_read_past():
     with pytest.raises(RuntimeError, match="no kernel for ggml type"):
         ops.gguf_dequantize(data, 9, 64)
     with pytest.raises(RuntimeError, match="x has 32 features"):
-        ops.gguf_matmul(torch.zeros(2, 32), data, 8, 64, torch.empty(2, 4))
+        ops.gguf_matmul(torch.zeros(2, 32), data, 8, 64, None, torch.empty(2, 4))
     with pytest.raises(RuntimeError, match="out must be"):
-        ops.gguf_matmul(torch.zeros(2, 64), data, 8, 64, torch.empty(4, 2).t())
+        ops.gguf_matmul(torch.zeros(2, 64), data, 8, 64, None, torch.empty(4, 2).t())
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.gguf_matmul(torch.zeros(2, 64), data, 8, 64, torch.zeros(3), torch.empty(2, 4))
     with pytest.raises(ValueError, match="on a CPU"):
         QuantizedWeight(data, 8, 64).to("meta")

@@ -208,6 +208,80 @@ inline __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
 inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F)); }
 inline __m512i high_nibbles(__m512i v) { return _mm512_srli_epi32(v, 4); }
 
+#ifdef __AVX512BF16__
+// bf16 weights of the 4- and 5-bit types by table: a block's (or sub-block's) 16 or 32 possible values computed
+// once, each by the same float32 operations as above and rounded alike, then looked up for its 32 weights by their
+// codes (vpermw), instead of converting and scaling each weight: the same bits at a quarter of the operations.
+inline __m512i table16(__m512 values) { return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values)); }
+inline __m512i table32(__m512 low, __m512 high) { return (__m512i)_mm512_cvtne2ps_pbh(high, low); }
+inline void look_up(uint16_t* o, __m512i codes, __m512i table) {
+  _mm512_storeu_si512(o, _mm512_permutexvar_epi16(codes, table));
+}
+// The 32 codes of a Q4_0/Q4_1/Q5_0/Q5_1 block: 16 bytes' low nibbles, then their high nibbles.
+inline __m512i nibble_codes(const uint8_t* q) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i low = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), _mm256_srli_epi16(v, 4), 1);
+}
+
+// Whether the block of `type` was written by table (else the caller computes it).
+inline bool dequantize_block_by_table(int64_t type, const uint8_t* b, uint16_t* o) {
+  const __m512 codes16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 codes32 = _mm512_add_ps(codes16, _mm512_set1_ps(16.0f));
+  switch (type) {
+    case Q4_0: {  // d * (q - 8)
+      const __m512 d = _mm512_set1_ps(half_at(b));
+      look_up(o, nibble_codes(b + 2), table16(_mm512_mul_ps(d, _mm512_sub_ps(codes16, _mm512_set1_ps(8.0f)))));
+      return true;
+    }
+    case Q4_1: {  // d * q + m
+      const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(half_at(b + 2));
+      look_up(o, nibble_codes(b + 4), table16(_mm512_add_ps(_mm512_mul_ps(d, codes16), m)));
+      return true;
+    }
+    case Q5_0:
+    case Q5_1: {  // d * (q - 16), d * q + m; q's fifth bit from the block's 32-bit mask
+      const bool has_min = type == Q5_1;
+      const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(has_min ? half_at(b + 2) : 0.0f);
+      uint32_t bits;
+      std::memcpy(&bits, b + (has_min ? 4 : 2), 4);
+      __m512i codes = nibble_codes(b + (has_min ? 8 : 6));
+      codes = _mm512_mask_add_epi16(codes, bits, codes, _mm512_set1_epi16(16));
+      const __m512 shift = _mm512_set1_ps(16.0f);
+      const __m512 low = has_min ? _mm512_add_ps(_mm512_mul_ps(d, codes16), m) : _mm512_mul_ps(d, _mm512_sub_ps(codes16, shift));
+      const __m512 high = has_min ? _mm512_add_ps(_mm512_mul_ps(d, codes32), m) : _mm512_mul_ps(d, _mm512_sub_ps(codes32, shift));
+      look_up(o, codes, table32(low, high));
+      return true;
+    }
+    case Q4_K:
+    case Q5_K: {  // per 32-weight sub-block j: (d * sc_j) * q - dmin * m_j
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const bool five = type == Q5_K;
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(b + 4, j, sc, mn);
+        const __m512 dj = _mm512_set1_ps(d * static_cast<float>(sc)), mj = _mm512_set1_ps(dmin * static_cast<float>(mn));
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32)));
+        __m512i codes = j % 2 ? _mm512_srli_epi16(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+        const __m512 low = _mm512_sub_ps(_mm512_mul_ps(dj, codes16), mj);
+        if (!five) {
+          look_up(o + j * 32, codes, table16(low));
+          continue;
+        }
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        const __mmask32 fifth = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << j)));
+        codes = _mm512_mask_add_epi16(codes, fifth, codes, _mm512_set1_epi16(16));
+        look_up(o + j * 32, codes, table32(low, _mm512_sub_ps(_mm512_mul_ps(dj, codes32), mj)));
+      }
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+#endif
+
 template <typename T>
 void dequantize_row_avx512(int64_t type, const uint8_t* row, int64_t k, T* out) {
   const Layout l = layout_of(type);
@@ -216,6 +290,10 @@ void dequantize_row_avx512(int64_t type, const uint8_t* row, int64_t k, T* out) 
   for (int64_t blk = 0; blk < k / l.block; ++blk) {
     const uint8_t* b = row + blk * l.bytes;
     T* o = out + blk * l.block;
+#ifdef __AVX512BF16__
+    if constexpr (!std::is_same_v<T, float>)
+      if (dequantize_block_by_table(type, b, o)) continue;
+#endif
     switch (type) {
       case Q8_0: {
         const __m512 d = _mm512_set1_ps(half_at(b));
@@ -308,13 +386,37 @@ inline __m128 sum_lanes(const __m512* a) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// R rows of x (row stride k) against `cols` dequantized rows of W (stride k): out[r][c], fp32 sums over K.
+// Where a row's (up to) 4 results go: float32 as summed, or bfloat16 rounded once to nearest even, each plus its
+// bias (float32) first, as oneDNN's bf16 GEMM rounds its biased sum.
+struct Output {
+  void* data;
+  bool bf16;
+  int64_t ldo;          // elements from one row of out to the next
+  const float* bias;    // [columns of this part] or null
+};
+
+inline void store(const Output& o, int64_t r, int64_t c, int cols, __m128 sums) {
+  const __mmask8 mask = static_cast<__mmask8>((1u << cols) - 1);
+  if (o.bias) sums = _mm_add_ps(sums, _mm_maskz_loadu_ps(mask, o.bias + c));
+  if (!o.bf16) {
+    _mm_mask_storeu_ps(static_cast<float*>(o.data) + r * o.ldo + c, mask, sums);
+    return;
+  }
+#ifdef __AVX512BF16__
+  const __m128i rounded = (__m128i)_mm_cvtneps_pbh(sums);
+  _mm_mask_storeu_epi16(static_cast<uint16_t*>(o.data) + r * o.ldo + c, mask, rounded);
+#endif
+}
+
+// R rows of x (row stride k) against `cols` dequantized rows of W (stride k): rows r0.. and columns c0.. of out,
+// fp32 sums over K.
 template <typename T, int R>
-inline void dot_tile(const T* x, const T* w, int64_t k, int cols, float* out, int64_t ldo) {
+inline void dot_tile(const T* x, const T* w, int64_t k, int cols, const Output& out, int64_t r0, int64_t c0) {
   constexpr int64_t step = 64 / sizeof(T);  // elements per 512-bit vector
   __m512 acc[R][kCols];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 2
   for (int64_t i = 0; i < k; i += step) {
     __m512i b[kCols];
     for (int c = 0; c < kCols; ++c) b[c] = _mm512_loadu_si512(w + c * k + i);
@@ -331,17 +433,17 @@ inline void dot_tile(const T* x, const T* w, int64_t k, int cols, float* out, in
       }
     }
   }
-  const __mmask8 mask = static_cast<__mmask8>((1u << cols) - 1);
-  for (int r = 0; r < R; ++r) _mm_mask_storeu_ps(out + r * ldo, mask, sum_lanes(acc[r]));
+  for (int r = 0; r < R; ++r) store(out, r0 + r, c0, cols, sum_lanes(acc[r]));
 }
 
 template <typename T, int R>
-inline void dot_rows(const T* x, int64_t rows, const T* w, int64_t k, int cols, float* out, int64_t ldo) {
+inline void dot_rows(const T* x, int64_t rows, const T* w, int64_t k, int cols, const Output& out, int64_t r0,
+                     int64_t c0) {
   if constexpr (R > 0) {
     if (rows == R)
-      dot_tile<T, R>(x, w, k, cols, out, ldo);
+      dot_tile<T, R>(x, w, k, cols, out, r0, c0);
     else
-      dot_rows<T, R - 1>(x, rows, w, k, cols, out, ldo);
+      dot_rows<T, R - 1>(x, rows, w, k, cols, out, r0, c0);
   }
 }
 #endif
@@ -356,15 +458,21 @@ bool gguf_matmul_available(at::ScalarType dtype) {
 #endif
 }
 
-// x [R, K] (float32 or bfloat16) times W^T, W [N, K] in GGUF blocks of `type` -> out float32 [R, N] (a view whose
-// rows may be longer: one part of a fused matmul's output).
-void gguf_matmul(const at::Tensor& x, const at::Tensor& q, int64_t type, at::Tensor& out) {
+// x [R, K] (float32 or bfloat16) times W^T (+ bias), W [N, K] in GGUF blocks of `type` -> out [R, N], float32 or
+// bfloat16 (a view whose rows may be longer: one part of a fused matmul's output).
+void gguf_matmul(const at::Tensor& x, const at::Tensor& q, int64_t type, const std::optional<at::Tensor>& bias,
+                 at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gguf_matmul: x must be a contiguous 2-d tensor");
   const int64_t rows = x.size(0), k = x.size(1), n = q.size(0);
   check_weight(q, type, k);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows && out.size(1) == n &&
-                  out.stride(1) == 1,
-              "gguf_matmul: out must be float32 [rows of x, rows of W] with unit column stride");
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_out || out.scalar_type() == at::kFloat) && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == n && out.stride(1) == 1,
+              "gguf_matmul: out must be float32 or bfloat16 [rows of x, rows of W] with unit column stride");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n &&
+                        bias->is_contiguous()),
+              "gguf_matmul: bias must be a contiguous float32 [rows of W]");
+  TORCH_CHECK(!bf16_out || gguf_matmul_available(at::kBFloat16), "gguf_matmul: this build writes no bfloat16");
   TORCH_CHECK(gguf_matmul_available(x.scalar_type()), "gguf_matmul: this build has no kernel for x of ",
               x.scalar_type());
 #ifdef __AVX512F__
@@ -373,9 +481,9 @@ void gguf_matmul(const at::Tensor& x, const at::Tensor& q, int64_t type, at::Ten
   const int64_t element = x.scalar_type() == at::kFloat ? 4 : 2, threads = at::get_num_threads();
   int64_t width = std::clamp<int64_t>(kPanelBytes / (k * element) / kCols * kCols, 16, 128);
   width = std::max<int64_t>(16, std::min<int64_t>(width, (n / (2 * threads) + kCols - 1) / kCols * kCols));
-  const int64_t row_bytes = q.size(1), ldo = out.stride(0), panels = (n + width - 1) / width;
+  const int64_t row_bytes = q.size(1), panels = (n + width - 1) / width;
   const uint8_t* wq = q.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
+  const Output o{out.data_ptr(), bf16_out, out.stride(0), bias ? bias->data_ptr<float>() : nullptr};
   auto run = [&](auto* xp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -387,7 +495,7 @@ void gguf_matmul(const at::Tensor& x, const at::Tensor& q, int64_t type, at::Ten
         for (int64_t r = 0; r < rows; r += kRows)
           for (int64_t c = 0; c < cols; c += kCols)
             dot_rows<T, kRows>(xp + r * k, std::min<int64_t>(kRows, rows - r), panel.data() + c * k, k,
-                               static_cast<int>(std::min<int64_t>(kCols, cols - c)), op + r * ldo + first + c, ldo);
+                               static_cast<int>(std::min<int64_t>(kCols, cols - c)), o, r, first + c);
       }
     });
   };
@@ -403,11 +511,12 @@ void gguf_matmul(const at::Tensor& x, const at::Tensor& q, int64_t type, at::Ten
 TORCH_LIBRARY_FRAGMENT(batchjob_cpu, m) {
   m.def("gguf_matmul_available(ScalarType dtype) -> bool", &gguf_matmul_available);
   m.def("gguf_dequantize(Tensor q, int type, int k) -> Tensor");
-  m.def("gguf_matmul(Tensor x, Tensor q, int type, int k, Tensor(a!) out) -> ()");
+  m.def("gguf_matmul(Tensor x, Tensor q, int type, int k, Tensor? bias, Tensor(a!) out) -> ()");
   m.impl("gguf_dequantize", c10::DispatchKey::CPU, &gguf_dequantize);
-  m.impl("gguf_matmul", c10::DispatchKey::CPU, [](const at::Tensor& x, const at::Tensor& q, int64_t type, int64_t k,
-                                                 at::Tensor& out) {
-    TORCH_CHECK(x.size(-1) == k, "gguf_matmul: x has ", x.size(-1), " features, W ", k);
-    gguf_matmul(x, q, type, out);
-  });
+  m.impl("gguf_matmul", c10::DispatchKey::CPU,
+         [](const at::Tensor& x, const at::Tensor& q, int64_t type, int64_t k, const std::optional<at::Tensor>& bias,
+            at::Tensor& out) {
+           TORCH_CHECK(x.size(-1) == k, "gguf_matmul: x has ", x.size(-1), " features, W ", k);
+           gguf_matmul(x, q, type, bias, out);
+         });
 }

@@ -88,7 +88,8 @@ class GGUFLinear:
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None, out_dtype=None):
         if len({p.in_features for p in parts}) != 1 or len({p.dtype for p in parts}) != 1:
             raise ValueError("the parts of a fused GGUF matmul must share in_features and dtype")
-        self.parts, self.bias = parts, bias
+        self.parts = parts
+        self.bias = None if bias is None else bias.float().contiguous()  # added to the float32 sums
         self.dtype = parts[0].dtype
         self.out_dtype = out_dtype or self.dtype
         self.shape = torch.Size((sum(p.shape[0] for p in parts), parts[0].in_features))
@@ -100,12 +101,13 @@ class GGUFLinear:
         return sum(p.nbytes for p in self.parts) + bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Each output summed in float32, plus its bias, and rounded once to `out_dtype` (bf16 or float32)."""
         rows = x.reshape(-1, self.shape[1]).to(self.dtype).contiguous()
-        out = torch.empty(rows.shape[0], self.shape[0])
+        out = torch.empty(rows.shape[0], self.shape[0], dtype=self.out_dtype)
         start = 0
         for p in self.parts:
-            self.ops.gguf_matmul(rows, p.data, p.ggml_type, p.in_features, out[:, start : start + p.shape[0]])
-            start += p.shape[0]
-        if self.bias is not None:
-            out += self.bias
-        return out.to(self.out_dtype).view(*x.shape[:-1], self.shape[0])
+            end = start + p.shape[0]
+            bias = None if self.bias is None else self.bias[start:end]
+            self.ops.gguf_matmul(rows, p.data, p.ggml_type, p.in_features, bias, out[:, start:end])
+            start = end
+        return out.view(*x.shape[:-1], self.shape[0])
