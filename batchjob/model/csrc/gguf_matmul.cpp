@@ -209,9 +209,11 @@ inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_e
 inline __m512i high_nibbles(__m512i v) { return _mm512_srli_epi32(v, 4); }
 
 #ifdef __AVX512BF16__
-// bf16 weights of the 4- and 5-bit types by table: a block's (or sub-block's) 16 or 32 possible values computed
-// once, each by the same float32 operations as above and rounded alike, then looked up for its 32 weights by their
-// codes (vpermw), instead of converting and scaling each weight: the same bits at a quarter of the operations.
+// bf16 weights, 32 at a time. The 4- and 5-bit types by table: a block's (or sub-block's) 16 or 32 possible values
+// computed once, each by the same float32 operations as above and rounded alike, then looked up for its 32 weights
+// by their codes (vpermw), instead of converting and scaling each weight: the same bits at a quarter of the
+// operations. Q8_0 and Q6_K (256 and 64 codes a scale: no table pays) computed as above, their codes gathered 32 at
+// a time.
 inline __m512i table16(__m512 values) { return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values)); }
 inline __m512i table32(__m512 low, __m512 high) { return (__m512i)_mm512_cvtne2ps_pbh(high, low); }
 inline void look_up(uint16_t* o, __m512i codes, __m512i table) {
@@ -224,8 +226,8 @@ inline __m512i nibble_codes(const uint8_t* q) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), _mm256_srli_epi16(v, 4), 1);
 }
 
-// Whether the block of `type` was written by table (else the caller computes it).
-inline bool dequantize_block_by_table(int64_t type, const uint8_t* b, uint16_t* o) {
+// Whether the block of `type` was written here (else the caller computes it).
+inline bool dequantize_block_bf16(int64_t type, const uint8_t* b, uint16_t* o) {
   const __m512 codes16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 codes32 = _mm512_add_ps(codes16, _mm512_set1_ps(16.0f));
   switch (type) {
@@ -276,6 +278,31 @@ inline bool dequantize_block_by_table(int64_t type, const uint8_t* b, uint16_t* 
       }
       return true;
     }
+    case Q8_0: {  // x * d, 32 at once
+      const __m512 d = _mm512_set1_ps(half_at(b));
+      const __m512 low = _mm512_mul_ps(to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
+      const __m512 high = _mm512_mul_ps(to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
+      _mm512_storeu_si512(o, table32(low, high));
+      return true;
+    }
+    case Q6_K: {  // (d * sc) * (q - 32), q's 6 bits gathered 32 at a time in 16-bit lanes
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_at(b + 208);
+      for (int g = 0; g < 8; ++g) {
+        const int hb = g / 4, nibble = (g / 2) % 2, part = g % 2;
+        const __m512i ql = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + hb * 64 + part * 32)));
+        const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + hb * 32)));
+        const __m512i low = nibble ? _mm512_srli_epi16(ql, 4) : _mm512_and_si512(ql, _mm512_set1_epi16(0x0F));
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * (g % 4)), _mm512_set1_epi16(3));
+        const __m512i codes = _mm512_sub_epi16(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), _mm512_set1_epi16(32));
+        const __m512 d0 = _mm512_set1_ps(d * static_cast<float>(scales[g * 2]));
+        const __m512 d1 = _mm512_set1_ps(d * static_cast<float>(scales[g * 2 + 1]));
+        const __m512 first = _mm512_mul_ps(d0, to_float(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(codes))));
+        const __m512 second = _mm512_mul_ps(d1, to_float(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(codes, 1))));
+        _mm512_storeu_si512(o + g * 32, table32(first, second));
+      }
+      return true;
+    }
     default:
       return false;
   }
@@ -292,7 +319,7 @@ void dequantize_row_avx512(int64_t type, const uint8_t* row, int64_t k, T* out) 
     T* o = out + blk * l.block;
 #ifdef __AVX512BF16__
     if constexpr (!std::is_same_v<T, float>)
-      if (dequantize_block_by_table(type, b, o)) continue;
+      if (dequantize_block_bf16(type, b, o)) continue;
 #endif
     switch (type) {
       case Q8_0: {
