@@ -97,7 +97,8 @@ def run_bench(
         skipped["vllm"] = "load_format dummy: vLLM would draw other random weights"
         systems.remove("vllm")
     hf_model = None
-    vllm = load_vllm(engine, model_path) if "vllm" in systems else None
+    longest = max(len(r.prompt_token_ids) + r.params.max_tokens for r in wl.requests)
+    vllm = load_vllm(engine, model_path, longest) if "vllm" in systems else None
     if "llama-server" in systems:
         server = llama_server.ensure_built() / "llama-server"
         gguf = llama_server.requantized(model_path, llama.requantize) if llama.requantize else model_path

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchjob import env
-from batchjob.bench.measure import Result, peak_rss
+from batchjob.bench.measure import Result
 from batchjob.bench.workloads import Workload
+from batchjob.engine.host_memory import peak_rss
 from batchjob.engine.outputs import Request
 from batchjob.model.build_lock import build_lock
 from batchjob.model.builtin import cache_dir

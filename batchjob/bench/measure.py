@@ -3,12 +3,10 @@ compared with, and the agreement of two systems' greedy outputs."""
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -57,23 +55,6 @@ class Result:
             output_tokens_per_s=self.output_tokens / self.wall,
         )
         return d
-
-
-def reset_peak_rss() -> None:
-    """Start this process's peak RSS (VmHWM) afresh from its present RSS (Linux's clear_refs; elsewhere a no-op)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss(pid: int | str = "self") -> int | None:
-    """A process's peak resident memory in bytes since it started or since reset_peak_rss (VmHWM), or None where
-    /proc does not say."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
-    return None if kb is None else int(kb) * 1024
 
 
 def interleaved_rounds(names: list, repeats: int, run: Callable) -> tuple[dict, dict]:

@@ -180,7 +180,7 @@ def run_score_bench(
         with torch.inference_mode():
             hf_logprobs(hf_model, [rows[0][:16]])  # warm-up: the first forward pays for lazy initialisation
     if "vllm" in systems and "vllm" not in skipped:
-        llm = load_vllm(engine, model_path)
+        llm = load_vllm(engine, model_path, max(map(len, rows)))
         runners["vllm"] = lambda: run_vllm_score(llm, engine, rows)
     engine.score([rows[0][:16]], use_tqdm=False)  # warm-up
     if "vllm" in runners:

@@ -12,11 +12,12 @@ import torch
 
 from batchjob import env
 from batchjob.bench.llama_server import cached_binary, weight_types
-from batchjob.bench.measure import Result, peak_rss, reset_peak_rss, summarize
+from batchjob.bench.measure import Result, summarize
 from batchjob.bench.workloads import Workload
 from batchjob.engine.block_manager import KVPoolExhausted
 from batchjob.engine.embedder import Embedder
 from batchjob.engine.engine import Engine
+from batchjob.engine.host_memory import peak_rss, reset_peak_rss
 from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.engine.sequence import Sequence
 
@@ -210,7 +211,7 @@ def engine_mode(engine: Engine) -> str:
     return mode
 
 
-def load_vllm(engine: Engine, model_path):
+def load_vllm(engine: Engine, model_path, longest: int | None = None):
     """vLLM's LLM on the engine's weights, exported as an HF folder, in the engine's dtype (bf16 is also vLLM-CPU's
     default for a model whose config says bf16, as SmolLM2's does), with every core for the model. Built
     once per bench: its init (compiling the model) takes minutes. Its workers spawn, so a script calling this needs
@@ -225,7 +226,9 @@ def load_vllm(engine: Engine, model_path):
             model=str(hf_folder(str(model_path))),
             dtype=dtype_name(engine.dtype),
             enable_prefix_caching=True,
-            max_model_len=engine.max_model_len,
+            # the engine's context, or at most the workload's longest request: vLLM refuses to start where one
+            # sequence of its max_model_len would not fit its KV pool (a 128k-context config in 30% of RAM)
+            max_model_len=min(engine.max_model_len, longest or engine.max_model_len),
             seed=engine.config.seed,
             # On the CPU backend this is the share of RAM vLLM reserves at start-up; its default 0.92 refuses to
             # start while this process (our engine) and others hold a few GiB.

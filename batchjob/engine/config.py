@@ -48,8 +48,8 @@ class EngineConfig(BaseModel):
         "auto",
         description="dequantize: the matmuls in `dtype` on dequantized weights; quantized: a GGUF's weight matrices "
         "kept in their quantized blocks, dequantized a panel at a time inside the matmul (a CPU with AVX-512); int8: "
-        "W8A8 int8 matmuls on a CPU (weights per output channel, activations per token); auto: quantized for a GGUF "
-        "in bf16 where the CPU computes it, else dequantize (docs/cpu.md)",
+        "W8A8 int8 matmuls on a CPU (weights per output channel, activations per token); auto: dequantize where the "
+        "dequantized weights fit in half the available memory, else a GGUF's blocks kept quantized (docs/cpu.md)",
     )
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="dummy: random weights (seeded by `seed`) with the named model's config, nothing read"

@@ -1,4 +1,5 @@
-"""Host memory on a CPU: the KV pool, zeroed lazily in small pages; freed activations kept for reuse.
+"""Host memory on a CPU: the KV pool, zeroed lazily in small pages; freed activations kept for reuse; the process's
+peak resident memory.
 
 A GiB-sized pool written up front costs start-up time and commits all of it at once, so it is mapped lazily: a page is
 committed on its first write. numpy's zeros did that, but asks the kernel for transparent huge pages on large arrays,
@@ -13,6 +14,7 @@ import ctypes
 import ctypes.util
 import math
 import mmap
+from pathlib import Path
 
 import torch
 
@@ -43,3 +45,30 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
     except (OSError, AttributeError, TypeError):  # no C library found, or one without mallopt (musl, macOS)
         return False
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS (VmHWM) afresh from its present RSS (Linux's clear_refs; elsewhere a no-op)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory in bytes since it started or since reset_peak_rss (VmHWM), or None where
+    /proc does not say."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    return None if kb is None else int(kb) * 1024
+
+
+def available_memory() -> int | None:
+    """Bytes the host can give without swapping (MemAvailable), or None where /proc does not say."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    kb = next((line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    return None if kb is None else int(kb) * 1024

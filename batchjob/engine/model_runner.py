@@ -13,7 +13,7 @@ from batchjob import env
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
-from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, keep_freed_memory, lazy_zeros
+from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, available_memory, keep_freed_memory, lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.prompt_logprobs import PromptLogprobRows
@@ -77,26 +77,41 @@ def pick_dtype(config: EngineConfig | EmbedderConfig, device: torch.device) -> t
     return torch.bfloat16 if device.type == "cuda" or has_native_bf16() else torch.float32
 
 
+# `weights: auto` dequantizes a GGUF's blocks where the dequantized weights take at most this share of the memory
+# available at load: there the dequantized matmuls run faster on every host measured (docs/cpu.md#gguf-weights-kept-
+# quantized); a model too large for that keeps its blocks, a third to a quarter of the bytes, and runs.
+AUTO_DEQUANTIZE_SHARE = 0.5
+
+
 def keep_gguf_blocks(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a GGUF's weight matrices stay in their quantized blocks (matmul/gguf_linear.py): with `quantized`
-    (where the CPU's build computes them, else DeviceSettingError), and with `auto` for bf16 on a CPU that computes
-    them: a fraction of the memory, at the matmul rate of the dequantized weights or close (docs/cpu.md). fp32, the
-    exact mode, dequantizes them with `auto`."""
+    """Whether a GGUF is loaded with its weight matrices in their quantized blocks (matmul/gguf_linear.py): with
+    `quantized` (where this CPU's build computes them, else DeviceSettingError), and with `auto` where it computes
+    them (pick_weights then dequantizes them where they fit)."""
     computes = device.type == "cpu" and computable(dtype)
     if config.weights == "quantized" and not computes:
         raise DeviceSettingError(
             f"weights: quantized computes GGUF's blocks on a CPU with AVX-512 (bf16 with AVX512_BF16), which this "
             f"{device.type} lacks for {str(dtype).removeprefix('torch.')}; use weights dequantize or auto"
         )
-    return config.weights == "quantized" or (config.weights == "auto" and computes and dtype == torch.bfloat16)
+    return config.weights == "quantized" or (config.weights == "auto" and computes)
 
 
-def pick_weights(config: EngineConfig, device: torch.device, loaded: LoadedModel) -> str:
-    """`quantized` where the loaded model kept GGUF blocks (keep_gguf_blocks). `int8` (W8A8 matmuls,
-    matmul/int8_linear.py) where asked for and possible. Otherwise `dequantize`: `auto` never picks int8, as where
-    it ran faster (AVX-512 VNNI) its NLL bound against fp32 is not established, and without VNNI it is slower at
-    decode sizes, on 7-bit weights (docs/cpu.md#int8-weights has the figures)."""
-    if any(isinstance(w, QuantizedWeight) for w in loaded.weights.values()):
+def pick_weights(config: EngineConfig, device: torch.device, loaded: LoadedModel, dtype: torch.dtype) -> str:
+    """`quantized` where the loaded model keeps GGUF blocks: asked for, or with `auto` where its weights dequantized
+    to `dtype` would take more than AUTO_DEQUANTIZE_SHARE of the available memory (else they are dequantized here,
+    to the values a dequantizing load gives). `int8` (W8A8 matmuls, matmul/int8_linear.py) where asked for and
+    possible. Otherwise `dequantize`: `auto` never picks int8, as where it ran faster (AVX-512 VNNI) its NLL bound
+    against fp32 is not established, and without VNNI it is slower at decode sizes, on 7-bit weights
+    (docs/cpu.md#int8-weights has the figures)."""
+    blocks = [name for name, w in loaded.weights.items() if isinstance(w, QuantizedWeight)]
+    if blocks and config.weights == "auto":
+        dequantized = sum(loaded.weights[n].shape.numel() for n in blocks) * dtype.itemsize
+        available = available_memory()
+        if available is None or dequantized <= AUTO_DEQUANTIZE_SHARE * available:
+            for name in blocks:
+                loaded.weights[name] = loaded.weights[name].dequantize()
+            blocks = []
+    if blocks:
         return "quantized"
     if config.weights == "quantized":
         raise DeviceSettingError(
@@ -126,7 +141,7 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = pick_dtype(config, self.device)
         self.ops_backend = pick_ops_backend(config, self.device)
-        self.weights = pick_weights(config, self.device, loaded)
+        self.weights = pick_weights(config, self.device, loaded, self.dtype)
         self.model = decoder_class(loaded.config)(
             loaded.config,
             # Taken out of `loaded`: weights drawn on the GPU (load_format dummy) would otherwise stay there unfused

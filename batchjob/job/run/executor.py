@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from batchjob.engine.host_memory import peak_rss
 from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, StepMetrics
 from batchjob.env import configure_threads
 from batchjob.job.cache.results_cache import RunCache, open_cache
@@ -80,7 +81,8 @@ class Executor(Protocol):
         """Compute the pending rows and commit their results; return early once the stopper says stop."""
 
     def engine_summary(self) -> dict:
-        """What the engine settled on (token budget), for _SUCCESS's `this_run`; empty where unknown."""
+        """What the engine settled on (token budget) and the peak resident memory of its process, for _SUCCESS's
+        `this_run`; empty where unknown."""
 
 
 class LocalExecutor:
@@ -256,8 +258,13 @@ class LocalExecutor:
         if self.engine is None:
             return {}
         if self.pending.job.task == "embed":
-            return {"max_num_batched_tokens": self.engine.config.max_num_batched_tokens, **asdict(self.engine.stats)}
-        summary = {"token_budget": self.engine.token_budget}
+            config = self.engine.config
+            return {
+                "max_num_batched_tokens": config.max_num_batched_tokens,
+                **asdict(self.engine.stats),
+                "peak_rss_bytes": peak_rss(),
+            }
+        summary = {"token_budget": self.engine.token_budget, "peak_rss_bytes": peak_rss()}
         if self.engine.auto_budget is not None:
             summary["token_budget_auto"] = self.engine.auto_budget.summary()
         return summary
