@@ -1,5 +1,5 @@
 """Usage: python scripts/cpu_ops_ab.py
-   [steps|prof|gemm|int8|run|attention|job|dtype|weights|int8-quality|invariance|sampler]
+   [steps|prof|gemm|int8|gguf|run|attention|job|dtype|weights|int8-quality|invariance|sampler]
    (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD, BITS, ALPHA,
    SMOOTH, FLOAT_DOWN)
 
@@ -13,6 +13,9 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   run: float32 and bfloat16 packed for oneDNN (matmul/linear.py), W8A8 through oneDNN's int8 GEMM on packed weights
   (model/matmul/int8_linear.py, activation quantization and scaling included) and through torch._int_mm: GFLOP/s and the
   ratio to float32. Under BATCHJOB_CPU_ISA=avx2 (oneDNN and MKL capped at AVX2) the bf16 column is left out.
+- gguf: bf16 matmuls of Llama-3.2-1B's shapes (MLP up, down, qkv, the LM head) on GGUF blocks (Q4_K, Q6_K, Q8_0;
+  matmul/gguf_linear.py) against oneDNN's packed bf16 GEMM on the weights dequantized, per row count (ROWS, default
+  1,16,64,512), interleaved: GFLOP/s and the ratio.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
 - attention: the C++ paged attention alone at SmolLM2's shapes (9 query heads, 3 KV heads of 64), best of 15 calls:
@@ -209,6 +212,43 @@ def int8_ab() -> None:
         rates = "  ".join(f"{name} {flops / s / 1e9:.0f}" for name, s in secs.items())
         ratios = " ".join(f"{name} {secs['fp32'] / s:.2f}" for name, s in secs.items() if name != "fp32")
         print(f"{rows} rows: {rates} GFLOP/s; x fp32: {ratios}  load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def gguf_ab() -> None:
+    """bf16 matmuls of Llama-3.2-1B's shapes on GGUF blocks (GGUFLinear) against oneDNN's packed GEMM on the same
+    weights dequantized, per row count (ROWS), interleaved."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from batchjob.model.matmul.gguf_linear import GGUFLinear, QuantizedWeight
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16384, 2048, "Q4_K"), (2048, 8192, "Q6_K"), (3072, 2048, "Q8_0"), (128256, 2048, "Q6_K")]
+    paths = {}
+    for n, k, name in shapes:
+        kind = GGMLQuantizationType[name]
+        block, size = GGML_QUANT_SIZES[kind]
+        raw = torch.randint(0, 256, (n, k // block, size), generator=g, dtype=torch.uint8)
+        offset = 208 if name == "Q6_K" else 0  # the blocks' fp16 scale d: a trained model's magnitude
+        raw[..., offset : offset + 2] = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8)
+        q = QuantizedWeight(raw.view(n, -1), int(kind), k, torch.bfloat16)
+        paths[f"{name} {n}x{k}"] = (GGUFLinear([q]), linear.Linear(q.dequantize()), k, n)
+    for rows in [int(r) for r in os.environ.get("ROWS", "1,16,64,512").split(",")]:
+        for label, (blocks, onednn, k, n) in paths.items():
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            reps, secs = max(2, int(2e9 / (2 * rows * n * k))), {"gguf": 0.0, "onednn": 0.0}
+            for r in range(4):
+                for which in ("gguf", "onednn") if r % 2 == 0 else ("onednn", "gguf"):
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        (blocks if which == "gguf" else onednn)(x)
+                    secs[which] += time.perf_counter() - t
+            flops = 2 * rows * n * k * reps * 4
+            print(
+                f"{rows} rows {label}: gguf {flops / secs['gguf'] / 1e9:.0f}, oneDNN bf16 "
+                f"{flops / secs['onednn'] / 1e9:.0f} GFLOP/s (x{secs['onednn'] / secs['gguf']:.2f})  "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
 
 
 def run_ab() -> None:
@@ -556,6 +596,7 @@ def roofline() -> None:
     "prof": steps_ab,
     "gemm": gemm_ab,
     "int8": int8_ab,
+    "gguf": gguf_ab,
     "run": run_ab,
     "attention": attention,
     "job": job_phases,
