@@ -265,6 +265,13 @@ def test_score_bench_credits_each_rows_tokens_after_its_first_and_matches_transf
     assert "transformers' batch sizes tried: 1, 4, 5" in text and "engine's scored tokens/s: " in text
     assert "logprobs of hf batch 4 against the engine's over 5 rows: max |difference| " in text
     assert f"host CPU: {describe_cpu(cpu_kind())}" in text
+    # the floor: the decoder's matmuls for every prompt token and the head's for every scored one, at this run's rate
+    c, floor = engine.model_config, report["floor"]
+    per_token = 2 * sum(lin.shape.numel() for i in range(c.num_hidden_layers) for lin in engine.model.linears(i))
+    assert floor["flops"] == per_token * (scored + 5) + 2 * c.vocab_size * c.hidden_size * scored
+    assert floor["seconds"] == pytest.approx(floor["flops"] / (floor["matmul_gflops"] * 1e9)) and floor["rows"] == 32
+    assert floor["engine_over_floor"] == pytest.approx(systems["engine"]["wall"] / floor["seconds"])
+    assert f"the engine took {floor['engine_over_floor']:.2f}x it" in text
 
 
 def test_transformers_batch_sizes_whose_padded_batches_outgrow_the_bound_are_not_tried(monkeypatch):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from batchjob.bench.measure import Result, interleaved_rounds, synchronize
+from batchjob.bench.measure import Result, interleaved_rounds, scoring_floor, synchronize
 from batchjob.bench.systems import VLLM_ENV, dtype_name, engine_mode, load_hf_model, load_vllm, peer_status
 from batchjob.engine.engine import Engine
 from batchjob.model.cpu_features import cpu_kind
@@ -201,8 +201,12 @@ def run_score_bench(
     hf_names = [f"hf batch {b}" for b in sizes]
     hf_best = min(hf_names, key=lambda s: results[s].wall) if hf_names else None
     peers = {"hf": hf_best, "vllm": "vllm" if "vllm" in results else None}
+    floor = scoring_floor(engine, sum(map(len, rows)), tokens) if base else None
+    if floor:
+        floor["engine_over_floor"] = base.wall / floor["seconds"]
     return {
         "workload": workload,
+        "floor": floor,
         "cpu": cpu_kind(),
         "systems": report_rows,
         "skipped": skipped,

@@ -251,6 +251,12 @@ def format_score(report: dict) -> str:
     if ratios := report["engine_ratio"]:
         peers = {"hf": f"transformers' at its best batch ({hf['best']})", "vllm": "vLLM's"}
         notes.append("engine's scored tokens/s: " + ", ".join(f"{v:.2f}x {peers[p]}" for p, v in ratios.items()))
+    if floor := report.get("floor"):
+        notes.append(
+            f"floor: {floor['flops'] / 1e12:.2f} TFLOP of matmuls (the decoder's for every prompt token, the LM head's "
+            f"for every scored one) at this run's {floor['matmul_gflops']:.0f} GFLOP/s (the model's matmuls at "
+            f"{floor['rows']} rows) = {floor['seconds']:.2f} s; the engine took {floor['engine_over_floor']:.2f}x it"
+        )
     walls = "; ".join(f"{r['system']} {', '.join(f'{w:.2f}' for w in r['round_walls'])}" for r in report["systems"])
     notes.append(f"wall time of each round (s), {report['repeats']} round(s), {report['threads']} threads: {walls}")
     for name, d in exact.items():

@@ -314,9 +314,7 @@ class ModelRunner:
             hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
             rows = step.sample_rows if rows is None else torch.tensor(rows, device=self.device)
             if prompt is not None:
-                prompt.compute(
-                    hidden, self.model.compute_logits, self.prompt_logprob_rows, self.model.ops.count_greater
-                )
+                prompt.compute(hidden, self.model, self.prompt_logprob_rows)
         if not rows.shape[0]:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[rows])

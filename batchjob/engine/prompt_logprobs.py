@@ -26,17 +26,21 @@ class PromptLogprobRows:
     ranks: torch.Tensor | None = None  # [rows] int64, each prompt token's rank, on the device too
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # [rows, k] values and token ids, when k
 
-    def compute(self, hidden: torch.Tensor, compute_logits, slice_rows: int, count_greater) -> None:
-        """From the step's hidden states: the float32 log-softmax of the rows' logits, a slice of rows at a time,
-        left on the device; `count_greater` is the ops backend's (each token's rank from its row)."""
+    def compute(self, hidden: torch.Tensor, model, slice_rows: int) -> None:
+        """From the step's hidden states, left on the device: where no alternatives are asked for, the model's
+        fused head where it has one (score_tokens: no logits written), else the float32 log-softmax of the rows'
+        logits, a slice of rows at a time, each token's rank counted by the ops backend's count_greater."""
         rows = torch.tensor(self.rows, device=hidden.device)
         targets = torch.tensor(self.targets, device=hidden.device)
+        if not self.k and (scored := model.score_tokens(hidden[rows], targets)) is not None:
+            self.chosen, self.ranks = scored[0], scored[1] + 1
+            return
         chosen, ranks, values, ids = [], [], [], []
         for i in range(0, len(self.rows), slice_rows):
-            logprobs = compute_logits(hidden[rows[i : i + slice_rows]]).log_softmax(-1)
+            logprobs = model.compute_logits(hidden[rows[i : i + slice_rows]]).log_softmax(-1)
             picked = logprobs.gather(1, targets[i : i + slice_rows, None])
             chosen.append(picked.squeeze(1))
-            ranks.append(count_greater(logprobs, picked) + 1)
+            ranks.append(model.ops.count_greater(logprobs, picked) + 1)
             if self.k:
                 top = logprobs.topk(self.k, -1)
                 values.append(top.values)

@@ -10,7 +10,8 @@ from __future__ import annotations
 VERSIONS: dict[str, int] = {
     "float32": 1,
     # 2: oneDNN's AMX bf16 GEMM in row blocks (linear.py); the LM head on bf16_dot with AVX512_BF16 (lm_head.py)
-    "bfloat16": 2,
+    # 3: prompt logprobs without alternatives from the head fused with its log-softmax (bf16_dot_logprobs)
+    "bfloat16": 3,
     "float16": 1,
     "int8": 2,  # 2: SmoothQuant's scales folded in at load (smoothing.py)
     "quantized float32": 1,  # GGUF's blocks dequantized inside the matmul (matmul/gguf_linear.py)

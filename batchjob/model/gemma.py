@@ -119,3 +119,7 @@ class GemmaModel(LlamaModel):
         logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def score_tokens(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # the fused head knows no soft cap
+        return super().score_tokens(hidden, targets) if self.config.final_logit_softcapping is None else None

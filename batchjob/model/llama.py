@@ -254,3 +254,10 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def score_tokens(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's log-probability of its target token and the count of tokens with a larger logit, without
+        the rows' logits materialised, where the head can (Bf16DotLinear); None where only compute_logits can."""
+        if isinstance(self.lm_head, Bf16DotLinear):
+            return self.lm_head.logprobs(hidden, targets)
+        return None

@@ -108,3 +108,20 @@ def test_bf16_outputs_do_not_depend_on_the_batch_or_the_chunking():
     alone = [engine.generate([p], greedy)[0].token_ids for p in prompts]
     assert [o.token_ids for o in engine.generate(prompts, greedy)] == alone
     assert [o.token_ids for o in chunked.generate(prompts, greedy)] == alone
+
+
+def test_bf16_scoring_through_the_fused_head_equals_the_logits_path(engines, prompts):
+    """Engine.score without alternatives runs the bf16 head fused with its log-softmax (no logits written, where
+    the CPU has AVX512_BF16); with alternatives asked for, the logits and torch's log_softmax. The two give each
+    token's logprob within float32's rounding of the exp sums and the same rank."""
+    bf16, _ = engines
+    fused, sliced = bf16.score(prompts, use_tqdm=False), bf16.score(prompts, prompt_logprobs=1, use_tqdm=False)
+    ranks = []
+    for a, b in zip(fused, sliced):
+        assert a.num_scored_tokens == b.num_scored_tokens > 0
+        for x, y in zip(a.token_logprobs, b.token_logprobs):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= 1e-4 * max(1.0, abs(y.logprob))
+            ranks.append(x.rank == y.rank)
+        assert a.token_logprobs[0].top == [] and len(b.token_logprobs[0].top) == 1
+    # a rank differs only where subtracting the log-sum-exp rounds a larger logit onto the target's logprob
+    assert sum(ranks) >= 0.99 * len(ranks) > 0

@@ -42,7 +42,7 @@ SEQUENCES = [IDS[:5], IDS[5:22], IDS[22:40], IDS[40:70]]
 PINNED: dict[tuple[str, str], dict[str, dict[int, str]]] = {
     ("2.13.0+cpu", "avx2 fma avx512f avx512_bf16 avx512_vnni"): {  # the project's AMD EPYC
         "float32": {1: "d49525e3de275585"},
-        "bfloat16": {2: "68b40c655a3433ee"},
+        "bfloat16": {2: "68b40c655a3433ee", 3: "92062716e730b4d8"},
         "int8": {2: "88e6240f720ede08"},
         "embed float32": {1: "6e05fadfd080bb81", 2: "966b182791ca8a19"},
         "embed bfloat16": {1: "394c36df50f3fe69", 2: "4b348b040766c0d2"},
@@ -112,7 +112,10 @@ def results(path: str) -> list[torch.Tensor]:
     task, _, kind = path.rpartition(" ")
     dtype = torch.float32 if kind == "int8" else getattr(torch, kind)
     if task != "embed":
-        return [forward_logits(decoder(dtype, int8=kind == "int8"), IDS, last_only=False)]
+        model = decoder(dtype, int8=kind == "int8")
+        # and where the path scores through a fused head (bf16_dot_logprobs), its results on fixed bf16 rows
+        scored = model.score_tokens(model.embed[IDS[:-1]], torch.tensor(IDS[1:]))
+        return [forward_logits(model, IDS, last_only=False), *(scored or ())]
     batch = PackedBatch.build(SEQUENCES)
     pooling = Pooling("mean", normalize=True)
     embedders = [bert(dtype), DecoderEmbeddingModel(decoder(dtype, lm_head=False))]
@@ -151,6 +154,9 @@ def test_every_path_has_a_version_and_the_label_records_it_from_2_on():
     assert arithmetic_path("bfloat16") == "bfloat16" and arithmetic_path("float32", "int8") == "int8"
     assert arithmetic_path("bfloat16", task="embed") == "embed bfloat16"
     assert {arithmetic_path(d, task=t) for d in ("float32", "bfloat16", "float16") for t in ("generate", "embed")} | {
-        "int8"
+        "int8",
+        "quantized float32",
+        "quantized bfloat16",
     } == set(VERSIONS)
+    assert arithmetic_path("bfloat16", "quantized") == "quantized bfloat16"
     assert arithmetic_label("float32") == {} and arithmetic_label("int8") == {"arithmetic": str(VERSIONS["int8"])}

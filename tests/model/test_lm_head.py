@@ -74,3 +74,51 @@ def test_logits_memory_is_handed_out_again_only_once_nothing_holds_it():
     del first, kept, second
     assert head(x).data_ptr() == address  # nothing holds it: the same memory again
     assert torch.equal(head(y[:5]), head(y)[:5])  # the first still held while the second is computed
+
+
+needs_bf16_dot = pytest.mark.skipif(HEAD is Linear, reason="no AVX512_BF16 bf16_dot here: the fused head is not built")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("n, k", [(49152, 576), (1000, 64), (70, 2), (1025, 32)])
+def test_fused_logprobs_equal_the_log_softmax_of_the_logits(n, k):
+    """bf16_dot_logprobs: log p(target) and the logits above the target's, as log_softmax and count_greater of the
+    head's own logits give them, for row counts across its 6-row and 96-row tiles and vocabularies across its
+    64-column blocks and 1,024-column chunks (a partial last block too)."""
+    w = weight(n, k)
+    head = lm_head(w, CPU, keep_weight=False)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 5, 97, 200):
+        x = (torch.randn(rows, k, generator=g) * 3).to(torch.bfloat16)
+        targets = torch.randint(0, n, (rows,), generator=g)
+        targets[0] = n - 1  # the last column of a partial block
+        logits = head(x)
+        logprobs, above = head.logprobs(x, targets)
+        expected = logits.double().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+        assert logprobs.dtype == torch.float32 and above.dtype == torch.int64
+        assert (logprobs.double() - expected).abs().max() < 2e-5 * max(1.0, expected.abs().max().item())
+        picked = logits.gather(1, targets[:, None])
+        assert torch.equal(above, (logits > picked).sum(-1)), rows  # the very logits: exact counts
+
+
+@needs_bf16_dot
+def test_fused_logprobs_of_a_row_do_not_depend_on_its_batch():
+    w = weight(3000, 64)
+    head = lm_head(w, CPU, keep_weight=False)
+    x = torch.randn(130, 64).to(torch.bfloat16)
+    targets = torch.randint(0, 3000, (130,))
+    alone = [head.logprobs(x[i : i + 1], targets[i : i + 1]) for i in range(len(x))]
+    together = head.logprobs(x, targets)
+    assert torch.equal(together[0], torch.cat([a[0] for a in alone]))
+    assert torch.equal(together[1], torch.cat([a[1] for a in alone]))
+
+
+@needs_bf16_dot
+def test_fused_logprobs_refuse_targets_outside_the_vocabulary():
+    head = lm_head(weight(100, 64), CPU, keep_weight=False)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    for bad in ([0, 100], [-1, 0]):
+        with pytest.raises(RuntimeError, match="outside the 100 columns"):
+            head.logprobs(x, torch.tensor(bad))
+    with pytest.raises(RuntimeError, match="one int64 target a row"):
+        head.logprobs(x, torch.tensor([0]))

@@ -34,6 +34,12 @@ class Bf16DotLinear:
         self.ops.bf16_dot(rows, self.packed, out)
         return out.view(*x.shape[:-1], self.shape[0])
 
+    def logprobs(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's log-softmax at its target id and how many logits exceed the target's ([rows] float32 and
+        int64), in one pass over W with no [rows, vocab] logits written (bf16_dot_logprobs)."""
+        rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
+        return self.ops.bf16_dot_logprobs(rows, self.packed, self.shape[0], targets)
+
     def _output(self, rows: int) -> torch.Tensor:
         """[rows, out_features] float32 for the logits: the last call's memory where nothing holds any of it any more
         (a decode step's sampler is done with it), else a new block. Past 32 MiB (170 rows of a 49,152 vocabulary)
