@@ -424,6 +424,13 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     "quantized to TYPE (Q8_0, Q4_K_M, ...) by its llama-quantize (cached); the engine and llama-server load that "
     "file, vLLM its HF export: the very same weights at a model's real shape",
 )
+@click.option(
+    "--labels",
+    default=None,
+    metavar="A,B,...",
+    help="with --task score: a classification, each row scored with each label as its continuation (Engine.score's "
+    "labels; transformers and vLLM one sequence per row and label), credited with the labels' tokens",
+)
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:
     """Throughput of this engine against baselines on one workload, in one process (with --task embed the

@@ -274,6 +274,33 @@ def test_score_bench_credits_each_rows_tokens_after_its_first_and_matches_transf
     assert f"the engine took {floor['engine_over_floor']:.2f}x it" in text
 
 
+def test_score_bench_with_labels_scores_each_label_after_each_row_and_matches_transformers():
+    """--labels: the engine scores each row's labels on its cached prompt (Engine.score's labels), transformers each
+    row and label as one sequence, its head on the label's positions only; every system is credited with the labels'
+    tokens, and each label's summed logprob agrees to fp32's rounding."""
+    pytest.importorskip("transformers")
+    engine = Engine("tiny-llama", **TINY, num_kv_blocks=64, max_num_batched_tokens=32)
+    vocab = engine.model_config.vocab_size
+    rows = [[(7 * n + 13 * k) % vocab for k in range(n)] for n in (3, 20, 41)]
+    labels = [[5], [6, 7], [8, 9, 10], [11]]
+    report = run_score_bench(engine, engine.model_path, rows, "labels", ["engine", "hf"], None, 1, labels)
+    assert report["scored_tokens"] == 3 * 7 and report["labels"] == 4 and report["rows"] == 3
+    assert report["hf_batches"]["tried"] == [1, 4, 12]  # 12 sequences: each row with each label
+    for name in ("hf batch 1", "hf batch 4", "hf batch 12"):
+        d = report["exactness"][name]
+        assert d["rows"] == 12 and d["max_abs"] <= 1e-4, (name, d)
+    ours = engine.score(rows, labels=labels, use_tqdm=False)
+    alone = engine.score([r + label for r in rows for label in labels], use_tqdm=False)  # each sequence scored whole
+    for i, out in enumerate(ours):
+        for j, label in enumerate(labels):
+            whole = alone[i * len(labels) + j].token_logprobs[-len(label) :]
+            assert out.label_logprobs[j] == pytest.approx(sum(t.logprob for t in whole), abs=1e-4)
+    c = engine.model_config
+    per_token = 2 * sum(lin.shape.numel() for i in range(c.num_hidden_layers) for lin in engine.model.linears(i))
+    assert report["floor"]["flops"] == per_token * (64 + 3 * 7) + 2 * c.vocab_size * c.hidden_size * 21
+    assert "each row's labels on its cached prompt" in report["systems"][0]["note"]
+
+
 def test_transformers_batch_sizes_whose_padded_batches_outgrow_the_bound_are_not_tried(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(scoring, "HF_MAX_PADDED", 100)
@@ -289,8 +316,8 @@ def test_a_system_that_scores_other_tokens_than_each_rows_after_its_first_stops_
     pytest.importorskip("transformers")
     engine = Engine("tiny-llama", **TINY, num_kv_blocks=64)
     real = scoring.hf_logprobs
-    monkeypatch.setattr(scoring, "hf_logprobs", lambda model, batch: [lp[:-1] for lp in real(model, batch)])
-    with pytest.raises(RuntimeError, match=r"^hf batch 2 scored 6 tokens in 2 rows; the workload has 8 in 2 \("):
+    monkeypatch.setattr(scoring, "hf_logprobs", lambda *args: [lp[:-1] for lp in real(*args)])
+    with pytest.raises(RuntimeError, match=r"^hf batch 2 handed back 6 logprobs in 2 rows; the workload scores 8 "):
         run_score_bench(engine, engine.model_path, [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]], "two", ["engine", "hf"], 2, 1)
 
 
@@ -343,6 +370,8 @@ def test_bench_task_score_on_random_tokens_through_the_cli(tmp_path):
         (["--systems", "engine,static"], "error: bench --task score: unknown systems ['static'] (expected engine, "),
         (["--range-ratio", "0.5"], "error: bench --task score: --range-ratio and --prefix-len shape random prompts"),
         (["--input-len", "1"], "error: bench --task score: no row of the workload has the 2 tokens or more"),
+        (["--labels", "yes,,no"], "error: bench --labels 'yes,,no': a comma list of non-empty labels expected"),
+        (["--task", "generate", "--labels", "yes,no"], "error: bench --labels: for --task score only"),
     ],
 )
 def test_bench_task_score_refuses_what_does_not_apply(extra, message):

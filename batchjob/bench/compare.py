@@ -289,6 +289,7 @@ class BenchOptions:
     slots: int = LlamaServerOptions.slots
     requantize: str | None = None
     dummy_gguf: str | None = None
+    labels: str | None = None
 
 
 QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
@@ -335,6 +336,8 @@ def _score_systems(o: BenchOptions) -> list[str]:
     given = (("--quality", o.quality), ("--sweep-budgets", o.budgets), ("--requantize", o.requantize))
     if unused := [f for f, v in given if v]:
         raise JobFileError(f"bench --task score: {', '.join(unused)}: for --task generate only")
+    if o.labels is not None and not all(label.strip() for label in o.labels.split(",")):
+        raise JobFileError(f"bench --labels {o.labels!r}: a comma list of non-empty labels expected")
     if o.input_len is None and not o.job_file and (o.range_ratio or o.prefix_len):
         raise JobFileError("bench --task score: --range-ratio and --prefix-len shape random prompts: give --input-len")
     systems = [s.strip() for s in (o.systems or "engine,hf").split(",") if s.strip()]
@@ -352,7 +355,16 @@ def _score_report(o: BenchOptions, engine: Engine, wl: Workload) -> dict:
         raise JobFileError(f"bench --task score: {too_long} rows exceed the model's context ({engine.max_model_len})")
     short = len(wl.requests) - len(rows)
     name = f"score: {wl.name}" + (f"; {short} rows of one token left out" if short else "")
-    return run_score_bench(engine, engine.model_path, rows, name, _score_systems(o), o.batch_size, o.repeats)
+    labels = None
+    if o.labels is not None:
+        # each label's tokens as they follow a prompt: a leading space, no special tokens
+        texts = [" " + label.strip() for label in o.labels.split(",")]
+        labels = [engine.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        if too_long := sum(len(r) + max(map(len, labels)) > engine.max_model_len for r in rows):
+            raise JobFileError(f"bench --labels: {too_long} rows and their longest label exceed the model's context")
+        name += f"; each row with {len(labels)} labels ({o.labels})"
+    systems = _score_systems(o)
+    return run_score_bench(engine, engine.model_path, rows, name, systems, o.batch_size, o.repeats, labels)
 
 
 def bench(o: BenchOptions) -> str:
@@ -364,6 +376,8 @@ def bench(o: BenchOptions) -> str:
         return format_embed(report)
     if o.task == "score":
         _score_systems(o)  # its refusals before the engine loads
+    elif o.labels is not None:
+        raise JobFileError("bench --labels: for --task score only")
     overrides = {
         k: v
         for k, v in (

@@ -137,11 +137,12 @@ def model_flops_per_token(engine: Engine) -> int:
     return 2 * sum(lin.shape.numel() for i in range(len(m.layers)) for lin in m.linears(i))
 
 
-def scoring_floor(engine: Engine, prompt_tokens: int, scored_tokens: int) -> dict:
-    """The least time a scoring run can take here: its matmul FLOPs (every prompt token through the decoder, every
-    scored position through the LM head) at the rate the model's own matmuls reach in this run at a step's rows."""
+def scoring_floor(engine: Engine, decoder_tokens: int, scored_tokens: int) -> dict:
+    """The least time a scoring run can take here: its matmul FLOPs (every token it computes through the decoder,
+    every scored position through the LM head) at the rate the model's own matmuls reach in this run at a step's
+    rows."""
     c = engine.model.config
-    flops = model_flops_per_token(engine) * prompt_tokens + 2 * c.vocab_size * c.hidden_size * scored_tokens
+    flops = model_flops_per_token(engine) * decoder_tokens + 2 * c.vocab_size * c.hidden_size * scored_tokens
     rate = matmul_flops(engine, engine.token_budget)
     return {"flops": flops, "matmul_gflops": rate / 1e9, "rows": engine.token_budget, "seconds": flops / rate}
 
