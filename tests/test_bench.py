@@ -515,3 +515,24 @@ def test_llama_server_counts_the_workloads_tokens_beside_the_engine():
         assert report["cpu"] == cpu_kind()
         text = format_report(report)
         assert f"host CPU: {describe_cpu(cpu_kind())}" in text and "llama-server" in text
+
+
+def test_dummy_weights_written_by_llama_cpps_converter_load_back_as_the_very_same_weights():
+    """bench --gguf: the dummy draw exported, written as a BF16 GGUF by llama.cpp's own convert_hf_to_gguf.py (from
+    the pinned sdist) in a child process, and read back by the loader: every matrix equals the draw rounded to bf16
+    (q and k un-permuted), every 1-D weight the draw itself (the converter keeps them float32), so the engine and
+    llama-server run the weights vLLM reads from the HF export."""
+    pytest.importorskip("sentencepiece")
+    from batchjob.bench.gguf_export import dummy_gguf_apart
+    from batchjob.model.dummy import load_dummy
+    from batchjob.model.loader import load_model
+
+    # SmolLM2's shape: the converter knows its tokenizer (tiny-llama's bytes it refuses)
+    path = dummy_gguf_apart("smollm2-135m-instruct", 0, "BF16")
+    assert path.suffix == ".gguf" and path == dummy_gguf_apart("smollm2-135m-instruct", 0, "BF16")  # cached
+    drawn = load_dummy("smollm2-135m-instruct", 0).weights
+    read = load_model(str(path), torch.float32).weights
+    assert set(read) == set(drawn)
+    for name, w in drawn.items():
+        expected = w if w.dim() == 1 else w.to(torch.bfloat16).float()
+        assert torch.equal(read[name], expected), name

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.bench import llama_server
-from batchjob.bench.gguf_export import dummy_gguf
+from batchjob.bench.gguf_export import dummy_gguf_apart
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
 from batchjob.bench.quality import run_quality
 from batchjob.bench.scoring import run_score_bench
@@ -404,7 +404,7 @@ def bench(o: BenchOptions) -> str:
             raise JobFileError("bench --gguf TYPE writes the dummy weights as a GGUF: give --load-format dummy too")
         if o.dummy_gguf not in llama_server.QUANT_TYPES:
             raise JobFileError(f"bench --gguf {o.dummy_gguf}: not one of {', '.join(llama_server.QUANT_TYPES)}")
-        model = str(dummy_gguf(o.model, 0, o.dummy_gguf))
+        model = str(dummy_gguf_apart(o.model, 0, o.dummy_gguf))
         overrides.pop("load_format")  # every system reads the file
     job_file = o.job_file or (QUALITY_JOB if o.quality else None)
     if job_file:

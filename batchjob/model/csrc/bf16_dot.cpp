@@ -82,6 +82,38 @@ inline void dot_block(const uint32_t* x, int64_t k2, const __m512i* w, float* ou
   }
 }
 
+// R rows against one block over K pairs [k0, k1), every column stored (`out` holds 64 a row): the accumulators
+// start from `out` past the first K pairs. A lane's sum runs over K in the same order as dot_block's, so the results
+// are dot_block's to the bit; a K slice of the block (64 x 64 pairs, 16 KiB) stays in L1 while the rows read it.
+template <int R>
+inline void dot_block_slice(const uint32_t* x, int64_t k2, int64_t k0, int64_t k1, const __m512i* w, float* out) {
+  __m512 acc[R][kTiles];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kTiles; ++j)
+      acc[r][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * kBlock + j * kLanes);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512bh b[kTiles];
+    for (int j = 0; j < kTiles; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * k2 + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k2 + k]));
+      for (int j = 0; j < kTiles; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kTiles; ++j) _mm512_storeu_ps(out + r * kBlock + j * kLanes, acc[r][j]);
+}
+
+template <int R>
+inline void dot_slice_rows(const uint32_t* x, int64_t rows, int64_t k2, int64_t k0, int64_t k1, const __m512i* w,
+                           float* out) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      dot_block_slice<R>(x, k2, k0, k1, w, out);
+    else
+      dot_slice_rows<R - 1>(x, rows, k2, k0, k1, w, out);
+  }
+}
+
 template <int R>
 inline void dot_rows(const uint32_t* x, int64_t rows, int64_t k2, const __m512i* w, float* out, int64_t ldo,
                      int64_t columns) {
@@ -168,12 +200,13 @@ struct RowState {
 };
 
 constexpr int64_t kChunkBlocks = 16;  // W's blocks whose log-sum-exp one task sums: 1,024 columns
-constexpr int64_t kRowTile = 96;      // x's rows a task reads against its chunk (216 KiB of x at K = 576)
+constexpr int64_t kRowTile = 48;      // x's rows a task reads against its chunk: 12 KiB of logits, in L1
+constexpr int64_t kSlice = 64;        // K pairs of W a pass over the tile's rows reads (16 KiB of a block)
 #endif
 
 // Each row's log-softmax at its target column and the target's rank, from x [R, K] bfloat16 and W packed by
 // bf16_dot_pack: (log p(target) [R] float32, logits above the target's [R] int64), the logits never written out.
-// Tasks of 1,024 columns x 96 rows keep a chunk's running max and exp sums per row; chunks are merged in column
+// Tasks of 1,024 columns x 48 rows keep a chunk's running max and exp sums per row; chunks are merged in column
 // order, so a row's result depends on neither its batch nor the thread count. Equal to log_softmax of bf16_dot's
 // logits up to the order of the exp sums.
 std::tuple<at::Tensor, at::Tensor> bf16_dot_logprobs(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -208,19 +241,19 @@ std::tuple<at::Tensor, at::Tensor> bf16_dot_logprobs(const at::Tensor& x, const 
   });
   std::vector<RowState> states(chunks * rows);
   at::parallel_for(0, chunks * tiles, 1, [&](int64_t task0, int64_t task1) {
-    alignas(64) float block[kRows * kBlock];
+    alignas(64) float block[kRowTile * kBlock];
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t c = task / tiles, r_begin = task % tiles * kRowTile;
       const int64_t r_end = std::min(rows, r_begin + kRowTile);
       for (int64_t b = c * kChunkBlocks; b < std::min(blocks, (c + 1) * kChunkBlocks); ++b) {
         const __m512i* w = wp + b * kTiles * k2;
+        for (int64_t k0 = 0; k0 < k2; k0 += kSlice)
+          for (int64_t r = r_begin; r < r_end; r += kRows)
+            dot_slice_rows<kRows>(xp + r * k2, std::min<int64_t>(kRows, r_end - r), k2, k0,
+                                  std::min(k2, k0 + kSlice), w, block + (r - r_begin) * kBlock);
         const int64_t columns = std::min<int64_t>(kBlock, n - b * kBlock);
-        for (int64_t r = r_begin; r < r_end; r += kRows) {
-          const int64_t count = std::min<int64_t>(kRows, r_end - r);
-          dot_rows<kRows>(xp + r * k2, count, k2, w, block, kBlock, columns);
-          for (int64_t i = 0; i < count; ++i)
-            states[c * rows + r + i].add(block + i * kBlock, columns, target_logit[r + i]);
-        }
+        for (int64_t r = r_begin; r < r_end; ++r)
+          states[c * rows + r].add(block + (r - r_begin) * kBlock, columns, target_logit[r]);
       }
     }
   });
