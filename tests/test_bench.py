@@ -299,6 +299,7 @@ def test_score_bench_with_labels_scores_each_label_after_each_row_and_matches_tr
     per_token = 2 * sum(lin.shape.numel() for i in range(c.num_hidden_layers) for lin in engine.model.linears(i))
     assert report["floor"]["flops"] == per_token * (64 + 3 * 7) + 2 * c.vocab_size * c.hidden_size * 21
     assert "each row's labels on its cached prompt" in report["systems"][0]["note"]
+    assert "21 scored tokens (4 labels a row) in 3 rows of 64 tokens" in format_score(report)
 
 
 def test_transformers_batch_sizes_whose_padded_batches_outgrow_the_bound_are_not_tried(monkeypatch):

@@ -235,9 +235,10 @@ def format_score(report: dict) -> str:
         for r in report["systems"]
     ]
     hf = report["hf_batches"]
+    what = "each row's tokens after its first" if report.get("labels") is None else f"{report['labels']} labels a row"
     notes = [
-        f"{report['scored_tokens']:,} scored tokens (each row's tokens after its first) in {report['rows']} rows of "
-        f"{report['prompt_tokens']:,} tokens; every system is credited with these"
+        f"{report['scored_tokens']:,} scored tokens ({what}) in {report['rows']} rows of {report['prompt_tokens']:,} "
+        "tokens; every system is credited with these"
     ]
     if hf["tried"]:
         left = "".join(
