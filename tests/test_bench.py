@@ -302,6 +302,25 @@ def test_score_bench_with_labels_scores_each_label_after_each_row_and_matches_tr
     assert "21 scored tokens (4 labels a row) in 3 rows of 64 tokens" in format_score(report)
 
 
+def test_score_bench_gives_vllm_room_for_the_longest_sequence_and_the_one_token_it_draws(monkeypatch):
+    """vLLM scores with max_tokens=1 (its least): a max_model_len of the longest row alone refused every row of that
+    length (64 x 256 random tokens: 'the decoder prompt (length 256) plus ... is longer than ... 256')."""
+    engine = Engine("smollm2-135m-instruct", dtype="float32", num_kv_blocks=64)  # real weights: dummy ones skip vLLM
+    asked = []
+
+    def load_vllm(engine, model_path, longest):
+        asked.append(longest)
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(scoring, "peer_status", lambda: {})  # as where vLLM is installed
+    monkeypatch.setattr(scoring, "load_vllm", load_vllm)
+    rows = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    for labels, longest in ((None, 6), ([[11, 12], [13]], 8)):
+        with pytest.raises(RuntimeError, match="^loaded$"):
+            run_score_bench(engine, engine.model_path, rows, "two", ["vllm"], None, 1, labels)
+        assert asked.pop() == longest + 1
+
+
 def test_transformers_batch_sizes_whose_padded_batches_outgrow_the_bound_are_not_tried(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(scoring, "HF_MAX_PADDED", 100)

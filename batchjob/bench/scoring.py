@@ -208,7 +208,8 @@ def run_score_bench(
         with torch.inference_mode():
             hf_logprobs(hf_model, [rows[0][:16]])  # warm-up: the first forward pays for lazy initialisation
     if "vllm" in systems and "vllm" not in skipped:
-        llm = load_vllm(engine, model_path, max(map(len, sequences)))
+        # each request also draws one token (max_tokens=1, vLLM's least), which its max_model_len must hold
+        llm = load_vllm(engine, model_path, max(map(len, sequences)) + 1)
         runners["vllm"] = lambda: run_vllm_score(llm, engine, sequences, starts)
     engine.score([rows[0][:16]], use_tqdm=False)  # warm-up
     if "vllm" in runners:
