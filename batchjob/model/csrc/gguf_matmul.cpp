@@ -188,6 +188,14 @@ at::Tensor gguf_dequantize(const at::Tensor& q, int64_t type, int64_t k) {
 }
 
 #ifdef __AVX512F__
+// A Q4_K/Q5_K block's sub-block j: its scale d * sc_j and its offset dmin * m_j, each in every lane.
+inline void k_sub_block(const uint8_t* b, int j, __m512& scale, __m512& offset) {
+  int sc, mn;
+  scale_min_k4(b + 4, j, sc, mn);
+  scale = _mm512_set1_ps(half_at(b) * static_cast<float>(sc));
+  offset = _mm512_set1_ps(half_at(b + 2) * static_cast<float>(mn));
+}
+
 // The same dequantization 16 weights at a time (the same float32 operations, so the same bits), written straight
 // into the matmul's panel, in float32 or bfloat16.
 template <typename T>
@@ -257,13 +265,11 @@ inline bool dequantize_block_bf16(int64_t type, const uint8_t* b, uint16_t* o) {
     }
     case Q4_K:
     case Q5_K: {  // per 32-weight sub-block j: (d * sc_j) * q - dmin * m_j
-      const float d = half_at(b), dmin = half_at(b + 2);
       const bool five = type == Q5_K;
       const uint8_t* qs = b + (five ? 48 : 16);
       for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        scale_min_k4(b + 4, j, sc, mn);
-        const __m512 dj = _mm512_set1_ps(d * static_cast<float>(sc)), mj = _mm512_set1_ps(dmin * static_cast<float>(mn));
+        __m512 dj, mj;
+        k_sub_block(b, j, dj, mj);
         const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32)));
         __m512i codes = j % 2 ? _mm512_srli_epi16(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
         const __m512 low = _mm512_sub_ps(_mm512_mul_ps(dj, codes16), mj);
@@ -359,13 +365,11 @@ void dequantize_row_avx512(int64_t type, const uint8_t* row, int64_t k, T* out) 
       }
       case Q4_K:
       case Q5_K: {
-        const float d = half_at(b), dmin = half_at(b + 2);
         const bool five = type == Q5_K;
         const uint8_t* qs = b + (five ? 48 : 16);
         for (int j = 0; j < 8; ++j) {
-          int sc, mn;
-          scale_min_k4(b + 4, j, sc, mn);
-          const __m512 dj = _mm512_set1_ps(d * static_cast<float>(sc)), mj = _mm512_set1_ps(dmin * static_cast<float>(mn));
+          __m512 dj, mj;
+          k_sub_block(b, j, dj, mj);
           for (int h = 0; h < 2; ++h) {
             const __m512i q = bytes16(qs + (j / 2) * 32 + 16 * h);
             __m512i v = j % 2 ? high_nibbles(q) : low_nibbles(q);
