@@ -15,12 +15,16 @@ import ctypes.util
 import math
 import mmap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose pages are committed on first write."""
+    import torch  # here: the job layer reads peak_rss without importing torch (batchjob's API imports none)
+
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux only; elsewhere the OS's default pages

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pydantic
 import pytest
@@ -40,18 +41,24 @@ def test_the_setting_is_validated():
 def test_a_job_file_takes_the_setting_and_names_a_bad_value(monkeypatch):
     monkeypatch.chdir(ROOT)  # the job file's input path is relative to the repository root
     assert load_job("jobs/summarize.yaml", ["engine.weights=int8"]).engine.weights == "int8"
-    with pytest.raises(JobFileError, match="engine.weights: Input should be 'auto', 'dequantize' or 'int8'"):
+    allowed = "'auto', 'dequantize', 'quantized' or 'int8'"
+    with pytest.raises(JobFileError, match=f"engine.weights: Input should be {allowed}"):
         load_job("jobs/summarize.yaml", ["engine.weights=int4"])
 
 
 def test_int8_runs_on_a_cpu_only_and_auto_dequantizes():
-    cpu = torch.device("cpu")
-    assert model_runner.pick_weights(EngineConfig(weights="int8"), cpu) == "int8"
-    assert model_runner.pick_weights(EngineConfig(weights="dequantize"), cpu) == "dequantize"
-    assert model_runner.pick_weights(EngineConfig(), cpu) == "dequantize"  # the rule: docs/cpu.md#int8-weights
+    cpu, dtype = torch.device("cpu"), torch.float32
+    loaded = SimpleNamespace(weights={"w": torch.zeros(4, 4)}, path="float weights")  # no GGUF blocks to keep
+
+    def pick(config: EngineConfig, device: torch.device) -> str:
+        return model_runner.pick_weights(config, device, loaded, dtype)
+
+    assert pick(EngineConfig(weights="int8"), cpu) == "int8"
+    assert pick(EngineConfig(weights="dequantize"), cpu) == "dequantize"
+    assert pick(EngineConfig(), cpu) == "dequantize"  # the rule: docs/cpu.md#int8-weights
     with pytest.raises(DeviceSettingError, match="weights: int8 runs on a CPU"):
-        model_runner.pick_weights(EngineConfig(weights="int8"), torch.device("cuda"))
-    assert model_runner.pick_weights(EngineConfig(), torch.device("cuda")) == "dequantize"
+        pick(EngineConfig(weights="int8"), torch.device("cuda"))
+    assert pick(EngineConfig(), torch.device("cuda")) == "dequantize"
 
 
 @pytest.fixture(scope="module")
