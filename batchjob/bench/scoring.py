@@ -23,9 +23,10 @@ HF_MAX_PADDED = 32_768  # a size whose largest padded batch holds more tokens is
 HEAD_ROWS = 2048  # positions per LM-head matmul in transformers' scoring: bounds the logits held at once
 
 
-def scored_tokens(rows: list[list[int]]) -> int:
-    """What every system is credited with: each row's tokens after its first."""
-    return sum(len(r) - 1 for r in rows)
+def compared(logprobs: torch.Tensor, start: int) -> torch.Tensor:
+    """What a peer hands back for one sequence, from its tokens' logprobs from token `start` on: those logprobs (a row
+    scored from its second token), or their sum (a label after its row)."""
+    return logprobs if start == 1 else logprobs.sum().reshape(1)
 
 
 def label_sequences(rows: list[list[int]], labels: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -104,7 +105,7 @@ def run_hf_score(hf_model, rows: list[list[int]], batch_size: int, starts: list[
     with torch.inference_mode():
         for batch in hf_batches(rows, batch_size):
             for i, lp in zip(batch, hf_logprobs(hf_model, [rows[i] for i in batch], [starts[i] for i in batch])):
-                logprobs[i] = lp if starts[i] == 1 else lp.sum().reshape(1)
+                logprobs[i] = compared(lp, starts[i])
     synchronize(hf_model.device)
     wall = time.perf_counter() - t0
     result = Result(f"hf batch {batch_size}", wall, sum(map(len, rows)), 0, len(rows), max_batch=batch_size)
@@ -139,7 +140,7 @@ def run_vllm_score(llm, engine: Engine, rows: list[list[int]], starts: list[int]
     result = Result("vllm", wall, sum(map(len, rows)), 0, len(rows))
     result.cpu_s = time.process_time() - c0
     logprobs = [vllm_logprobs(o.prompt_logprobs, r) for o, r in zip(outs, rows)]
-    result.logprobs = [lp if start == 1 else lp[start - 1 :].sum().reshape(1) for lp, start in zip(logprobs, starts)]
+    result.logprobs = [compared(lp[start - 1 :], start) for lp, start in zip(logprobs, starts)]
     settings = ", ".join(f"{k}={v}" for k, v in VLLM_ENV.items())
     result.note = f"vllm {vllm.__version__}, {dtype_name(engine.dtype)}, prompt_logprobs=0, both cores ({settings})"
     return result

@@ -29,7 +29,7 @@ class Bf16DotLinear:
         return self.shape[0] * self.shape[1] * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
+        rows = self._rows(x)
         out = self._output(rows.shape[0])
         self.ops.bf16_dot(rows, self.packed, out)
         return out.view(*x.shape[:-1], self.shape[0])
@@ -37,8 +37,11 @@ class Bf16DotLinear:
     def logprobs(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's log-softmax at its target id and how many logits exceed the target's ([rows] float32 and
         int64), in one pass over W with no [rows, vocab] logits written (bf16_dot_logprobs)."""
-        rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
-        return self.ops.bf16_dot_logprobs(rows, self.packed, self.shape[0], targets)
+        return self.ops.bf16_dot_logprobs(self._rows(x), self.packed, self.shape[0], targets)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] as the kernels read it: contiguous bf16 rows."""
+        return x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
 
     def _output(self, rows: int) -> torch.Tensor:
         """[rows, out_features] float32 for the logits: the last call's memory where nothing holds any of it any more
