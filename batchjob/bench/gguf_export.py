@@ -13,11 +13,13 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import torch
+
 from batchjob.bench import llama_server
-from batchjob.bench.hf_export import export_hf
+from batchjob.bench.hf_export import write_hf_folder
 from batchjob.model.build_lock import build_lock
 from batchjob.model.builtin import cache_dir
-from batchjob.model.dummy import load_dummy
+from batchjob.model.dummy import dummy_spec
 
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # the script and what it imports
 
@@ -46,8 +48,8 @@ def converter() -> Path:
 
 
 def dummy_gguf_apart(model: str, seed: int, quant_type: str) -> Path:
-    """dummy_gguf in a child process: drawing the dummy weights (float32, 5 GB at 1B) would leave this process's
-    resident memory high, which the bench reports as the engine's peak RSS."""
+    """dummy_gguf in a child process: drawing the dummy weights would leave this process's resident memory high,
+    which the bench reports as the engine's peak RSS."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(dummy_gguf, model, seed, quant_type).result()
 
@@ -58,14 +60,16 @@ def dummy_gguf(model: str, seed: int, quant_type: str) -> Path:
         raise ValueError(f"{quant_type!r} is not one of {', '.join(llama_server.QUANT_TYPES)}")
     if importlib.util.find_spec("sentencepiece") is None:
         raise RuntimeError("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: pip install 'batchjob[bench]'")
-    loaded = load_dummy(model, seed)
+    spec = dummy_spec(model, seed)
     root = cache_dir() / "llama-cpp" / "gguf"
-    bf16 = root / f"dummy-{loaded.digest[:16]}.BF16.gguf"
+    bf16 = root / f"dummy-{spec.digest[:16]}.BF16.gguf"
     if not bf16.is_file():
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="batchjob-dummy-", dir=root) as scratch:
-            folder = export_hf(loaded, Path(scratch) / "hf")
-            del loaded  # its float32 copy of the weights: the converter reads the folder
+            # drawn and written a shard at a time in bf16 (what the converter writes anyway): an 8B model's
+            # float32 draw would not fit in memory, and the converter reads the shards lazily
+            tensors = spec.tensors(dtype=torch.bfloat16)
+            folder = write_hf_folder(spec.config, spec.tokenizer, tensors, Path(scratch) / "hf", torch.bfloat16)
             tmp = Path(scratch) / bf16.name
             cmd = [sys.executable, str(converter()), str(folder), "--outfile", str(tmp), "--outtype", "bf16"]
             llama_server.check_run(cmd, Path(scratch))

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from batchjob.model.loader import LoadedModel, cache_dir, load_model
+from batchjob.model.tokenizer import Tokenizer
+
+SHARD_BYTES = 2 << 30  # transformers' default max_shard_size is 5 GB; smaller keeps the writer's peak low
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 _MODEL_TYPES |= {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
@@ -18,8 +24,8 @@ _MODEL_TYPES |= {"Phi3ForCausalLM": "phi3"}
 _MODEL_TYPES |= {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 
 
-def hf_config(c: ModelConfig) -> dict:
-    """config.json as transformers writes it for the architecture."""
+def hf_config(c: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json as transformers writes it for the architecture, its weights stored in `dtype`."""
     moe = {}
     if c.architecture == "Qwen3MoeForCausalLM":
         moe = {
@@ -55,7 +61,7 @@ def hf_config(c: ModelConfig) -> dict:
             "sliding_window": c.sliding_window,
             "bos_token_id": c.bos_token_id,
             "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
-            "torch_dtype": "float32",
+            "torch_dtype": str(dtype).removeprefix("torch."),
             # none: Phi3Config's default (32000) need not lie in the vocabulary, and inference pads nothing
             "pad_token_id": None,
             "partial_rotary_factor": c.partial_rotary_factor,
@@ -81,21 +87,52 @@ def _gemma_config(c: ModelConfig) -> dict:
 
 
 def export_hf(loaded: LoadedModel, folder: Path) -> Path:
-    """Writes `loaded` as an HF folder (atomically: a reader never sees half of it) and returns it."""
+    """Writes `loaded` as an HF folder in float32 (atomically: a reader never sees half of it) and returns it."""
     if loaded.rope_freqs is not None:
         raise ValueError("a GGUF with rope_freqs (llama3 scaling baked into a tensor) has no plain HF form here")
+    tensors = ((k, v.float()) for k, v in loaded.weights.items())
+    return write_hf_folder(loaded.config, loaded.tokenizer, tensors, folder, torch.float32)
+
+
+def write_hf_folder(
+    config: ModelConfig, tokenizer: Tokenizer, tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, dtype
+) -> Path:
+    """An HF folder of `tensors` (each in `dtype`) consumed one at a time: they go to disk in shards of about
+    SHARD_BYTES with an index, as transformers shards, so an 8B model is written holding one shard, not the model.
+    One shard is the single model.safetensors transformers writes for a small model."""
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.part")
     tmp.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.float().contiguous() for k, v in loaded.weights.items()}
-    if loaded.config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(hf_config(loaded.config), indent=1))
-    loaded.tokenizer.save(tmp)
+    written: list[list[str]] = []  # each shard's tensor names, in order
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        save_file(shard, str(tmp / f"part-{len(written)}.safetensors"), metadata={"format": "pt"})
+        written.append(list(shard))
+
+    for name, t in tensors:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # shared with the embedding; safetensors refuses aliases
+        if size >= SHARD_BYTES:  # this shard goes to disk and its tensors are freed
+            flush()
+            shard, size = {}, 0
+        shard[name] = t.to(dtype).contiguous()
+        size += shard[name].nbytes
+    flush()
+    if len(written) == 1:
+        (tmp / "part-0.safetensors").rename(tmp / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, names in enumerate(written):
+            final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            (tmp / f"part-{i}.safetensors").rename(tmp / final)
+            weight_map |= dict.fromkeys(names, final)
+        index = {"metadata": {}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (tmp / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=1))
+    tokenizer.save(tmp)
     if folder.exists():  # another process exported it meanwhile
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        shutil.rmtree(tmp)
     else:
         os.replace(tmp, folder)
     return folder

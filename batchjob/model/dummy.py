@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,21 +45,26 @@ def dummy_config_path(model: str) -> Path:
     )
 
 
-def dummy_weights(
+def dummy_tensors(
     c: ModelConfig, seed: int, std: float = 0.02, device: torch.device | str = "cpu", dtype=torch.float32
-) -> dict[str, torch.Tensor]:
-    """Drawn on `device` in fp32 one tensor at a time (then cast), so an 8B model never sits in fp32 at once."""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drawn on `device` in fp32 one tensor at a time (then cast), so an 8B model never sits in fp32 at once; a
+    consumer that writes each tensor away holds one at a time."""
     g = torch.Generator(device=device).manual_seed(seed)
-    weights = {}
     for name, shape in weight_shapes(c).items():
         if name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w: zeros there, as transformers draws them
             fill = torch.zeros if c.architecture in GEMMA_ARCHITECTURES else torch.ones
-            weights[name] = fill(shape, dtype=dtype, device=device)
+            yield name, fill(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):
-            weights[name] = torch.zeros(shape, dtype=dtype, device=device)
+            yield name, torch.zeros(shape, dtype=dtype, device=device)
         else:
-            weights[name] = (std * torch.randn(shape, generator=g, device=device)).to(dtype)
-    return weights
+            yield name, (std * torch.randn(shape, generator=g, device=device)).to(dtype)
+
+
+def dummy_weights(
+    c: ModelConfig, seed: int, std: float = 0.02, device: torch.device | str = "cpu", dtype=torch.float32
+) -> dict[str, torch.Tensor]:
+    return dict(dummy_tensors(c, seed, std, device, dtype))
 
 
 def synthetic_tokenizer() -> Tokenizer:
@@ -79,13 +86,36 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
     return tok if tok.vocab_size <= vocab_size else synthetic_tokenizer()
 
 
-def load_dummy(
-    model: str, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> LoadedModel:
+@dataclass(frozen=True)
+class DummySpec:
+    """What a dummy model is before its weights are drawn: its architecture, the config file it came from, the
+    draw's seed and scale, and the digest that names the draw."""
+
+    config: ModelConfig
+    path: Path
+    seed: int
+    std: float
+    digest: str
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return _tokenizer(self.config.vocab_size)
+
+    def tensors(self, device: torch.device | str = "cpu", dtype=torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        return dummy_tensors(self.config, self.seed, self.std, device, dtype)
+
+
+def dummy_spec(model: str, seed: int = 0) -> DummySpec:
     path = dummy_config_path(model)
     with reading_model(path):
         raw = json.loads(path.read_text())
         config = ModelConfig.from_hf(raw)
-    weights = dummy_weights(config, seed, raw.get("initializer_range", 0.02), device, dtype)
     digest = hashlib.sha256(f"dummy:{seed}:".encode() + path.read_bytes()).hexdigest()
-    return LoadedModel(config, weights, _tokenizer(config.vocab_size), path, digest)
+    return DummySpec(config, path, seed, raw.get("initializer_range", 0.02), digest)
+
+
+def load_dummy(
+    model: str, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    spec = dummy_spec(model, seed)
+    return LoadedModel(spec.config, dict(spec.tensors(device, dtype)), spec.tokenizer, spec.path, spec.digest)
