@@ -216,7 +216,7 @@ def _plan_scoring_text(r: dict, lines: list[tuple[str, str]]) -> str:
             (
                 "prefill",
                 f"{r['prefill_tokens_expected']:,} tokens"
-                + (" (labels share their prompt's)" if r["prefill_tokens_expected"] < r["prompt_tokens_total"] else ""),
+                + (f" (one prefill of each prompt for its {r['labels']} labels)" if "labels" in r else ""),
             ),
         ]
     if "calibration" in r:

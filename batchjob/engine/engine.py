@@ -16,7 +16,15 @@ from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.host_sync import device_index
 from batchjob.engine.memory_profile import MemoryProfile
 from batchjob.engine.model_runner import ModelRunner, keep_gguf_blocks, pick_device, pick_dtype
-from batchjob.engine.outputs import CompletionOutput, Request, RequestOutput, ScoreOutput, StepMetrics, score_output
+from batchjob.engine.outputs import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    ScoreOutput,
+    StepMetrics,
+    row_requests,
+    score_output,
+)
 from batchjob.engine.prompt_logprobs import prompt_logprob_rows
 from batchjob.engine.sampler import Sampler, takes_argmax
 from batchjob.engine.sampling_params import SamplingParams
@@ -222,11 +230,9 @@ class Engine:
             else:
                 tails = [self._continuation_ids(continuations[i])] if continuations is not None else [[]]
             start = len(ids) if labels is not None or continuations is not None else 1
-            ids_of_row = [f"{row_id}-{j}" for j in range(len(tails))]
-            for j, tail in enumerate(tails):
-                after = ids_of_row[0] if j else None
-                requests.append(Request(ids_of_row[j], ids + tail, params, prompt_logprobs_start=start, after=after))
-            rows.append((row_id, start, ids_of_row))
+            row = row_requests(row_id, ids, tails, start, params, labels is not None)
+            requests += row
+            rows.append((row_id, start, [r.request_id for r in row]))
         done: dict[str, RequestOutput] = {}
         with (
             tqdm(total=len(requests), desc="Scored requests", unit="req", disable=not use_tqdm) as bar,
@@ -343,6 +349,11 @@ class Engine:
             error = "prompt holds token ids outside the vocabulary"
         elif any(not 0 <= t < self.model_config.vocab_size for t in req.params.logit_bias):
             error = "logit_bias holds token ids outside the vocabulary"
+        elif req.first_token_alternatives and (
+            req.params.prompt_logprobs is None
+            or not all(0 <= t < self.model_config.vocab_size for t in req.first_token_alternatives)
+        ):
+            error = "first_token_alternatives: token ids inside the vocabulary, with prompt_logprobs"
         elif req.params.prompt_logprobs is not None and req.prompt_logprobs_start < 1:
             error = "nothing to score before the first token: it has no context (an empty prompt?)"
         elif req.params.n > self.config.max_num_seqs:
@@ -523,6 +534,7 @@ class Engine:
             num_cached_tokens=root.num_cached_tokens,
             logprobs=root.logprobs,
             prompt_logprobs=root.prompt_logprobs,
+            alternative_logprobs=root.alternative_logprobs,
             error=error,
             metrics=root.metrics,
             outputs=[

@@ -22,6 +22,9 @@ class Request:
     # - 1 tokens: this one waits for those to be computed, so that it reads them from the prefix cache (the labels of
     # one row share one prefill of the row's prompt).
     after: str | None = None
+    # With params.prompt_logprobs: other tokens scored in place of the token at prompt_logprobs_start, from the same
+    # row of logits (a classification's other labels' first tokens: one row of the prompt serves every label).
+    first_token_alternatives: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +87,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     # vLLM's: one entry per prompt token, None where none was asked for (always the first, which has no context)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Request.first_token_alternatives' logprobs, in their order (None where the request asked for none)
+    alternative_logprobs: list[TokenLogprob] | None = None
 
     @property
     def samples(self) -> list[CompletionOutput]:
@@ -175,22 +180,46 @@ class ScoreOutput:
     finish_reason: str | None = None  # "length" when scored, "abort" or "error" otherwise
 
 
+def row_requests(
+    request_id: str, prompt_ids: list[int], tails: list[list[int]], start: int, params: SamplingParams, labels: bool
+) -> list[Request]:
+    """One scoring row as engine requests, each id `request_id`-j for what it scores (the j-th tail). A plain row or a
+    continuation: one request, scored from `start` on. Labels (each tail one): the first label's request computes the
+    prompt and scores every label's first token from its last row (first_token_alternatives); a label of more tokens
+    has a request of its own that reads the prompt's blocks from the prefix cache once the first has computed them
+    (`after`) and scores its tokens after the first; a one-token label needs no request."""
+    first = f"{request_id}-0"
+    if not labels:
+        return [Request(first, prompt_ids + tails[0], params, prompt_logprobs_start=start)]
+    if not all(tails):
+        raise ValueError("a label of no tokens has nothing to score")
+    lead = Request(first, prompt_ids + tails[0], params, start, first_token_alternatives=[t[0] for t in tails[1:]])
+    return [lead] + [
+        Request(f"{request_id}-{j}", prompt_ids + tail, params, prompt_logprobs_start=start + 1, after=first)
+        for j, tail in enumerate(tails)
+        if j and len(tail) > 1
+    ]
+
+
 def score_output(
     request_id: str, outputs: list[RequestOutput], start: int, labels: list[str] | None = None
 ) -> ScoreOutput:
-    """The ScoreOutput of one row from the engine's outputs of its requests (one, or one per label, in the labels'
-    order), each of which asked for prompt logprobs from token `start` on (the continuation's or label's first)."""
+    """The ScoreOutput of one row from the engine's outputs of its row_requests (in any order), which scored from
+    token `start` on (the continuation's or the first label's first)."""
+    outputs = sorted(outputs, key=lambda o: int(o.request_id.rpartition("-")[2]))
     first = outputs[0]
     failed = next((o for o in outputs if o.finish_reason in ("error", "abort")), None)
     if failed is not None:
         return ScoreOutput(request_id, first.prompt_token_ids, error=failed.error, finish_reason=failed.finish_reason)
-    per_output = [o.prompt_logprobs[start:] for o in outputs]
-    if not all(per_output):  # the engine answers such a request (a one-token text, an empty tail): nothing to score
-        n = len(next(o for o, lps in zip(outputs, per_output) if not lps).prompt_token_ids)
-        error = f"nothing to score: {n} tokens, scored from token {start} on (empty text?)"
+    scored = first.prompt_logprobs[start:]
+    if not scored:  # the engine answers such a request (a one-token text, an empty tail): nothing to score
+        error = f"nothing to score: {len(first.prompt_token_ids)} tokens, scored from token {start} on (empty text?)"
         return ScoreOutput(request_id, first.prompt_token_ids, error=error, finish_reason="error")
     if labels is not None:
-        sums = [math.fsum(t.logprob for t in lps) for lps in per_output]
+        # a label's first token from the first request's alternatives, the rest (if any) from its own request
+        rest = {int(o.request_id.rpartition("-")[2]): o.prompt_logprobs[start + 1 :] for o in outputs[1:]}
+        per_label = [scored] + [[alt, *rest.get(j, [])] for j, alt in enumerate(first.alternative_logprobs, 1)]
+        sums = [math.fsum(t.logprob for t in lps) for lps in per_label]
         top = max(sums)
         weights = [math.exp(s - top) for s in sums]  # shifted by the largest: no underflow to an all-zero sum
         total = math.fsum(weights)
@@ -203,7 +232,6 @@ def score_output(
             label_probs=[w / total for w in weights],
             finish_reason="length",
         )
-    scored = per_output[0]
     nll = -math.fsum(t.logprob for t in scored)
     mean = nll / len(scored)
     return ScoreOutput(

@@ -21,6 +21,8 @@ class PromptLogprobRows:
     rows: list[int] = field(default_factory=list)  # indices into the step's tokens
     targets: list[int] = field(default_factory=list)  # the prompt token each row predicts
     spans: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, first token index, count)
+    # then each sequence's first_token_alternatives, rows after the spans' (the row of its first scored token again)
+    alternatives: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, count)
     k: int = 0  # the most alternatives any of the step's sequences asks for
     chosen: torch.Tensor | None = None  # [rows] float32, on the device until assign() reads it
     ranks: torch.Tensor | None = None  # [rows] int64, each prompt token's rank, on the device too
@@ -60,11 +62,18 @@ class PromptLogprobRows:
                 top = list(zip(ids[j][:k], values[j][:k])) if k else []
                 seq.prompt_logprobs[idx] = TokenLogprob(self.targets[j], chosen[j], top, ranks[j])
                 j += 1
+        for seq, count in self.alternatives:
+            k = seq.params.prompt_logprobs
+            for idx in range(count):
+                top = list(zip(ids[j][:k], values[j][:k])) if k else []
+                seq.alternative_logprobs[idx] = TokenLogprob(self.targets[j], chosen[j], top, ranks[j])
+                j += 1
 
 
 def prompt_logprob_rows(out: SchedulerOutput) -> PromptLogprobRows | None:
     """The step's rows that predict a prompt token whose logprob was asked for; None when there are none."""
     plan = PromptLogprobRows()
+    alt_rows, alt_targets = [], []
     offset = 0
     for seq, n in out.scheduled:
         if seq.params.prompt_logprobs is not None:
@@ -77,5 +86,11 @@ def prompt_logprob_rows(out: SchedulerOutput) -> PromptLogprobRows | None:
                 plan.targets.extend(seq.token_ids[first + 1 : last + 1])
                 plan.spans.append((seq, first + 1, last - first))
                 plan.k = max(plan.k, seq.params.prompt_logprobs)
+                if first == seq.prompt_logprobs_start - 1 and (alts := seq.first_token_alternatives):
+                    alt_rows.extend([offset + first - start] * len(alts))
+                    alt_targets.extend(alts)
+                    plan.alternatives.append((seq, len(alts)))
         offset += n
+    plan.rows.extend(alt_rows)
+    plan.targets.extend(alt_targets)
     return plan if plan.rows else None

@@ -38,6 +38,10 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        self.first_token_alternatives = list(request.first_token_alternatives)
+        self.alternative_logprobs: list[TokenLogprob | None] | None = None
+        if self.first_token_alternatives:
+            self.alternative_logprobs = [None] * len(self.first_token_alternatives)
         self.after: Sequence | None = None  # admitted once this one has computed the shared prefix (Request.after)
         self.matcher = None  # xgrammar's GrammarMatcher when the output is constrained
         # n samples: the first sequence (index 0) is the root; at its first token it forks the others.

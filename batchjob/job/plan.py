@@ -144,8 +144,8 @@ def _plan_embedding(job: JobSpec, source: InputSource, rows: int, embedder: Embe
 
 
 def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngine, calibrate: bool) -> dict:
-    """A scoring job's cost: prompt-only requests, so prefill alone; a row's labels after the first read the prompt's
-    full blocks from the prefix cache and compute the rest."""
+    """A scoring job's cost: prompt-only requests, so prefill alone; a row's labels are scored from one prefill of
+    its prompt, a label of several tokens reading the prompt's full blocks from the prefix cache for the rest."""
     failed, hits, duplicates, lengths, scored, computed, sample = 0, 0, 0, array("q"), 0, 0, []
     block = engine.config.block_size
     results = open_cache(job, engine)
@@ -159,16 +159,19 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
             hits += len(work.rows)
             continue
         duplicates += len(work.rows) - 1
-        shared = (len(work.token_ids) - 1) // block * block  # what each label after the first reads from cache
         for request in work.requests():
             lengths.append(len(request.prompt_token_ids))
-            computed += len(request.prompt_token_ids) - (shared if request.after else 0)
+            # a label's request after the first reads the prompt's full blocks before the row it scores from
+            shared = (request.prompt_logprobs_start - 1) // block * block if request.after else 0
+            computed += len(request.prompt_token_ids) - shared
             if len(sample) < CALIBRATION_REQUESTS:
                 sample.append(request)
         scored += work.scored_tokens
     report = {"task": "score", "rows": rows, "rows_failing_before_the_model": failed}
     report |= {"rows_from_results_cache": hits} if results is not None else {}
     report["requests"] = len(lengths)
+    if job.score.labels:
+        report["labels"] = len(job.score.labels)
     if not lengths:
         return report
     report |= {

@@ -94,23 +94,30 @@ def test_continuation_is_scored_given_the_prompt(engine):
     assert max(abs(t.logprob - w) for t, w in zip(s.token_logprobs, want)) <= TOL
 
 
-def test_labels_share_the_prompt_prefill_and_equal_their_continuations(engine, texts):
+@pytest.mark.parametrize("labels", [LABELS, [" positive", " not at all positive", " neutral", " mixed feelings"]])
+def test_labels_share_the_prompt_prefill_and_equal_their_continuations(engine, texts, labels):
+    """A row's labels cost one prefill of its prompt: every label's first token is scored from the prompt's last row
+    (one-token labels need nothing more), and a label of more tokens computes only what follows the prompt's full
+    blocks, read from the prefix cache. Each label's logprob is still its own continuation's sum."""
     prompts = [f"{t}\nSentiment:" for t in texts[:3]]
     engine.reset_prefix_cache()
     steps = []
     engine.add_step_callback(steps.append)
     try:
-        scores = engine.score(prompts, labels=LABELS, use_tqdm=False)
+        scores = engine.score(prompts, labels=labels, use_tqdm=False)
     finally:
         engine.remove_step_callback(steps.append)
     block = engine.config.block_size
     lengths = [len(engine.tokenizer.encode(p)) for p in prompts]
-    # every label after the first reads the prompt's full blocks (all but those holding its last token) from cache
-    assert steps[-1].prefix_cache_hits == sum((len(LABELS) - 1) * ((n - 1) // block * block) for n in lengths)
+    tails = [engine.tokenizer.encode(label, add_special_tokens=False) for label in labels]
+    longer = [t for t in tails[1:] if len(t) > 1]
+    needed = sum(n + len(tails[0]) + sum(n % block + len(t) for t in longer) for n in lengths)
+    assert sum(s.num_prefill_tokens for s in steps) == needed
+    assert steps[-1].prefix_cache_hits == sum(len(longer) * (n // block * block) for n in lengths)
     for p, s in zip(prompts, scores):
-        singles = engine.score([p] * len(LABELS), LABELS, use_tqdm=False)
+        singles = engine.score([p] * len(labels), labels, use_tqdm=False)
         assert s.label_logprobs == pytest.approx([c.sum_nll * -1 for c in singles], abs=1e-4)
-        assert s.label == LABELS[max(range(len(LABELS)), key=s.label_logprobs.__getitem__)]
+        assert s.label == labels[max(range(len(labels)), key=s.label_logprobs.__getitem__)]
         assert sum(s.label_probs) == pytest.approx(1.0)
         weights = [math.exp(x) for x in s.label_logprobs]
         assert s.label_probs == pytest.approx([w / sum(weights) for w in weights])
@@ -203,11 +210,10 @@ def test_label_probabilities_of_very_unlikely_labels_are_their_softmax():
     """Labels whose logprob sums are all far below zero (-900 and -901: exp underflows to 0.0 in a double) still
     get the softmax of their sums, [e / (e + 1), 1 / (e + 1)], not 0/0."""
     start, prompt = 2, [5, 6]
-    outputs = [
-        RequestOutput(str(i), prompt + [7, 8], [], "", "length", prompt_logprobs=[None, None, *lps])
-        for i, lps in enumerate([[TokenLogprob(7, -450.0), TokenLogprob(8, -450.0)], [TokenLogprob(7, -901.0)]])
-    ]
-    score = score_output("r", outputs, start, ["yes", "no"])
+    lps = [None, None, TokenLogprob(7, -450.0), TokenLogprob(8, -450.0)]
+    out = RequestOutput("r-0", prompt + [7, 8], [], "", "length", prompt_logprobs=lps)
+    out.alternative_logprobs = [TokenLogprob(9, -901.0)]  # the one-token label "no", from the same row
+    score = score_output("r", [out], start, ["yes", "no"])
     assert score.label_logprobs == [-900.0, -901.0] and score.label == "yes"
     assert score.label_probs == pytest.approx([math.e / (math.e + 1), 1 / (math.e + 1)], rel=1e-12)
     assert score.label_probs == pytest.approx([0.731, 0.269], abs=5e-4)

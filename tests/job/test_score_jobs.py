@@ -234,9 +234,10 @@ def test_labels_classify_each_row_with_one_shared_prefill(tmp_path, engine):
         assert row["label_logprobs"] == pytest.approx([-s.sum_nll for s in alone], abs=1e-4)
         label_tokens = sum(len(engine.tokenizer.encode(x, add_special_tokens=False)) for x in LABELS)
         assert row["scored_tokens"] == label_tokens
-        # the labels after the first read the prompt's full blocks from the prefix cache
-        n = row["prompt_tokens"]
-        assert row["cached_tokens"] >= (len(LABELS) - 1) * ((n - 1) // 16 * 16) > 0
+        # one prefill of the prompt: every label's first token from its last row; a label of more tokens reads the
+        # prompt's full blocks from the prefix cache
+        n, lengths = row["prompt_tokens"], [len(engine.tokenizer.encode(x, add_special_tokens=False)) for x in LABELS]
+        assert row["cached_tokens"] == sum(n // 16 * 16 for k in lengths[1:] if k > 1)
         assert "sum_nll" not in row and "token_logprobs" not in row
     assert got["r0"]["label"] == " positive" and got["r1"]["label"] == " negative"
 
@@ -364,14 +365,16 @@ def test_plan_counts_a_scoring_jobs_requests_and_prefill(tmp_path, engine):
     prompts = [engine.tokenizer.encode(TEMPLATE.format(text=t)) for t in REVIEWS]
     labels = [engine.tokenizer.encode(x, add_special_tokens=False) for x in LABELS]
     assert report["task"] == "score" and report["rows"] == 5 and report["rows_failing_before_the_model"] == 1
-    assert report["requests"] == len(REVIEWS) * len(LABELS)
-    assert report["prompt_tokens_total"] == sum(len(p) + len(x) for p in prompts for x in labels)
+    # a request for the first label (scoring every label's first token) and one for each label of more tokens
+    longer = [x for x in labels[1:] if len(x) > 1]
+    assert report["requests"] == len(REVIEWS) * (1 + len(longer)) and report["labels"] == len(LABELS)
+    assert report["prompt_tokens_total"] == sum(len(p) + len(x) for p in prompts for x in [labels[0], *longer])
     assert report["scored_tokens_total"] == len(REVIEWS) * sum(map(len, labels))
-    shared = sum((len(LABELS) - 1) * ((len(p) - 1) // 16 * 16) for p in prompts)
+    shared = sum(len(longer) * (len(p) // 16 * 16) for p in prompts)
     assert report["prefill_tokens_expected"] == report["prompt_tokens_total"] - shared
     assert report["calibration"]["prefill_tokens_per_s"] > 0 and report["estimated_time_s"] > 0
     text = batchjob("plan", str(job), "--no-calibrate")
-    assert text.exit_code == 0 and "tokens scored" in text.output and "labels share" in text.output
+    assert text.exit_code == 0 and "tokens scored" in text.output and "one prefill of each prompt" in text.output
 
 
 def test_a_chat_template_prompt_scores_the_assistants_answer(tmp_path, engine):

@@ -30,10 +30,12 @@ def test_labels_follow_the_prompt_and_wait_for_its_first_prefill():
     assert [r.id for r in work.rows] == ["a", "dup"]  # identical rows computed once
     first, second = work.requests()
     assert first.prompt_token_ids == prompt + list(b" yes") and first.after is None
+    assert first.prompt_logprobs_start == len(prompt) and first.first_token_alternatives == list(b" ")
+    # the second label's first token is scored from the first's row; its request scores the rest
     assert second.prompt_token_ids == prompt + list(b" no!") and second.after == first.request_id
-    assert {r.prompt_logprobs_start for r in (first, second)} == {len(prompt)}
+    assert second.prompt_logprobs_start == len(prompt) + 1 and not second.first_token_alternatives
     assert first.params.max_tokens == 0 and first.params.prompt_logprobs == 0
-    assert work.scored_tokens == 8 and work.total_tokens == 2 * len(prompt) + 8
+    assert work.scored_tokens == 8 and work.total_tokens == 2 * len(prompt) + 8 and work.num_requests == 2
     # 37 prompt tokens and 4 of the longest label: past the context of 40
     assert errors == {"long": f"prompt is 37 tokens plus 4 to score after it, too long for the model's context of "
                               f"{CONTEXT} (prompt.on_too_long: error)"}  # fmt: skip
@@ -72,22 +74,29 @@ def test_a_continuation_keeps_its_room_when_the_prompt_is_cut():
 
 
 def test_a_rows_outputs_come_back_together_in_the_labels_order():
-    works, _ = plan([Row(0, "a", {"text": "hi"})], score={"labels": [" a", " b", " c"]})
+    """Labels "a", "bc" and "d" in bytes: "bc"'s request scores its last token, and every label's first comes from
+    the first label's row; the outputs come back in any order."""
+    works, _ = plan([Row(0, "a", {"text": "hi"})], score={"labels": ["a", "bc", "d"]})
     (work,) = works
     in_flight, gather = {}, ScoreGather()
     requests = list(score_requests(works, in_flight))
-    assert set(in_flight) == {r.request_id for r in requests}
+    assert set(in_flight) == {r.request_id for r in requests} and len(requests) == 2
 
     def output(request, logprob):
-        lps = [None] * request.prompt_logprobs_start + [TokenLogprob(t, logprob) for t in request.prompt_token_ids[2:]]
-        return RequestOutput(request.request_id, request.prompt_token_ids, [], "", "length", prompt_logprobs=lps)
+        start = request.prompt_logprobs_start
+        lps = [None] * start + [TokenLogprob(t, logprob) for t in request.prompt_token_ids[start:]]
+        out = RequestOutput(request.request_id, request.prompt_token_ids, [], "", "length", prompt_logprobs=lps)
+        out.alternative_logprobs = [TokenLogprob(t, logprob - 10) for t in request.first_token_alternatives]
+        return out
 
-    last_first = reversed(list(enumerate(requests)))
-    done = [gather.add(in_flight.pop(r.request_id), output(r, -j - 1.0)) for j, r in last_first]
-    assert done[:2] == [None, None] and in_flight == {}
-    score = work.score(done[2])
-    assert score.label_logprobs == [-2.0, -4.0, -6.0] and score.label == " a"
-    assert score.label_probs[0] > score.label_probs[1] > score.label_probs[2]
+    done = [
+        gather.add(in_flight.pop(r.request_id), output(r, -j - 1.0)) for j, r in reversed(list(enumerate(requests)))
+    ]
+    assert done[0] is None and in_flight == {}
+    score = work.score(done[1])
+    # "a": -1; "bc": -11 (from the first request's row) -2; "d": -11
+    assert score.label_logprobs == [-1.0, -13.0, -11.0] and score.label == "a"
+    assert score.label_probs[0] > score.label_probs[2] > score.label_probs[1]
 
 
 def test_the_results_cache_keys_a_score_by_everything_that_decides_it(tmp_path):

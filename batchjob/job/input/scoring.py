@@ -5,13 +5,14 @@ its engine ScoreOutput (Engine.score's, built by the same score_output)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, score_output
+from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, row_requests, score_output
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import JobEngine
 from batchjob.job.input.planner import TOKENIZE_CHUNK, in_windows
@@ -34,19 +35,10 @@ class ScoreWork:
     rows: list[Row] = field(default_factory=list)  # the first is computed, the rest are its duplicates
 
     def requests(self) -> list[Request]:
-        """One request a tail; a label after the first waits for the first to compute the prompt's blocks, then reads
-        them from the prefix cache (`after`): one prefill of the prompt for all the labels."""
-        first = f"{self.request_id}-0"
-        return [
-            Request(
-                f"{self.request_id}-{j}",
-                self.token_ids + tail,
-                self.params,
-                prompt_logprobs_start=self.start,
-                after=first if j else None,
-            )
-            for j, tail in enumerate(self.tails)
-        ]
+        """The engine's requests for the work (row_requests): with labels, one prefill of the prompt for them all."""
+        return row_requests(
+            self.request_id, self.token_ids, self.tails, self.start, self.params, self.labels is not None
+        )
 
     def score(self, outputs: list[RequestOutput]) -> ScoreOutput:
         """The ScoreOutput of the work's finished requests, in their order."""
@@ -56,10 +48,14 @@ class ScoreWork:
     def scored_tokens(self) -> int:
         return sum(len(self.token_ids) + len(tail) - self.start for tail in self.tails)
 
+    @functools.cached_property
+    def num_requests(self) -> int:
+        return len(self.requests())
+
     @property
     def total_tokens(self) -> int:
         """Of all its requests."""
-        return sum(len(self.token_ids) + len(tail) for tail in self.tails)
+        return sum(len(r.prompt_token_ids) for r in self.requests())
 
 
 class ScorePlanner:
@@ -157,13 +153,13 @@ class ScoreGather:
         self.got: dict[str, dict[int, RequestOutput]] = {}
 
     def add(self, work: ScoreWork, output: RequestOutput) -> list[RequestOutput] | None:
-        """The work's outputs in its requests' order once `output` completes them; None before."""
+        """The work's outputs once `output` completes them; None before."""
         got = self.got.setdefault(work.request_id, {})
-        got[int(output.request_id.rpartition("-")[2])] = output
-        if len(got) < len(work.tails):
+        got[output.request_id] = output
+        if len(got) < work.num_requests:
             return None
         del self.got[work.request_id]
-        return [got[j] for j in range(len(work.tails))]
+        return list(got.values())
 
 
 def cached_tokens(outputs: list[RequestOutput]) -> int:
