@@ -173,3 +173,22 @@ def deny_by_mode() -> None:
         sets[i] &= ~sum(1 << c for c in DAC_CAPABILITIES)
     if libc.capset(header, sets) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
+
+
+def peft_adapter(loaded, folder: Path, seed: int, boost: float = 1.0, **settings):
+    """A random LoRA adapter of the built-in model made by peft itself (A and B drawn: init_lora_weights=False; B
+    times `boost`), saved as a PEFT folder at `folder`; returns peft's model with it, the oracle of its outputs."""
+    import peft
+    import torch
+    import transformers
+
+    path, name = os.path.dirname(loaded.path), os.path.basename(loaded.path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, gguf_file=name, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base.eval(), peft.LoraConfig(init_lora_weights=False, **settings))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.mul_(boost)
+    model.save_pretrained(folder)
+    return model.eval()

@@ -115,7 +115,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         tokens = seq.token_ids
-        parent = None
+        parent = seq.prefix_root
         hits = 0
         for start in range(0, seq.prefix_cache_limit - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
@@ -181,4 +181,4 @@ class BlockManager:
             self._cursor = 0
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
-        seq.last_block_hash = None
+        seq.last_block_hash = seq.prefix_root

@@ -18,6 +18,26 @@ MAX_NUM_SEQS = 1 << 16
 MAX_NUM_THREADS = 4096
 
 
+class LoraConfig(BaseModel):
+    """LoRA adapters a request may name (vLLM's --lora-modules, max_loras, max_lora_rank)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    adapters: dict[str, str] = Field(description="name: a PEFT adapter folder (adapter_config.json, safetensors)")
+    max_loras: int = Field(8, ge=1, le=256, description="adapters held at once; the rows of a step name at most these")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="the largest rank an adapter may have")
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        if not adapters:
+            raise ValueError("name at least one adapter")
+        for name in adapters:
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"adapter name {name!r}: a name without leading or trailing spaces")
+        return adapters
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -59,6 +79,7 @@ class EngineConfig(BaseModel):
     )
     num_threads: int | None = Field(None, ge=1, le=MAX_NUM_THREADS)
     seed: int = Field(0, **SEED_RANGE)
+    lora: LoraConfig | None = None
 
     @field_validator("max_num_batched_tokens", mode="before")
     @classmethod

@@ -154,9 +154,11 @@ class Engine:
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
         use_tqdm: bool = True,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. Text prompts are tokenized as they are (no chat template; see chat()).
-        use_tqdm shows a tqdm.auto bar (a widget in notebooks) with requests done and output tokens/s."""
+        use_tqdm shows a tqdm.auto bar (a widget in notebooks) with requests done and output tokens/s. `lora`
+        names an adapter of engine.lora for every prompt, or one per prompt (None: the base model)."""
         from tqdm.auto import tqdm
 
         if isinstance(prompts, str):  # one prompt, as vLLM takes it
@@ -166,8 +168,12 @@ class Engine:
         if isinstance(params, list | tuple) and len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params: the lengths must be the same")
         plist = params if isinstance(params, list | tuple) else [params] * len(prompts)
+        loras = _per_prompt(lora, len(prompts))
         # Ids unique to this engine (vLLM's request counter): an output can only be matched to its own call.
-        requests = [Request(str(next(self._request_counter)), self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
+        requests = [
+            Request(str(next(self._request_counter)), self._prompt_ids(p), sp, lora=name)
+            for p, sp, name in zip(prompts, plist, loras)
+        ]
         done: dict[str, RequestOutput] = {}
         start, tokens = time.perf_counter(), 0
         with (
@@ -204,12 +210,14 @@ class Engine:
         labels: list[str] | None = None,
         prompt_logprobs: int = 0,
         use_tqdm: bool = True,
+        lora: str | list[str | None] | None = None,
     ) -> list[ScoreOutput]:
         """Teacher-forced scoring, in input order: one prefill a row and no decode (prompt-only requests, packed
         into the token budget and chunked as any prefill). Each row scores its prompt's tokens after the first, or
         its continuation's given the prompt; with `labels`, each label as the prompt's continuation, the labels of
         a row reading the prompt's blocks from the prefix cache after one of them has computed them.
-        `prompt_logprobs` is the number of likeliest alternatives kept with each scored token's logprob."""
+        `prompt_logprobs` is the number of likeliest alternatives kept with each scored token's logprob; `lora` as
+        in generate()."""
         from tqdm.auto import tqdm
 
         if isinstance(prompts, str):
@@ -221,6 +229,7 @@ class Engine:
         if labels is not None and not labels:
             raise ValueError("score: labels needs at least one label")
         params = SamplingParams(max_tokens=0, prompt_logprobs=prompt_logprobs)
+        loras = _per_prompt(lora, len(prompts))
         rows = []  # (row id, start, request ids)
         requests = []
         for i, prompt in enumerate(prompts):
@@ -230,7 +239,7 @@ class Engine:
             else:
                 tails = [self._continuation_ids(continuations[i])] if continuations is not None else [[]]
             start = len(ids) if labels is not None or continuations is not None else 1
-            row = row_requests(row_id, ids, tails, start, params, labels is not None)
+            row = row_requests(row_id, ids, tails, start, params, labels is not None, loras[i])
             requests += row
             rows.append((row_id, start, [r.request_id for r in row]))
         done: dict[str, RequestOutput] = {}
@@ -301,6 +310,11 @@ class Engine:
         """The tuner of `max_num_batched_tokens: auto` (its summary() says what it measured); None if fixed."""
         return self.scheduler.auto_budget
 
+    @property
+    def lora_digests(self) -> dict[str, str]:
+        """Each LoRA adapter's content digest (sha256 of its files), by name; empty without engine.lora."""
+        return dict(self.runner.lora.digests) if self.runner.lora else {}
+
     def set_token_budget(self, budget: int | str) -> None:
         """A fixed budget, or "auto" to tune it afresh (as at the start of a run)."""
         self.config.max_num_batched_tokens = budget
@@ -349,6 +363,11 @@ class Engine:
             error = "prompt holds token ids outside the vocabulary"
         elif any(not 0 <= t < self.model_config.vocab_size for t in req.params.logit_bias):
             error = "logit_bias holds token ids outside the vocabulary"
+        elif req.lora is not None and req.lora not in (self.runner.lora.paths if self.runner.lora else {}):
+            known = sorted(self.runner.lora.paths) if self.runner.lora else []
+            error = f"unknown LoRA adapter {req.lora!r} " + (
+                f"(engine.lora.adapters names {', '.join(map(repr, known))})" if known else "(engine.lora names none)"
+            )
         elif req.first_token_alternatives and (
             req.params.prompt_logprobs is None
             or not all(0 <= t < self.model_config.vocab_size for t in req.first_token_alternatives)
@@ -373,6 +392,8 @@ class Engine:
             seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
             seq.metrics.finished_time = time.time()
             return self._output(seq)
+        if req.lora is not None:  # its blocks are keyed apart: K/V computed through an adapter are the adapter's
+            seq.prefix_root = seq.last_block_hash = int(self.runner.lora.digests[req.lora][:16], 16)
         seq.after = self._in_flight.get(req.after) if req.after is not None else None
         self._in_flight[req.request_id] = seq
         self.scheduler.add(seq)
@@ -565,3 +586,12 @@ class Engine:
         self.last_step = m
         for fn in self._step_callbacks:
             fn(m)
+
+
+def _per_prompt(lora: str | list[str | None] | None, n: int) -> list[str | None]:
+    """generate()'s and score()'s `lora`: one name for every prompt, or one name (or None) per prompt."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"{n} prompts but {len(lora)} LoRA names: the lengths must be the same")
+    return list(lora)

@@ -15,6 +15,7 @@ from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, available_memory, keep_freed_memory, lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
+from batchjob.engine.lora_manager import LoraManager
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.prompt_logprobs import PromptLogprobRows
 from batchjob.engine.scheduler import SchedulerOutput
@@ -154,6 +155,8 @@ class ModelRunner:
             int8=self.weights == "int8",
             calibration=loaded.tokenizer.encode(CALIBRATION_TEXT) if self.weights == "int8" else None,
         )
+        # LoRA adapters, checked now: a damaged or mismatched one refuses the engine before any row runs
+        self.lora = LoraManager(config.lora, loaded.config, self.device, self.dtype) if config.lora else None
         self.block_size = config.block_size
         c = loaded.config
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
@@ -307,11 +310,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The step on the device, where with the Triton ops the host never waits for it (forbid_host_sync):
         float32 logits of the rows that need a token (or of `rows`), in scheduled order."""
-        if rows is None and prompt is None and self.decode_graphs is not None and self.decode_graphs.fits(out):
+        lora = self.lora.batch([(seq.lora, n) for seq, n in out.scheduled]) if self.lora else None
+        graphs = rows is None and prompt is None and lora is None and self.decode_graphs is not None
+        if graphs and self.decode_graphs.fits(out):
             hidden, rows = self.decode_graphs.run(out)
         else:
             step = build_step_inputs(out, self.block_size, self.device)
-            hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
+            hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches, lora)
             rows = step.sample_rows if rows is None else torch.tensor(rows, device=self.device)
             if prompt is not None:
                 prompt.compute(hidden, self.model, self.prompt_logprob_rows)

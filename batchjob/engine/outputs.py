@@ -25,6 +25,8 @@ class Request:
     # With params.prompt_logprobs: other tokens scored in place of the token at prompt_logprobs_start, from the same
     # row of logits (a classification's other labels' first tokens: one row of the prompt serves every label).
     first_token_alternatives: list[int] = field(default_factory=list)
+    # The engine's LoRA adapter (EngineConfig.lora) applied to this request; None: the base model.
+    lora: str | None = None
 
 
 @dataclass
@@ -181,21 +183,28 @@ class ScoreOutput:
 
 
 def row_requests(
-    request_id: str, prompt_ids: list[int], tails: list[list[int]], start: int, params: SamplingParams, labels: bool
+    request_id: str,
+    prompt_ids: list[int],
+    tails: list[list[int]],
+    start: int,
+    params: SamplingParams,
+    labels: bool,
+    lora: str | None = None,
 ) -> list[Request]:
     """One scoring row as engine requests, each id `request_id`-j for what it scores (the j-th tail). A plain row or a
     continuation: one request, scored from `start` on. Labels (each tail one): the first label's request computes the
     prompt and scores every label's first token from its last row (first_token_alternatives); a label of more tokens
     has a request of its own that reads the prompt's blocks from the prefix cache once the first has computed them
-    (`after`) and scores its tokens after the first; a one-token label needs no request."""
+    (`after`) and scores its tokens after the first; a one-token label needs no request. Each through `lora`."""
     first = f"{request_id}-0"
     if not labels:
-        return [Request(first, prompt_ids + tails[0], params, prompt_logprobs_start=start)]
+        return [Request(first, prompt_ids + tails[0], params, prompt_logprobs_start=start, lora=lora)]
     if not all(tails):
         raise ValueError("a label of no tokens has nothing to score")
-    lead = Request(first, prompt_ids + tails[0], params, start, first_token_alternatives=[t[0] for t in tails[1:]])
+    alternatives = [t[0] for t in tails[1:]]
+    lead = Request(first, prompt_ids + tails[0], params, start, first_token_alternatives=alternatives, lora=lora)
     return [lead] + [
-        Request(f"{request_id}-{j}", prompt_ids + tail, params, prompt_logprobs_start=start + 1, after=first)
+        Request(f"{request_id}-{j}", prompt_ids + tail, params, start + 1, after=first, lora=lora)
         for j, tail in enumerate(tails)
         if j and len(tail) > 1
     ]

@@ -134,6 +134,8 @@ class Scheduler:
         # A root that will fork holds a seat for each of its samples.
         seats = sum(s.params.n if s.needs_fork else 1 for s in self.running)
         candidates = islice(self.waiting, cfg.max_num_seqs - len(self.running) + _MAX_LOOKAHEAD)
+        # the rows of at most max_loras adapters run at once: each has its slot (lora_manager.py)
+        loras = {s.lora for s in self.running if s.lora is not None}
         for seq in list(candidates):
             need_seats = seq.params.n if seq.needs_fork else 1
             if budget == 0 or seats + need_seats > cfg.max_num_seqs:
@@ -144,6 +146,8 @@ class Scheduler:
                 break  # memory is short for most of the queue: scanning all of it every step costs O(queue)
             if seq.waits_for_prefix:
                 continue  # its shared prefix is computed in this or a coming step by the request it follows
+            if seq.lora is not None and seq.lora not in loras and len(loras) >= cfg.lora.max_loras:
+                continue  # its adapter's turn comes when one of the running adapters has no rows left
             cached = bm.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             need = bm.blocks_needed(seq, n)
@@ -162,6 +166,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats += need_seats
+            if seq.lora is not None:
+                loras.add(seq.lora)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
                 seq.num_cached_tokens = cached

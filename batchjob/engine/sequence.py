@@ -34,6 +34,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
         self.prompt_logprobs_start = request.prompt_logprobs_start
+        self.lora = request.lora
+        # The prefix cache's root for this sequence's blocks: an adapter's K/V are its own (set by the engine).
+        self.prefix_root: int | None = None
         # By position, so that a prompt computed again after a preemption writes the same entries again.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         if self.params.prompt_logprobs is not None:
@@ -61,7 +64,10 @@ class Sequence:
     def fork(self, index: int) -> Sequence:
         """Sample `index` of this root, at the point where the prompt is computed and no token drawn yet: it shares
         the prompt's KV blocks (BlockManager.fork) and draws its own tokens (seed + index when seeded)."""
-        child = Sequence(Request(self.request_id, self.prompt_token_ids, self.params), self.arrival_index)
+        child = Sequence(
+            Request(self.request_id, self.prompt_token_ids, self.params, lora=self.lora), self.arrival_index
+        )
+        child.prefix_root = self.prefix_root
         child.index, child.root = index, self
         child.max_tokens, child.length_capped = self.max_tokens, self.length_capped  # as capped at admission
         if self.params.seed is not None:

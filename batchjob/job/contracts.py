@@ -38,6 +38,7 @@ class JobEngine(Protocol):
     model_digest: str  # sha256 of the weights, for the job's fingerprint
     model_revision: str | None  # the Hub commit, where the model came from the Hub
     numerics: dict[str, str]  # the resolved device, dtypes and ops backend: what else decides the numbers
+    lora_digests: dict[str, str]  # each LoRA adapter's content digest, by name (engine.lora)
     num_kv_blocks: int
     kv_bytes_per_token: int
 
@@ -98,5 +99,8 @@ class Embedder(Protocol):
 
 
 def model_identity(engine: JobEngine | Embedder) -> dict:
-    """The fingerprint's parts that are known only once the model is loaded."""
-    return {"model_digest": engine.model_digest, "model_revision": engine.model_revision, "numerics": engine.numerics}
+    """The fingerprint's parts that are known only once the model is loaded (and its LoRA adapters' digests, by
+    name, where it has any)."""
+    loras = getattr(engine, "lora_digests", None)
+    identity = {"model_digest": engine.model_digest, "model_revision": engine.model_revision}
+    return identity | {"numerics": engine.numerics} | ({"lora": loras} if loras else {})

@@ -62,6 +62,12 @@ class InputSpec(_Section):
     text_column: str = "text"
     messages_column: str | None = Field(None, description="a column of chat messages, instead of a text column")
     passthrough: list[str] = Field(default_factory=list, description="input columns copied to the output")
+    lora_column: str = Field(
+        "lora",
+        min_length=1,
+        description="with engine.lora: the column naming each row's adapter (null or empty: the base model); an "
+        "OpenAI Batch line names it in body.model",
+    )
     batch_rows: int = Field(1024, ge=1, description="rows per Parquet read batch")
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from batchjob.model.llama import LlamaModel, embedding
+from batchjob.model.lora import LoraBatch
 
 
 def _one_plus(weight: torch.Tensor) -> torch.Tensor:
@@ -83,8 +84,10 @@ class GemmaModel(LlamaModel):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, ...]],
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the step's tokens; K/V of every token is written to the cache."""
+        """Hidden states [T, hidden] of the step's tokens; K/V of every token is written to the cache (LoRA as in
+        LlamaModel.forward)."""
         c, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         h = embedding(self.embed, input_ids) * self.normalizer
         residual = None
@@ -93,7 +96,7 @@ class GemmaModel(LlamaModel):
                 x, residual = ops.rms_norm(h, layer["input_norm"], eps), h
             else:
                 x, residual = ops.rms_norm(h, layer["input_norm"], eps, residual)
-            q, k, v = layer["qkv"](x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = self.project(i, "qkv", x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if layer["q_norm"] is not None:  # Gemma 3: per head, over head_dim
                 q = ops.rms_norm(q.reshape(-1, c.head_dim), layer["q_norm"], eps)
                 k = ops.rms_norm(k.reshape(-1, c.head_dim), layer["k_norm"], eps)
@@ -108,9 +111,9 @@ class GemmaModel(LlamaModel):
                 q, k_cache, v_cache, meta, self.scale, *scales,
                 sliding_window=window, logits_soft_cap=c.attn_logit_softcapping,
             )  # fmt: skip
-            h = ops.rms_norm(layer["o"](attn.view(-1, self.q_size)), layer["post_norm"], eps)
+            h = ops.rms_norm(self.project(i, "o", attn.view(-1, self.q_size), lora), layer["post_norm"], eps)
             x, residual = ops.rms_norm(h, layer["pre_ff_norm"], eps, residual)
-            h = layer["down"](ops.gelu_tanh_and_mul(layer["gate_up"](x)))
+            h = self.project(i, "down", ops.gelu_tanh_and_mul(self.project(i, "gate_up", x, lora)), lora)
             h = ops.rms_norm(h, layer["post_ff_norm"], eps)
         out, _ = ops.rms_norm(h, self.norm, eps, residual)
         return out

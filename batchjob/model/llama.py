@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig, moe_weight_names
+from batchjob.model.lora import LoraBatch
 from batchjob.model.matmul.gguf_linear import GGUFLinear, QuantizedWeight
 from batchjob.model.matmul.int8_linear import Int8Linear
 from batchjob.model.matmul.linear import Linear
@@ -221,17 +222,19 @@ class LlamaModel:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, ...]],
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the step's tokens; K/V of every token is written to the cache."""
+        """Hidden states [T, hidden] of the step's tokens; K/V of every token is written to the cache. With `lora`,
+        each row's adapter (if any) adds its update to the decoder's matmuls."""
         c, ops = self.config, self.ops
         h = embedding(self.embed, input_ids)
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             if residual is None:
                 x, residual = ops.rms_norm(h, layer["input_norm"], c.rms_norm_eps), h
             else:
                 x, residual = ops.rms_norm(h, layer["input_norm"], c.rms_norm_eps, residual)
-            qkv = layer["qkv"](x)
+            qkv = self.project(i, "qkv", x, lora)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, c.num_attention_heads, c.head_dim)
             k = k.view(-1, c.num_key_value_heads, c.head_dim)
@@ -243,14 +246,19 @@ class LlamaModel:
             k_cache, v_cache, *scales = cache
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, *scales)
-            h = layer["o"](attn.view(-1, self.q_size))
+            h = self.project(i, "o", attn.view(-1, self.q_size), lora)
             x, residual = ops.rms_norm(h, layer["post_norm"], c.rms_norm_eps, residual)
             if layer["moe"] is not None:
                 h = layer["moe"](x, ops)
             else:
-                h = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
+                h = self.project(i, "down", ops.silu_and_mul(self.project(i, "gate_up", x, lora)), lora)
         out, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
         return out
+
+    def project(self, layer: int, matmul: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """One of the layer's matmuls ("qkv", "o", "gate_up", "down"), with the rows' LoRA updates where any."""
+        y = self.layers[layer][matmul](x)
+        return y if lora is None else lora.add_to(layer, matmul, x, y)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

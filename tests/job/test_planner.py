@@ -2,6 +2,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.input.lora import RowLora
 from batchjob.job.input.planner import Planner, job_planner
 from batchjob.job.input.prompt import PromptBuilder
 from batchjob.job.input.reader import InputSource, Row
@@ -21,6 +22,7 @@ def planner(tmp_path, errors, *, window=100, dedupe=True, params=None, **section
         dedupe=dedupe,
         block_size=BLOCK,
         on_error=lambda row, error: errors.append((row.id, error)),
+        lora=RowLora(job),
     )
 
 

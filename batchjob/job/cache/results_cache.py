@@ -252,6 +252,7 @@ class RunCache:
             }
         )
         self._dimension = engine.dimension if job.task == "embed" else 0  # of an embedding entry's vectors
+        self._lora_digests = getattr(engine, "lora_digests", {})
         self._params: tuple[SamplingParams | None, bytes] = (None, _canonical(None))
         self.keys: dict[str, str] = {}  # request id -> key, for the generation works sent to the engine
 
@@ -277,9 +278,12 @@ class RunCache:
         and order (its parameters hold prompt_logprobs)."""
         if isinstance(work, EmbeddingWork):
             return self.key(work.inputs, None, None)
+        # a row through a LoRA adapter is keyed by the adapter's content; a base row as in a job without adapters
+        lora = {"lora": self._lora_digests[work.lora]} if work.lora else {}
         if isinstance(work, ScoreWork):
-            return self.key([work.token_ids, *work.tails], work.params, {"start": work.start, "labels": work.labels})
-        return self.key(work.token_ids, work.params, None) if work.params.deterministic else None
+            settings = {"start": work.start, "labels": work.labels} | lora
+            return self.key([work.token_ids, *work.tails], work.params, settings)
+        return self.key(work.token_ids, work.params, lora or None) if work.params.deterministic else None
 
     def holds(self, work: Work | EmbeddingWork | ScoreWork) -> bool:
         """Whether a run would take a work's result from the cache (`plan`'s count): the run's own check, without

@@ -23,6 +23,7 @@ import pydantic
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import Embedder, JobEngine
+from batchjob.job.input.lora import RowLora
 from batchjob.job.input.prompt import PromptBuilder, RowError
 from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobSpec
@@ -39,10 +40,11 @@ class Work:
     params: SamplingParams
     truncated: bool
     rows: list[Row] = field(default_factory=list)  # the first is computed, the rest are its duplicates
+    lora: str | None = None  # the LoRA adapter the rows name (input/lora.py); None: the base model
 
     @property
     def request(self) -> Request:
-        return Request(self.request_id, self.token_ids, self.params)
+        return Request(self.request_id, self.token_ids, self.params, lora=self.lora)
 
 
 @dataclass
@@ -141,6 +143,7 @@ def job_planner(
         dedupe=job.schedule.dedupe,
         block_size=engine.config.block_size,
         on_error=on_error,
+        lora=RowLora(job),
     )
 
 
@@ -161,8 +164,9 @@ class Planner:
         dedupe: bool,
         block_size: int,
         on_error: Callable[[Row, str], None],
+        lora: RowLora,
     ):
-        self.builder, self.params = builder, params
+        self.builder, self.params, self.lora = builder, params, lora
         self.sort_window, self.dedupe, self.block_size = sort_window, dedupe, block_size
         self.on_error = on_error
         self._ids = itertools.count()
@@ -183,13 +187,16 @@ class Planner:
         rows = iter(rows)
         while chunk := list(itertools.islice(rows, TOKENIZE_CHUNK)):
             results: list[RowError | SamplingParams] = []
+            loras: list[str | None] = []
             for row in chunk:
                 try:
                     if row.error is not None:
                         raise RowError(row.error)
-                    results.append(self._row_params(row))
+                    lora, params = self.lora.of(row), self._row_params(row)
                 except RowError as e:
-                    results.append(e)
+                    lora, params = None, e
+                loras.append(lora)
+                results.append(params)
             usable = [i for i, r in enumerate(results) if isinstance(r, SamplingParams)]
             built = self.builder.build_many([chunk[i] for i in usable], [results[i].max_tokens for i in usable])
             prompts = dict(zip(usable, built))
@@ -198,7 +205,7 @@ class Planner:
                 if isinstance(result, RowError):
                     self.on_error(row, str(result))
                 else:
-                    yield Work(str(next(self._ids)), result[0], results[i], result[1], [row])
+                    yield Work(str(next(self._ids)), result[0], results[i], result[1], [row], loras[i])
 
     def _row_params(self, row: Row) -> SamplingParams:
         if not row.overrides:
@@ -268,4 +275,5 @@ def _length_bin(work: Planned) -> int:
 def _request_key(work: Work, params_json: bytes) -> bytes:
     digest = hashlib.blake2b(array("q", work.token_ids).tobytes(), digest_size=16)
     digest.update(params_json)
+    digest.update(b"\0lora:" + (work.lora or "").encode())  # rows of different adapters are different requests
     return digest.digest()

@@ -89,9 +89,12 @@ class InputSource:
                 [spec.messages_column] if spec.messages_column else sorted(set(job.prompt.fields) | {spec.text_column})
             )
             continuation = job.score.continuation_column if job.task == "score" else None
-            if continuation is not None and continuation not in self.prompt_columns:
-                self.prompt_columns.append(continuation)
+            lora = spec.lora_column if job.engine.lora else None  # each row's adapter (input/lora.py)
+            for column in (continuation, lora):
+                if column is not None and column not in self.prompt_columns:
+                    self.prompt_columns.append(column)
             self.passthrough = list(spec.passthrough)
+        self.lora = job.engine.lora is not None
         self.versions: dict[str, list] = dict(versions or {})
         self._scanned_rows: dict[str, int] = {}  # by file, what scan() counted
         self._reading: str | None = None  # the file rows() has open
@@ -372,6 +375,8 @@ class InputSource:
                 row.values, row.overrides = parse_request(obj, self.task)
             except RequestLineError as e:
                 row.error = row.error or f"line {lineno}: {e}"
+            if self.lora and isinstance(obj.get("body"), dict):  # the line's adapter, if it names one (input/lora.py)
+                row.values["model"] = obj["body"].get("model")
         else:
             row.values = {c: obj.get(c) for c in self.prompt_columns}
         return row

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from batchjob.engine.outputs import Request, RequestOutput, ScoreOutput, row_requests, score_output
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import JobEngine
+from batchjob.job.input.lora import RowLora
 from batchjob.job.input.planner import TOKENIZE_CHUNK, in_windows
 from batchjob.job.input.prompt import PromptBuilder, RowError, cell_text
 from batchjob.job.input.reader import Row
@@ -33,12 +34,12 @@ class ScoreWork:
     labels: list[str] | None
     truncated: bool
     rows: list[Row] = field(default_factory=list)  # the first is computed, the rest are its duplicates
+    lora: str | None = None  # the LoRA adapter the rows name (input/lora.py); None: the base model
 
     def requests(self) -> list[Request]:
         """The engine's requests for the work (row_requests): with labels, one prefill of the prompt for them all."""
-        return row_requests(
-            self.request_id, self.token_ids, self.tails, self.start, self.params, self.labels is not None
-        )
+        labels = self.labels is not None
+        return row_requests(self.request_id, self.token_ids, self.tails, self.start, self.params, labels, self.lora)
 
     def score(self, outputs: list[RequestOutput]) -> ScoreOutput:
         """The ScoreOutput of the work's finished requests, in their order."""
@@ -85,6 +86,7 @@ class ScorePlanner:
         self.params = SamplingParams(max_tokens=0, prompt_logprobs=spec.prompt_logprobs or 0)
         self.sort_window, self.dedupe = job.schedule.sort_window, job.schedule.dedupe
         self.block_size = engine.config.block_size
+        self.lora = RowLora(job)
         self._ids = itertools.count()
 
     def works(self, rows: Iterable[Row]) -> Iterator[ScoreWork]:
@@ -97,10 +99,13 @@ class ScorePlanner:
         while chunk := list(itertools.islice(rows, TOKENIZE_CHUNK)):
             tails: list[list[list[int]] | RowError] = []
             texts: list[str] = []
+            loras: list[str | None] = []
             for row in chunk:
+                loras.append(None)
                 try:
                     if row.error is not None:
                         raise RowError(row.error)
+                    loras[-1] = self.lora.of(row)
                     if self.column is not None:
                         texts.append(self.builder.data(_continuation(row.values.get(self.column), self.column)))
                     tails.append(self.label_ids or [[]])
@@ -119,7 +124,8 @@ class ScorePlanner:
                     continue
                 ids, truncated = prompt
                 start = 1 if self.column is None and self.labels is None else len(ids)
-                yield ScoreWork(str(next(self._ids)), ids, tails[i], start, self.params, self.labels, truncated, [row])
+                work_id = str(next(self._ids))
+                yield ScoreWork(work_id, ids, tails[i], start, self.params, self.labels, truncated, [row], loras[i])
 
 
 def score_planner(
@@ -180,4 +186,5 @@ def _work_key(work: ScoreWork) -> bytes:
     for ids in (work.token_ids, *work.tails):  # each with its length: no two different splits hash alike
         digest.update(len(ids).to_bytes(8, "little"))
         digest.update(array("q", ids).tobytes())
+    digest.update(b"lora:" + (work.lora or "").encode())  # rows of different adapters are different works
     return digest.digest()

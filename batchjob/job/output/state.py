@@ -56,6 +56,7 @@ FINGERPRINT_DEFAULTS = {
     # Before row data was text, special-token strings in it were read as special tokens.
     "prompt": {"chat_template_kwargs": {}, "special_tokens_in_data": True},
     "output": {"split_reasoning": False},
+    "lora": None,  # LoRA adapters' digests by name: none before there were adapters, and in a job without them
 }
 # The files batchjob writes beside data/ (recorded in _job.json's "files" before it first writes them).
 WRITTEN = (SUCCESS, SUMMARY, OPENAI_OUTPUT, TIMELINE, METRICS)

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 
+from batchjob.engine.lora_manager import adapter_digests
 from batchjob.job.cache.results_cache import RESULT_ENGINE_SETTINGS
 from batchjob.job.contracts import JobEngine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGNAL
@@ -41,6 +42,8 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
         # What a scoring job scores (only there: the fingerprints of earlier jobs stay as they were).
         **({"score": job.score.model_dump()} if job.task == "score" else {}),
         "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
+        # Each LoRA adapter's content by name: rows computed through an adapter belong to that adapter's weights.
+        "lora": adapter_digests(job.engine.lora) if job.engine.lora else None,
         # The published files' layout: a rerun with another size must not leave the old files beside the new ones.
         "output": {
             "rows_per_file": job.output.rows_per_file if job.output.order == "input" else None,
@@ -148,7 +151,7 @@ class JobRun:
             meta = out.read_job()
             # A job recorded without a model (its input was empty) has no result that a model computed.
             if meta and meta["fingerprint"].get("model_digest") is not None:
-                out.check_fingerprint(fp, keys=["model_digest", "model_revision"])
+                out.check_fingerprint(fp, keys=["model_digest", "model_revision", "lora"])
             # The rows' columns are known now (an embedding's length is the model's): refused before any is computed
             # if the folder's parts could not join them in one dataset at the finish.
             folder_schema(out.parts(), writer.schema)

@@ -1,0 +1,230 @@
+"""LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) applied beside the base model's
+matmuls: each row of a step adds its adapter's low-rank update, x @ A^T @ B^T * scaling, to the base matmul's output,
+which runs once for all rows (punica's shrink and expand, grouped by adapter). The base weights are never changed.
+
+Targets are the decoder's projections (q/k/v/o, gate/up/down, or Phi-3's fused qkv_proj/gate_up_proj); an update
+of a projection that the model fuses with others (q, k and v in one qkv matmul) writes its slice of the output.
+Anything else an adapter may hold (DoRA, biases, trained embeddings or heads, modules_to_save) is refused on load:
+an adapter is untrusted input, and one applied in part would give wrong outputs without an error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from batchjob.model.config import ModelConfig
+from batchjob.model.errors import ModelError
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# Settings that change what an adapter computes beyond x @ A^T @ B^T * scaling: refused unless at these values.
+_PLAIN = {"use_dora": False, "bias": "none", "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False}
+_PLAIN |= {"alpha_pattern": {}, "layer_replication": None, "use_qalora": False}
+
+
+class LoraError(ModelError):
+    """An adapter that cannot be applied to this model, with the reason (naming the adapter)."""
+
+
+def targets(c: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Each projection an adapter may target: (the model's fused matmul, first output column, last + 1)."""
+    q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    return {
+        "q_proj": ("qkv", 0, q),
+        "k_proj": ("qkv", q, q + kv),
+        "v_proj": ("qkv", q + kv, q + 2 * kv),
+        "qkv_proj": ("qkv", 0, q + 2 * kv),
+        "o_proj": ("o", 0, c.hidden_size),
+        "gate_proj": ("gate_up", 0, inter),
+        "up_proj": ("gate_up", inter, 2 * inter),
+        "gate_up_proj": ("gate_up", 0, 2 * inter),
+        "down_proj": ("down", 0, c.hidden_size),
+    }
+
+
+def _in_features(c: ModelConfig, matmul: str) -> int:
+    return {"qkv": c.hidden_size, "o": c.num_attention_heads * c.head_dim, "gate_up": c.hidden_size}.get(
+        matmul, c.intermediate_size
+    )
+
+
+@dataclass
+class LoraUpdate:
+    """One fused matmul's update: the targeted projections' A stacked ([sum of ranks, in]: one shrink), and each
+    one's B with its scaling folded in, written to its output columns."""
+
+    a: torch.Tensor
+    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (first column, last + 1, first rank row, last + 1, B)
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """y[rows] += the update of x[rows] (every row where `rows` is None)."""
+        shrunk = (x if rows is None else x.index_select(0, rows)) @ self.a.T
+        for start, end, r0, r1, b in self.parts:
+            delta = shrunk[:, r0:r1] @ b.T
+            if rows is None:
+                y[:, start:end] += delta
+            else:
+                y[:, start:end].index_add_(0, rows, delta)
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: Path
+    rank: int  # the largest of its projections'
+    digest: str  # of its config and weights' bytes: what caches key the adapter's results by
+    layers: list[dict[str, LoraUpdate]]  # per decoder layer, by fused matmul name ("qkv", "o", "gate_up", "down")
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> LoraAdapter:
+        def moved(u: LoraUpdate) -> LoraUpdate:
+            parts = [(s, e, r0, r1, b.to(device, dtype)) for s, e, r0, r1, b in u.parts]
+            return LoraUpdate(u.a.to(device, dtype), parts)
+
+        layers = [{k: moved(u) for k, u in layer.items()} for layer in self.layers]
+        return LoraAdapter(self.name, self.path, self.rank, self.digest, layers)
+
+
+def read_adapter_config(name: str, path: Path) -> dict:
+    """The folder's adapter_config.json, checked to be a plain LoRA (LoraError otherwise)."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoraError(f"LoRA adapter {name!r}: {file} is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"LoRA adapter {name!r}: {file} holds no JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r}; only LORA is applied")
+    for key, plain in _PLAIN.items():
+        value = cfg.get(key, plain)
+        empty = plain in (None, {}) and value in (None, [], {})  # PEFT writes either for "none"
+        if value != plain and not empty:
+            raise LoraError(f"LoRA adapter {name!r}: {key} = {value!r} is not supported (only plain LoRA is)")
+    alpha = cfg.get("lora_alpha")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoraError(f"LoRA adapter {name!r}: lora_alpha {alpha!r} is not a number")
+    return cfg
+
+
+def weights_file(name: str, path: Path) -> Path:
+    """The folder's adapter_model.safetensors; LoraError where it has none."""
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        pickled = (path / "adapter_model.bin").is_file()
+        why = " (adapter_model.bin, a pickle, is not read: save with safetensors)" if pickled else ""
+        raise LoraError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {path}{why}")
+    return file
+
+
+def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """The adapter at `path` (a PEFT folder) for a model of `config`, in float32 on the host; LoraError naming the
+    adapter and the reason when it is not a plain LoRA of this model's projections or a rank above `max_rank`."""
+    cfg = read_adapter_config(name, path)
+    file = weights_file(name, path)
+    try:
+        with safe_open(str(file), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iteration)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoraError(f"LoRA adapter {name!r}: {file} is not a readable safetensors file ({e})") from None
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise LoraError(f"LoRA adapter {name!r}: {key} is not a LoRA weight of a decoder projection")
+        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = t
+    if not pairs:
+        raise LoraError(f"LoRA adapter {name!r}: {file} holds no LoRA weights")
+    known = targets(config)
+    layers: list[dict[str, list]] = [{} for _ in range(config.num_hidden_layers)]
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"LoRA adapter {name!r}: layer {layer} {module}"
+        if module not in known:
+            raise LoraError(f"{where}: not a projection LoRA is applied to here ({', '.join(known)})")
+        if not 0 <= layer < config.num_hidden_layers:
+            raise LoraError(f"{where}: the model has {config.num_hidden_layers} layers")
+        matmul, start, end = known[module]
+        if config.is_moe_layer(layer) and matmul in ("gate_up", "down"):
+            raise LoraError(f"{where}: a sparse MoE layer's experts take no LoRA here")
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"{where}: lora_A and lora_B must both be present")
+        a, b = ab["A"], ab["B"]
+        r, fan_in = a.shape[0] if a.dim() == 2 else -1, _in_features(config, matmul)
+        if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (end - start, r):
+            raise LoraError(
+                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base model "
+                f"(in {fan_in}, out {end - start}): an adapter of another model?"
+            )
+        if not 0 < r <= max_rank:
+            raise LoraError(f"{where}: rank {r} is above max_lora_rank {max_rank}" if r else f"{where}: rank 0")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraError(f"{where}: its weights hold NaN or infinite values")
+        alpha = float(cfg["lora_alpha"])
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        layers[layer].setdefault(matmul, []).append((start, end, a.float(), b.float() * scaling))
+        rank = max(rank, r)
+    fused = []
+    for layer in layers:
+        updates = {}
+        for matmul, parts in layer.items():
+            offsets = [0]
+            for _, _, a, _ in parts:
+                offsets.append(offsets[-1] + a.shape[0])
+            stacked = torch.cat([a for _, _, a, _ in parts])
+            updates[matmul] = LoraUpdate(
+                stacked, [(s, e, offsets[i], offsets[i + 1], b) for i, (s, e, _, b) in enumerate(parts)]
+            )
+        fused.append(updates)
+    return LoraAdapter(name, path, rank, adapter_digest(path), fused)
+
+
+def adapter_digest(path: Path) -> str:
+    """sha256 of the adapter's two files (config, then weights): the results cache and output fingerprint key by it."""
+    h = hashlib.sha256()
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        data = (path / file).read_bytes()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+@dataclass
+class LoraBatch:
+    """A step's adapters: each with the rows (token indices) it applies to, None for all of them."""
+
+    groups: list[tuple[LoraAdapter, torch.Tensor | None]]
+
+    @classmethod
+    def build(cls, row_adapters: Iterable[tuple[LoraAdapter | None, int]], device: torch.device) -> LoraBatch | None:
+        """From each scheduled sequence's adapter (None for the base model) and its token count, in step order;
+        None when no row has one."""
+        spans: dict[int, tuple[LoraAdapter, list[range]]] = {}
+        total = 0
+        for adapter, n in row_adapters:
+            if adapter is not None:
+                spans.setdefault(id(adapter), (adapter, []))[1].append(range(total, total + n))
+            total += n
+        groups = []
+        for adapter, ranges in spans.values():
+            rows = [i for r in ranges for i in r]
+            whole = len(rows) == total
+            groups.append((adapter, None if whole else torch.tensor(rows, dtype=torch.int64, device=device)))
+        return cls(groups) if groups else None
+
+    def add_to(self, layer: int, matmul: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the update of each row's adapter for this layer's matmul (in place); y."""
+        for adapter, rows in self.groups:
+            update = adapter.layers[layer].get(matmul)
+            if update is not None:
+                update.add_to(y, x, rows)
+        return y
