@@ -66,6 +66,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.model_digest = f"digest-of-{model}"
         self.model_revision = None
+        self.lora_digests: dict[str, str] = {}
         self.numerics = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "ops_backend": "fake"}
         self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
         self.token_budget, self.auto_budget = 64, None
@@ -152,6 +153,6 @@ class FakeEngine:
             metrics=metrics,
         )
 
-    def generate(self, prompts, params, use_tqdm=True):
-        requests = [Request(str(i), list(p), params) for i, p in enumerate(prompts)]
+    def generate(self, prompts, params, use_tqdm=True, lora=None):
+        requests = [Request(str(i), list(p), params, lora=lora) for i, p in enumerate(prompts)]
         return [self._answer(r, RequestMetrics(arrival_time=time.time())) for r in requests]

@@ -55,6 +55,7 @@ class JobEngine(Protocol):
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]: ...
 
     def add_step_callback(self, fn: Callable[[StepMetrics], None]) -> None: ...
