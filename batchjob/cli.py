@@ -431,6 +431,14 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     help="with --task score: a classification, each row scored with each label as its continuation (Engine.score's "
     "labels; transformers and vLLM one sequence per row and label), credited with the labels' tokens",
 )
+@click.option(
+    "--loras",
+    default=None,
+    type=click.IntRange(1, 256),
+    help="the rows spread over N random LoRA adapters in one engine, against the same rows on the base model and "
+    "against N runs one after another, a fresh engine with one adapter each (a job per adapter)",
+)
+@click.option("--lora-rank", default=8, show_default=True, type=click.IntRange(1, 1024), help="with --loras")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the report as JSON")
 def bench(**options) -> None:
     """Throughput of this engine against baselines on one workload, in one process (with --task embed the

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import pydantic
 import torch
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 from batchjob.bench import llama_server
 from batchjob.bench.gguf_export import dummy_gguf_apart
+from batchjob.bench.lora_bench import format_lora, run_lora_bench
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
 from batchjob.bench.quality import run_quality
 from batchjob.bench.scoring import run_score_bench
@@ -290,6 +293,8 @@ class BenchOptions:
     requantize: str | None = None
     dummy_gguf: str | None = None
     labels: str | None = None
+    loras: int | None = None
+    lora_rank: int = 8
 
 
 QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
@@ -423,7 +428,12 @@ def bench(o: BenchOptions) -> str:
         vocab = engine.model_config.vocab_size
         input_len = o.input_len or INPUT_LEN
         wl = synthetic(vocab, o.num_prompts or NUM_PROMPTS, input_len, o.output_len, o.range_ratio, o.prefix_len)
-    if o.task == "score":
+    if o.loras:
+        del engine  # each system below builds its own
+        with tempfile.TemporaryDirectory(prefix="batchjob-bench-lora-") as root:
+            report = run_lora_bench(model, overrides, wl, o.loras, o.lora_rank, Path(root), max(o.repeats, 1))
+        text = format_lora(report)
+    elif o.task == "score":
         report = _score_report(o, engine, wl)
         text = format_score(report)
     elif o.quality:
