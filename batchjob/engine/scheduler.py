@@ -101,6 +101,8 @@ class Scheduler:
             budget -= n
         if out.num_preempted == 0:  # a step that preempted has no room to admit
             self._admit(budget, out)
+        if self.config.lora is not None:  # each adapter's rows side by side: its update is one matmul on a slice
+            out.scheduled.sort(key=lambda item: item[0].lora or "")
         self._update_pressure(out.num_preempted)
         return out
 

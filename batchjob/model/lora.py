@@ -28,6 +28,7 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])
 # Settings that change what an adapter computes beyond x @ A^T @ B^T * scaling: refused unless at these values.
 _PLAIN = {"use_dora": False, "bias": "none", "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False}
 _PLAIN |= {"alpha_pattern": {}, "layer_replication": None, "use_qalora": False}
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 
 class LoraError(ModelError):
@@ -56,23 +57,25 @@ def _in_features(c: ModelConfig, matmul: str) -> int:
     )
 
 
+def _out_features(c: ModelConfig, matmul: str) -> int:
+    return max(end for name, (m, _, end) in targets(c).items() if m == matmul)
+
+
 @dataclass
 class LoraUpdate:
-    """One fused matmul's update: the targeted projections' A stacked ([sum of ranks, in]: one shrink), and each
-    one's B with its scaling folded in, written to its output columns."""
+    """One fused matmul's update: the targeted projections' A stacked ([sum of ranks, in]: one shrink), and their B
+    with the scaling folded in, laid block-diagonally over the matmul's output columns ([out, sum of ranks]: one
+    expand; zeros where a projection is not targeted)."""
 
     a: torch.Tensor
-    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (first column, last + 1, first rank row, last + 1, B)
+    b: torch.Tensor
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """y[rows] += the update of x[rows] (every row where `rows` is None)."""
-        shrunk = (x if rows is None else x.index_select(0, rows)) @ self.a.T
-        for start, end, r0, r1, b in self.parts:
-            delta = shrunk[:, r0:r1] @ b.T
-            if rows is None:
-                y[:, start:end] += delta
-            else:
-                y[:, start:end].index_add_(0, rows, delta)
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
+        """y[rows] += the update of x[rows]: in place on a slice of rows, by index_add_ on scattered ones."""
+        if isinstance(rows, slice):
+            y[rows].addmm_(x[rows] @ self.a.T, self.b.T)
+        else:
+            y.index_add_(0, rows, (x.index_select(0, rows) @ self.a.T) @ self.b.T)
 
 
 @dataclass
@@ -85,8 +88,7 @@ class LoraAdapter:
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> LoraAdapter:
         def moved(u: LoraUpdate) -> LoraUpdate:
-            parts = [(s, e, r0, r1, b.to(device, dtype)) for s, e, r0, r1, b in u.parts]
-            return LoraUpdate(u.a.to(device, dtype), parts)
+            return LoraUpdate(u.a.to(device, dtype), u.b.to(device, dtype))
 
         layers = [{k: moved(u) for k, u in layer.items()} for layer in self.layers]
         return LoraAdapter(self.name, self.path, self.rank, self.digest, layers)
@@ -128,26 +130,59 @@ def weights_file(name: str, path: Path) -> Path:
 
 def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
     """The adapter at `path` (a PEFT folder) for a model of `config`, in float32 on the host; LoraError naming the
-    adapter and the reason when it is not a plain LoRA of this model's projections or a rank above `max_rank`."""
+    adapter and the reason when it is not a plain LoRA of this model's projections or a rank above `max_rank`. Names,
+    dtypes and shapes are checked from the file's header before any tensor is read."""
     cfg = read_adapter_config(name, path)
     file = weights_file(name, path)
+    alpha = float(cfg["lora_alpha"])
+    layers: list[dict[str, list]] = [{} for _ in range(config.num_hidden_layers)]
+    rank = 0
     try:
         with safe_open(str(file), "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iteration)
+            pairs = _checked_pairs(name, f, config, max_rank)
+            for (layer, module), keys in sorted(pairs.items()):
+                matmul, start, end = targets(config)[module]
+                a, b = f.get_tensor(keys["A"]).float(), f.get_tensor(keys["B"]).float()
+                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: NaN or infinite weights")
+                r = a.shape[0]
+                scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+                layers[layer].setdefault(matmul, []).append((start, end, a, b * scaling))
+                rank = max(rank, r)
     except (SafetensorError, OSError, ValueError) as e:
         raise LoraError(f"LoRA adapter {name!r}: {file} is not a readable safetensors file ({e})") from None
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+    fused = []
+    for layer in layers:
+        updates = {}
+        for matmul, parts in layer.items():
+            stacked = torch.cat([a for _, _, a, _ in parts])
+            expand = torch.zeros(_out_features(config, matmul), stacked.shape[0])
+            r0 = 0
+            for start, end, a, b in parts:
+                expand[start:end, r0 : r0 + a.shape[0]] = b
+                r0 += a.shape[0]
+            updates[matmul] = LoraUpdate(stacked, expand)
+        fused.append(updates)
+    return LoraAdapter(name, path, rank, adapter_digest(path), fused)
+
+
+def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tuple[int, str], dict[str, str]]:
+    """The file's (layer, projection) -> {"A": key, "B": key}, every name, dtype and shape checked from its header."""
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    shapes = {}
+    for key in f.keys():  # noqa: SIM118 (safe_open has no iteration)
         m = _KEY.search(key)
         if m is None:
             raise LoraError(f"LoRA adapter {name!r}: {key} is not a LoRA weight of a decoder projection")
-        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = t
+        part = f.get_slice(key)
+        if part.get_dtype() not in _FLOAT_DTYPES:
+            raise LoraError(f"LoRA adapter {name!r}: {key} holds {part.get_dtype()}, not floating-point weights")
+        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = key
+        shapes[key] = tuple(part.get_shape())
     if not pairs:
-        raise LoraError(f"LoRA adapter {name!r}: {file} holds no LoRA weights")
+        raise LoraError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     known = targets(config)
-    layers: list[dict[str, list]] = [{} for _ in range(config.num_hidden_layers)]
-    rank = 0
-    for (layer, module), ab in sorted(pairs.items()):
+    for (layer, module), keys in sorted(pairs.items()):
         where = f"LoRA adapter {name!r}: layer {layer} {module}"
         if module not in known:
             raise LoraError(f"{where}: not a projection LoRA is applied to here ({', '.join(known)})")
@@ -156,36 +191,18 @@ def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
         matmul, start, end = known[module]
         if config.is_moe_layer(layer) and matmul in ("gate_up", "down"):
             raise LoraError(f"{where}: a sparse MoE layer's experts take no LoRA here")
-        if set(ab) != {"A", "B"}:
+        if set(keys) != {"A", "B"}:
             raise LoraError(f"{where}: lora_A and lora_B must both be present")
-        a, b = ab["A"], ab["B"]
-        r, fan_in = a.shape[0] if a.dim() == 2 else -1, _in_features(config, matmul)
-        if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (end - start, r):
+        a, b = shapes[keys["A"]], shapes[keys["B"]]
+        r, fan_in = a[0] if len(a) == 2 else -1, _in_features(config, matmul)
+        if a != (r, fan_in) or b != (end - start, r):
             raise LoraError(
-                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base model "
-                f"(in {fan_in}, out {end - start}): an adapter of another model?"
+                f"{where}: lora_A {a} and lora_B {b} do not fit the base model (in {fan_in}, out {end - start}): "
+                "an adapter of another model?"
             )
         if not 0 < r <= max_rank:
             raise LoraError(f"{where}: rank {r} is above max_lora_rank {max_rank}" if r else f"{where}: rank 0")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoraError(f"{where}: its weights hold NaN or infinite values")
-        alpha = float(cfg["lora_alpha"])
-        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        layers[layer].setdefault(matmul, []).append((start, end, a.float(), b.float() * scaling))
-        rank = max(rank, r)
-    fused = []
-    for layer in layers:
-        updates = {}
-        for matmul, parts in layer.items():
-            offsets = [0]
-            for _, _, a, _ in parts:
-                offsets.append(offsets[-1] + a.shape[0])
-            stacked = torch.cat([a for _, _, a, _ in parts])
-            updates[matmul] = LoraUpdate(
-                stacked, [(s, e, offsets[i], offsets[i + 1], b) for i, (s, e, _, b) in enumerate(parts)]
-            )
-        fused.append(updates)
-    return LoraAdapter(name, path, rank, adapter_digest(path), fused)
+    return pairs
 
 
 def adapter_digest(path: Path) -> str:
@@ -200,9 +217,10 @@ def adapter_digest(path: Path) -> str:
 
 @dataclass
 class LoraBatch:
-    """A step's adapters: each with the rows (token indices) it applies to, None for all of them."""
+    """A step's adapters, each with the rows (token indices) it applies to: a slice where they lie side by side (the
+    scheduler groups a step's sequences by adapter), else an index tensor."""
 
-    groups: list[tuple[LoraAdapter, torch.Tensor | None]]
+    groups: list[tuple[LoraAdapter, slice | torch.Tensor]]
 
     @classmethod
     def build(cls, row_adapters: Iterable[tuple[LoraAdapter | None, int]], device: torch.device) -> LoraBatch | None:
@@ -212,13 +230,19 @@ class LoraBatch:
         total = 0
         for adapter, n in row_adapters:
             if adapter is not None:
-                spans.setdefault(id(adapter), (adapter, []))[1].append(range(total, total + n))
+                ranges = spans.setdefault(id(adapter), (adapter, []))[1]
+                if ranges and ranges[-1].stop == total:  # the same adapter's rows continue
+                    ranges[-1] = range(ranges[-1].start, total + n)
+                else:
+                    ranges.append(range(total, total + n))
             total += n
-        groups = []
+        groups: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
         for adapter, ranges in spans.values():
-            rows = [i for r in ranges for i in r]
-            whole = len(rows) == total
-            groups.append((adapter, None if whole else torch.tensor(rows, dtype=torch.int64, device=device)))
+            if len(ranges) == 1:
+                groups.append((adapter, slice(ranges[0].start, ranges[0].stop)))
+            else:
+                rows = torch.tensor([i for r in ranges for i in r], dtype=torch.int64, device=device)
+                groups.append((adapter, rows))
         return cls(groups) if groups else None
 
     def add_to(self, layer: int, matmul: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

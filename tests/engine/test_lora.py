@@ -144,6 +144,10 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
             _copy(folder, tmp_path / "nan", weights=lambda t: t | {first_a: t[first_a] * float("nan")}),
             "NaN",
         ),
+        "ints": (
+            _copy(folder, tmp_path / "ints", weights=lambda t: t | {first_a: t[first_a].to(torch.int32)}),
+            "holds I32, not floating-point weights",
+        ),
         "embed": (
             _copy(
                 folder,
