@@ -4,6 +4,7 @@ adapters and of the base model generate greedily in one batch, and each equals p
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -166,3 +167,28 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
         with pytest.raises(LoraError, match=why) as e:
             Engine("smollm2-135m-instruct", lora={"adapters": {name: str(path)}, "max_lora_rank": rank})
         assert f"LoRA adapter {name!r}" in str(e.value)
+
+
+def test_adapters_on_a_tiny_qwen3_equal_peft(tmp_path):
+    """Qwen3's q/k norms and head_dim 32 (wider than hidden / heads): rank 8 on every projection and rank 64 with
+    rsLoRA on some, rows of both and base rows in one batch, each equal to transformers + peft greedily in fp32."""
+    tiny = pytest.importorskip("tests.oracle.test_tiny_architectures", reason="the oracle needs the test extra")
+    base = tiny.build("qwen3-gqa2-headdim32-tied", tmp_path / "qwen3", tiny.tiny_tokenizer().to_str())
+    models = {}
+    for i, (name, settings) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(40 + i)
+        model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **settings))
+        model.save_pretrained(tmp_path / name)
+        models[name] = model.eval()
+    folders = {name: str(tmp_path / name) for name in ADAPTERS}
+    engine = Engine(str(tmp_path / "qwen3"), dtype="float32", lora={"adapters": folders})
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, tiny.VOCAB, (n,), generator=g).tolist() for n in (7, 19, 33)]
+    names = [None, *ADAPTERS]
+    rows = [(p, n) for p in prompts for n in names]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
+    outs = engine.generate([p for p, _ in rows], params, use_tqdm=False, lora=[n for _, n in rows])
+    for (prompt, name), out in zip(rows, outs):
+        oracle = base if name is None else models[name]
+        assert out.token_ids == hf_generate(oracle, prompt, 10, eos_token_id=-1)[0, len(prompt) :].tolist(), name
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the adapters change what the model writes
