@@ -100,6 +100,10 @@ def test_the_results_cache_keys_a_row_by_its_adapters_content(tmp_path, adapters
     cache = {"path": str(tmp_path / "cache")}
     first = write_job(tmp_path / "a.yaml", data, tmp_path / "a", adapters, cache=cache)
     assert batchjob("run", str(first)).exit_code == 0
+    # the rows the model ran, by adapter (the unknown name's row failed before it); null and "" are one base row
+    one = {"rows": 1, "failed": 0}
+    lora = json.loads((tmp_path / "a" / "_summary.json").read_text())["this_run"]["lora"]
+    assert lora == {"base_model": {"rows": 2, "failed": 0}, "adapters": {"alpha": one, "beta": one}}
     again = write_job(tmp_path / "b.yaml", data, tmp_path / "b", adapters, cache=cache)
     assert batchjob("run", str(again)).exit_code == 0
     assert json.loads((tmp_path / "b" / "_summary.json").read_text())["cache"]["hits"] == 4

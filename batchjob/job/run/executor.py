@@ -96,6 +96,7 @@ class LocalExecutor:
         self.in_flight: dict[str, Work | ScoreWork] = {}  # by request id
         self.cache: RunCache | None = None
         self.stop_committed = self.aborted = False
+        self.lora_rows: dict[str | None, dict[str, int]] = {}  # with engine.lora: this run's rows by adapter
 
     def execute(self, pending: Pending) -> None:
         self.pending = pending
@@ -222,6 +223,7 @@ class LocalExecutor:
             return  # not committed, so it runs again on resume
         for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
             self.pending.writer.add(record, cache="misses" if looked_up else None)
+        self._count_lora(work, output.finish_reason == "error")
         self.pending.progress.rows(
             len(work.rows),
             output_tokens=sum(len(s.token_ids) for s in output.samples),
@@ -232,6 +234,7 @@ class LocalExecutor:
         """A work whose result the results cache holds: its rows as if the engine had just computed it."""
         for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
             self.pending.writer.add(record, cache="hits")
+        self._count_lora(work, output.finish_reason == "error")
         self.pending.progress.rows(len(work.rows))
 
     def commit_score(self, work: ScoreWork, outputs: list[RequestOutput]) -> None:
@@ -253,6 +256,13 @@ class LocalExecutor:
         per_token = self.pending.job.score.prompt_logprobs is not None
         for record in score_rows(work, score, self.engine.tokenizer, per_token, cached):
             self.pending.writer.add(record, cache=cache)
+        self._count_lora(work, score.error is not None)
+
+    def _count_lora(self, work: Work | ScoreWork, failed: bool) -> None:
+        if self.pending.job.engine.lora is not None:
+            counts = self.lora_rows.setdefault(work.lora, {"rows": 0, "failed": 0})
+            counts["rows"] += len(work.rows)
+            counts["failed"] += len(work.rows) if failed else 0
 
     def engine_summary(self) -> dict:
         if self.engine is None:
@@ -265,6 +275,9 @@ class LocalExecutor:
                 "peak_rss_bytes": peak_rss(),
             }
         summary = {"token_budget": self.engine.token_budget, "peak_rss_bytes": peak_rss()}
+        if self.lora_rows:  # the rows the model ran, by adapter; rows failing before it (an unknown name) are apart
+            adapters = {name: self.lora_rows[name] for name in sorted(n for n in self.lora_rows if n is not None)}
+            summary["lora"] = {"base_model": self.lora_rows.get(None, {"rows": 0, "failed": 0}), "adapters": adapters}
         if self.engine.auto_budget is not None:
             summary["token_budget_auto"] = self.engine.auto_budget.summary()
         return summary
