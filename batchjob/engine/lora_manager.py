@@ -6,50 +6,19 @@ so every adapter of a step has its slot."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 
 from batchjob.engine.config import LoraConfig
 from batchjob.model.config import ModelConfig
-from batchjob.model.lora import (
-    LoraAdapter,
-    LoraBatch,
-    LoraError,
-    adapter_digest,
-    load_lora,
-    read_adapter_config,
-    weights_file,
-)
-
-
-def adapter_paths(config: LoraConfig) -> dict[str, Path]:
-    """Each adapter's folder; LoraError naming the adapter where there is no such folder."""
-    paths = {name: Path(path).expanduser() for name, path in config.adapters.items()}
-    for name, path in paths.items():
-        if not path.is_dir():
-            raise LoraError(f"LoRA adapter {name!r}: {path} is not a folder (a PEFT adapter's)")
-    return paths
-
-
-def adapter_digests(config: LoraConfig) -> dict[str, str]:
-    """Each adapter's content digest by name, read without loading it (a job's fingerprint holds them); LoraError
-    where an adapter's folder or files are missing."""
-    digests = {}
-    for name, path in adapter_paths(config).items():
-        read_adapter_config(name, path)
-        weights_file(name, path)
-        try:
-            digests[name] = adapter_digest(path)
-        except OSError as e:
-            raise LoraError(f"LoRA adapter {name!r}: cannot read its files ({e})") from None
-    return digests
+from batchjob.model.lora import LoraAdapter, LoraBatch, load_lora
+from batchjob.model.lora_files import LoraError, adapter_paths
 
 
 class LoraManager:
     def __init__(self, config: LoraConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype):
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
-        self.paths = adapter_paths(config)
+        self.paths = adapter_paths(config.adapters)
         self.digests = {
             name: load_lora(name, path, model, config.max_lora_rank).digest for name, path in self.paths.items()
         }

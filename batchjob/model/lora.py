@@ -9,8 +9,6 @@ an adapter is untrusted input, and one applied in part would give wrong outputs 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
 from collections.abc import Iterable
@@ -21,18 +19,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from batchjob.model.config import ModelConfig
-from batchjob.model.errors import ModelError
+from batchjob.model.lora_files import (
+    WEIGHTS_FILE,
+    LoraError,
+    adapter_digest,
+    read_adapter_config,
+    weights_file,
+)
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-# Settings that change what an adapter computes beyond x @ A^T @ B^T * scaling: refused unless at these values.
-_PLAIN = {"use_dora": False, "bias": "none", "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False}
-_PLAIN |= {"alpha_pattern": {}, "layer_replication": None, "use_qalora": False}
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
-
-
-class LoraError(ModelError):
-    """An adapter that cannot be applied to this model, with the reason (naming the adapter)."""
 
 
 def targets(c: ModelConfig) -> dict[str, tuple[str, int, int]]:
@@ -92,40 +88,6 @@ class LoraAdapter:
 
         layers = [{k: moved(u) for k, u in layer.items()} for layer in self.layers]
         return LoraAdapter(self.name, self.path, self.rank, self.digest, layers)
-
-
-def read_adapter_config(name: str, path: Path) -> dict:
-    """The folder's adapter_config.json, checked to be a plain LoRA (LoraError otherwise)."""
-    file = path / CONFIG_FILE
-    if not file.is_file():
-        raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
-    try:
-        cfg = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoraError(f"LoRA adapter {name!r}: {file} is not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise LoraError(f"LoRA adapter {name!r}: {file} holds no JSON object")
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise LoraError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r}; only LORA is applied")
-    for key, plain in _PLAIN.items():
-        value = cfg.get(key, plain)
-        empty = plain in (None, {}) and value in (None, [], {})  # PEFT writes either for "none"
-        if value != plain and not empty:
-            raise LoraError(f"LoRA adapter {name!r}: {key} = {value!r} is not supported (only plain LoRA is)")
-    alpha = cfg.get("lora_alpha")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise LoraError(f"LoRA adapter {name!r}: lora_alpha {alpha!r} is not a number")
-    return cfg
-
-
-def weights_file(name: str, path: Path) -> Path:
-    """The folder's adapter_model.safetensors; LoraError where it has none."""
-    file = path / WEIGHTS_FILE
-    if not file.is_file():
-        pickled = (path / "adapter_model.bin").is_file()
-        why = " (adapter_model.bin, a pickle, is not read: save with safetensors)" if pickled else ""
-        raise LoraError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {path}{why}")
-    return file
 
 
 def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -203,16 +165,6 @@ def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tup
         if not 0 < r <= max_rank:
             raise LoraError(f"{where}: rank {r} is above max_lora_rank {max_rank}" if r else f"{where}: rank 0")
     return pairs
-
-
-def adapter_digest(path: Path) -> str:
-    """sha256 of the adapter's two files (config, then weights): the results cache and output fingerprint key by it."""
-    h = hashlib.sha256()
-    for file in (CONFIG_FILE, WEIGHTS_FILE):
-        data = (path / file).read_bytes()
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
 
 
 @dataclass

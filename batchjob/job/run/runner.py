@@ -9,7 +9,6 @@ import json
 import time
 from collections.abc import Callable
 
-from batchjob.engine.lora_manager import adapter_digests
 from batchjob.job.cache.results_cache import RESULT_ENGINE_SETTINGS
 from batchjob.job.contracts import JobEngine
 from batchjob.job.exit_codes import EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGNAL
@@ -24,6 +23,7 @@ from batchjob.job.run.stopper import Stopper
 from batchjob.job.spec import JobSpec
 from batchjob.job.telemetry.progress import Progress
 from batchjob.job.telemetry.prom import metric_families, write_metrics
+from batchjob.model.lora_files import adapter_digests
 
 MODEL_KEYS = ("model_digest", "model_revision", "numerics")  # the parts known once the model is loaded
 
@@ -43,7 +43,7 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
         **({"score": job.score.model_dump()} if job.task == "score" else {}),
         "engine": job.engine.model_dump(include=RESULT_ENGINE_SETTINGS),
         # Each LoRA adapter's content by name: rows computed through an adapter belong to that adapter's weights.
-        "lora": adapter_digests(job.engine.lora) if job.engine.lora else None,
+        "lora": adapter_digests(job.engine.lora.adapters) if job.engine.lora else None,
         # The published files' layout: a rerun with another size must not leave the old files beside the new ones.
         "output": {
             "rows_per_file": job.output.rows_per_file if job.output.order == "input" else None,

@@ -1,0 +1,88 @@
+"""A LoRA adapter's files (a PEFT folder: adapter_config.json + adapter_model.safetensors), read without torch: the
+config checked to be a plain LoRA, and the files' content digest, which a job's fingerprint holds before any model
+loads. lora.py reads the weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from batchjob.model.errors import ModelError
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# Settings that change what an adapter computes beyond x @ A^T @ B^T * scaling: refused unless at these values.
+_PLAIN = {"use_dora": False, "bias": "none", "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False}
+_PLAIN |= {"alpha_pattern": {}, "layer_replication": None, "use_qalora": False}
+
+
+class LoraError(ModelError):
+    """An adapter that cannot be applied to this model, with the reason (naming the adapter)."""
+
+
+def read_adapter_config(name: str, path: Path) -> dict:
+    """The folder's adapter_config.json, checked to be a plain LoRA (LoraError otherwise)."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoraError(f"LoRA adapter {name!r}: {file} is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"LoRA adapter {name!r}: {file} holds no JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r}; only LORA is applied")
+    for key, plain in _PLAIN.items():
+        value = cfg.get(key, plain)
+        empty = plain in (None, {}) and value in (None, [], {})  # PEFT writes either for "none"
+        if value != plain and not empty:
+            raise LoraError(f"LoRA adapter {name!r}: {key} = {value!r} is not supported (only plain LoRA is)")
+    alpha = cfg.get("lora_alpha")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoraError(f"LoRA adapter {name!r}: lora_alpha {alpha!r} is not a number")
+    return cfg
+
+
+def weights_file(name: str, path: Path) -> Path:
+    """The folder's adapter_model.safetensors; LoraError where it has none."""
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        pickled = (path / "adapter_model.bin").is_file()
+        why = " (adapter_model.bin, a pickle, is not read: save with safetensors)" if pickled else ""
+        raise LoraError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {path}{why}")
+    return file
+
+
+def adapter_paths(adapters: dict[str, str]) -> dict[str, Path]:
+    """Each adapter's folder, by name; LoraError naming the adapter where there is no such folder."""
+    paths = {name: Path(path).expanduser() for name, path in adapters.items()}
+    for name, path in paths.items():
+        if not path.is_dir():
+            raise LoraError(f"LoRA adapter {name!r}: {path} is not a folder (a PEFT adapter's)")
+    return paths
+
+
+def adapter_digests(adapters: dict[str, str]) -> dict[str, str]:
+    """Each adapter's content digest by name, its config checked but its weights not read; LoraError where an
+    adapter's folder or files are missing or its config is not a plain LoRA's."""
+    digests = {}
+    for name, path in adapter_paths(adapters).items():
+        read_adapter_config(name, path)
+        weights_file(name, path)
+        try:
+            digests[name] = adapter_digest(path)
+        except OSError as e:
+            raise LoraError(f"LoRA adapter {name!r}: cannot read its files ({e})") from None
+    return digests
+
+
+def adapter_digest(path: Path) -> str:
+    """sha256 of the adapter's two files (config, then weights): the results cache and output fingerprint key by it."""
+    h = hashlib.sha256()
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        data = (path / file).read_bytes()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
