@@ -105,11 +105,11 @@ def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
             for (layer, module), keys in sorted(pairs.items()):
                 matmul, start, end = targets(config)[module]
                 a, b = f.get_tensor(keys["A"]).float(), f.get_tensor(keys["B"]).float()
-                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: NaN or infinite weights")
                 r = a.shape[0]
-                scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-                layers[layer].setdefault(matmul, []).append((start, end, a, b * scaling))
+                b = b * (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
+                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # scaled: a huge alpha overflows
+                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: NaN or infinite weights")
+                layers[layer].setdefault(matmul, []).append((start, end, a, b))
                 rank = max(rank, r)
     except (SafetensorError, OSError, ValueError) as e:
         raise LoraError(f"LoRA adapter {name!r}: {file} is not a readable safetensors file ({e})") from None

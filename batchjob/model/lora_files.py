@@ -28,7 +28,7 @@ def read_adapter_config(name: str, path: Path) -> dict:
         raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
     try:
         cfg = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an endless number
         raise LoraError(f"LoRA adapter {name!r}: {file} is not readable JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise LoraError(f"LoRA adapter {name!r}: {file} holds no JSON object")

@@ -159,9 +159,11 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
         ),
         "missing": (tmp_path / "none", "is not a folder"),
     }
-    (tmp_path / "garbage").mkdir()
-    (tmp_path / "garbage" / "adapter_config.json").write_text("{not json")
-    cases["garbage"] = (tmp_path / "garbage", "not readable JSON")
+    cases["alpha"] = (_copy(folder, tmp_path / "alpha", {"lora_alpha": 1e308}), "NaN or infinite")
+    for name, text in (("garbage", "{not json"), ("deep", "[" * 100_000)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(text)
+        cases[name] = (tmp_path / name, "not readable JSON")
     for name, (path, why) in cases.items():
         rank = 4 if name == "rank" else 64
         with pytest.raises(LoraError, match=why) as e:
