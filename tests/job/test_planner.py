@@ -120,3 +120,25 @@ def test_ordering_stays_inside_its_window_and_loses_nothing(tmp_path_factory, te
     # Every row comes out with the rest of its window: windows never mix.
     windows_in_order = [i // window for w in works for i in [w.rows[0].index]]
     assert windows_in_order == sorted(windows_in_order)
+
+
+def test_each_rows_adapter_is_its_lora_cell_and_a_bad_cell_fails_the_row_alone(tmp_path):
+    """engine.lora: a row's `lora` cell names its adapter (null or empty: the base model); a name the job does not
+    list, or a cell that is not text, fails that row with an error that says so, and the rows beside it run. Rows
+    alike but for their adapter are two requests, not one."""
+    errors = []
+    lora = {"adapters": {"a": "folder-a", "b": "folder-b"}}
+    p = planner(tmp_path, errors, engine={"lora": lora})
+    texts = ["same text"] * 6
+    cells = ["a", "b", None, "", "c", 7]
+    works = list(p.works([Row(i, f"r{i}", {"text": t, "lora": c}) for i, (t, c) in enumerate(zip(texts, cells))]))
+    assert sorted((w.lora or "", sorted(r.id for r in w.rows)) for w in works) == [
+        ("", ["r2", "r3"]),
+        ("a", ["r0"]),
+        ("b", ["r1"]),
+    ]
+    assert {w.request.lora for w in works} == {"a", "b", None}
+    assert errors == [
+        ("r4", "lora: unknown LoRA adapter 'c' (engine.lora.adapters names 'a', 'b')"),
+        ("r5", "lora: a LoRA adapter's name is text, not int"),
+    ]
