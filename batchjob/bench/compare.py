@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from batchjob.bench import llama_server
 from batchjob.bench.gguf_export import dummy_gguf_apart
-from batchjob.bench.lora_bench import format_lora, run_lora_bench
+from batchjob.bench.lora.bench import format_lora, run_lora_bench
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
 from batchjob.bench.quality import run_quality
 from batchjob.bench.scoring import run_score_bench

@@ -15,7 +15,7 @@ from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
 from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, available_memory, keep_freed_memory, lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
-from batchjob.engine.lora_manager import LoraManager
+from batchjob.engine.lora.manager import LoraManager
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.prompt_logprobs import PromptLogprobRows
 from batchjob.engine.scheduler import SchedulerOutput

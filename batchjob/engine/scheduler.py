@@ -136,7 +136,7 @@ class Scheduler:
         # A root that will fork holds a seat for each of its samples.
         seats = sum(s.params.n if s.needs_fork else 1 for s in self.running)
         candidates = islice(self.waiting, cfg.max_num_seqs - len(self.running) + _MAX_LOOKAHEAD)
-        # the rows of at most max_loras adapters run at once: each has its slot (lora_manager.py)
+        # the rows of at most max_loras adapters run at once: each has its slot (lora/manager.py)
         loras = {s.lora for s in self.running if s.lora is not None}
         for seq in list(candidates):
             need_seats = seq.params.n if seq.needs_fork else 1

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchjob.engine import Engine, SamplingParams
-from batchjob.model.lora_files import LoraError
+from batchjob.model.lora.files import LoraError
 from tests.conftest import hf_generate
 from tests.helpers import peft_adapter
 

@@ -23,7 +23,7 @@ from batchjob.job.run.stopper import Stopper
 from batchjob.job.spec import JobSpec
 from batchjob.job.telemetry.progress import Progress
 from batchjob.job.telemetry.prom import metric_families, write_metrics
-from batchjob.model.lora_files import adapter_digests
+from batchjob.model.lora.files import adapter_digests
 
 MODEL_KEYS = ("model_digest", "model_revision", "numerics")  # the parts known once the model is loaded
 

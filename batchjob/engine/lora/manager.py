@@ -11,8 +11,8 @@ import torch
 
 from batchjob.engine.config import LoraConfig
 from batchjob.model.config import ModelConfig
-from batchjob.model.lora import LoraAdapter, LoraBatch, load_lora
-from batchjob.model.lora_files import LoraError, adapter_paths
+from batchjob.model.lora.files import LoraError, adapter_paths
+from batchjob.model.lora.weights import LoraAdapter, LoraBatch, load_lora
 
 
 class LoraManager:

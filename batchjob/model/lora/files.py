@@ -1,6 +1,6 @@
 """A LoRA adapter's files (a PEFT folder: adapter_config.json + adapter_model.safetensors), read without torch: the
 config checked to be a plain LoRA, and the files' content digest, which a job's fingerprint holds before any model
-loads. lora.py reads the weights."""
+loads. weights.py reads the weights."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from batchjob.bench.workloads import Workload
 from batchjob.engine.engine import Engine
 from batchjob.model.config import ModelConfig
-from batchjob.model.lora import targets
-from batchjob.model.lora_files import CONFIG_FILE, WEIGHTS_FILE
+from batchjob.model.lora.files import CONFIG_FILE, WEIGHTS_FILE
+from batchjob.model.lora.weights import targets
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP = {"gate_proj", "up_proj", "down_proj"}

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from batchjob.model.config import ModelConfig
-from batchjob.model.lora_files import (
+from batchjob.model.lora.files import (
     WEIGHTS_FILE,
     LoraError,
     adapter_digest,

@@ -1,0 +1,1 @@
+"""`batchjob bench --loras N`: rows over many LoRA adapters in one engine (bench.py)."""
