@@ -17,7 +17,7 @@ from batchjob.bench.workloads import Workload
 from batchjob.engine.engine import Engine
 from batchjob.model.config import ModelConfig
 from batchjob.model.lora.files import CONFIG_FILE, WEIGHTS_FILE
-from batchjob.model.lora.weights import targets
+from batchjob.model.lora.weights import in_features, targets
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP = {"gate_proj", "up_proj", "down_proj"}
@@ -27,11 +27,10 @@ def write_random_adapter(folder: Path, c: ModelConfig, rank: int, seed: int) -> 
     """A PEFT LoRA folder of `c`'s shapes on every projection (A ~ N(0, 1/in), B ~ N(0, 0.02^2)), as peft saves one."""
     g = torch.Generator().manual_seed(seed)
     known, tensors = targets(c), {}
-    fan_in = {"qkv": c.hidden_size, "gate_up": c.hidden_size, "o": c.num_attention_heads * c.head_dim}
     for layer in range(c.num_hidden_layers):
         for name in PROJECTIONS:
             matmul, start, end = known[name]
-            inp = fan_in.get(matmul, c.intermediate_size)
+            inp = in_features(c, matmul)
             block = "mlp" if name in MLP else "self_attn"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=g) / inp**0.5

@@ -47,7 +47,8 @@ def targets(c: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
-def _in_features(c: ModelConfig, matmul: str) -> int:
+def in_features(c: ModelConfig, matmul: str) -> int:
+    """The input width of one of the model's fused matmuls ("qkv", "o", "gate_up", "down")."""
     return {"qkv": c.hidden_size, "o": c.num_attention_heads * c.head_dim, "gate_up": c.hidden_size}.get(
         matmul, c.intermediate_size
     )
@@ -156,7 +157,7 @@ def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tup
         if set(keys) != {"A", "B"}:
             raise LoraError(f"{where}: lora_A and lora_B must both be present")
         a, b = shapes[keys["A"]], shapes[keys["B"]]
-        r, fan_in = a[0] if len(a) == 2 else -1, _in_features(config, matmul)
+        r, fan_in = a[0] if len(a) == 2 else -1, in_features(config, matmul)
         if a != (r, fan_in) or b != (end - start, r):
             raise LoraError(
                 f"{where}: lora_A {a} and lora_B {b} do not fit the base model (in {fan_in}, out {end - start}): "
