@@ -129,8 +129,8 @@ def test_each_rows_adapter_is_its_lora_cell_and_a_bad_cell_fails_the_row_alone(t
     errors = []
     lora = {"adapters": {"a": "folder-a", "b": "folder-b"}}
     p = planner(tmp_path, errors, engine={"lora": lora})
-    texts = ["same text"] * 6
-    cells = ["a", "b", None, "", "c", 7]
+    texts = ["same text"] * 7
+    cells = ["a", "b", None, "", "c", 7, "x" * 1_000_000]
     works = list(p.works([Row(i, f"r{i}", {"text": t, "lora": c}) for i, (t, c) in enumerate(zip(texts, cells))]))
     assert sorted((w.lora or "", sorted(r.id for r in w.rows)) for w in works) == [
         ("", ["r2", "r3"]),
@@ -141,4 +141,6 @@ def test_each_rows_adapter_is_its_lora_cell_and_a_bad_cell_fails_the_row_alone(t
     assert errors == [
         ("r4", "lora: unknown LoRA adapter 'c' (engine.lora.adapters names 'a', 'b')"),
         ("r5", "lora: a LoRA adapter's name is text, not int"),
+        # a hostile cell is named in short: its error row does not carry a megabyte
+        ("r6", f"lora: unknown LoRA adapter {'x' * 37 + '...'!r} (engine.lora.adapters names 'a', 'b')"),
     ]

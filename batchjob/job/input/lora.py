@@ -4,7 +4,7 @@ that line). Null or empty: the base model. A name the job does not know fails th
 
 from __future__ import annotations
 
-from batchjob.job.input.prompt import RowError
+from batchjob.job.input.prompt import RowError, shown
 from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobSpec
 
@@ -31,7 +31,7 @@ class RowLora:
         if value not in self.adapters:
             base = f", or the job's model {self.model!r}" if self.openai else ""
             raise RowError(
-                f"{where}: unknown LoRA adapter {value!r} (engine.lora.adapters names "
+                f"{where}: unknown LoRA adapter {shown(value)!r} (engine.lora.adapters names "
                 f"{', '.join(map(repr, self.adapters))}{base})"
             )
         return value

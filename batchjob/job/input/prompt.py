@@ -256,3 +256,9 @@ def _text_part(part, name: str) -> str:
     if not isinstance(text, str):
         raise RowError(f"{name}.{TEXT_PARTS[kind]} must be text")
     return text
+
+
+def shown(text: str, width: int = 40) -> str:
+    """`text` as an error message quotes it: whole up to `width` characters, else its start and "..." (a label or a
+    cell of a megabyte is not copied into every message)."""
+    return text if len(text) <= width else f"{text[: width - 3]}..."

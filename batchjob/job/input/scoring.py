@@ -17,7 +17,7 @@ from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import JobEngine
 from batchjob.job.input.lora import RowLora
 from batchjob.job.input.planner import TOKENIZE_CHUNK, in_windows
-from batchjob.job.input.prompt import PromptBuilder, RowError, cell_text
+from batchjob.job.input.prompt import PromptBuilder, RowError, cell_text, shown
 from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec
 
@@ -78,9 +78,8 @@ class ScorePlanner:
         for label, ids in zip(spec.labels or [], self.label_ids):
             # A setting of the job file, not of a row: every row would fail on it, so the job is refused at once.
             if len(ids) >= engine.max_model_len:
-                shown = label if len(label) <= 40 else f"{label[:37]}..."
                 raise JobFileError(
-                    f"score.labels: the label {shown!r} is {len(ids)} tokens, not under the model's context of "
+                    f"score.labels: the label {shown(label)!r} is {len(ids)} tokens, not under the model's context of "
                     f"{engine.max_model_len} (engine.max_model_len): no prompt fits before it"
                 )
         self.params = SamplingParams(max_tokens=0, prompt_logprobs=spec.prompt_logprobs or 0)
