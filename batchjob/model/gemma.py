@@ -18,7 +18,7 @@ from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from batchjob.model.llama import LlamaModel, embedding
-from batchjob.model.lora.weights import LoraBatch
+from batchjob.model.lora.slots import LoraBatch
 
 
 def _one_plus(weight: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.backend import OpsBackend
 from batchjob.model.config import ModelConfig, moe_weight_names
-from batchjob.model.lora.weights import LoraBatch
+from batchjob.model.lora.slots import LoraBatch
 from batchjob.model.matmul.gguf_linear import GGUFLinear, QuantizedWeight
 from batchjob.model.matmul.int8_linear import Int8Linear
 from batchjob.model.matmul.linear import Linear

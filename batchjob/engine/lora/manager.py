@@ -12,35 +12,44 @@ import torch
 from batchjob.engine.config import LoraConfig
 from batchjob.model.config import ModelConfig
 from batchjob.model.lora.files import LoraError, adapter_paths
-from batchjob.model.lora.weights import LoraAdapter, LoraBatch, load_lora
+from batchjob.model.lora.slots import LoraBatch, LoraSlots
+from batchjob.model.lora.weights import load_lora
 
 
 class LoraManager:
     def __init__(self, config: LoraConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype):
-        self.config, self.model, self.device, self.dtype = config, model, device, dtype
+        self.config, self.model, self.device = config, model, device
         self.paths = adapter_paths(config.adapters)
-        self.digests = {
-            name: load_lora(name, path, model, config.max_lora_rank).digest for name, path in self.paths.items()
-        }
-        self.slots: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.digests: dict[str, str] = {}
+
+        def checked():  # one at a time: a slot is filled from the files on first use
+            for name, path in self.paths.items():
+                adapter = load_lora(name, path, model, config.max_lora_rank)
+                self.digests[name] = adapter.digest
+                yield adapter
+
+        self.stacked = LoraSlots(checked(), min(config.max_loras, len(self.paths)), device, dtype)
+        self.slots: OrderedDict[str, int] = OrderedDict()  # adapter name -> its slot, least recently used first
         self.loads = 0  # adapters read into a slot, first uses and reloads after eviction
 
-    def adapter(self, name: str) -> LoraAdapter:
-        """The adapter in its slot, read into one (dropping the least recently used) if it holds none."""
+    def slot(self, name: str) -> int:
+        """The adapter's slot, read into one (taking the least recently used's) if it holds none."""
         if name in self.slots:
             self.slots.move_to_end(name)
             return self.slots[name]
         adapter = load_lora(name, self.paths[name], self.model, self.config.max_lora_rank)
         if adapter.digest != self.digests[name]:  # the folder changed since the engine checked it
             raise LoraError(f"LoRA adapter {name!r}: {self.paths[name]} changed while the engine ran")
-        while len(self.slots) >= self.config.max_loras:
-            self.slots.popitem(last=False)
-        self.slots[name] = adapter.to(self.device, self.dtype)
+        free = len(self.slots) < self.stacked.num_slots
+        slot = len(self.slots) if free else self.slots.popitem(last=False)[1]
+        self.stacked.load(slot, adapter)
+        self.slots[name] = slot
         self.loads += 1
-        return self.slots[name]
+        return slot
 
     def batch(self, scheduled: list[tuple[str | None, int]]) -> LoraBatch | None:
         """The step's LoraBatch from each scheduled sequence's adapter name (None: the base model) and token count."""
         if all(name is None for name, _ in scheduled):
             return None
-        return LoraBatch.build(((None if n is None else self.adapter(n), k) for n, k in scheduled), self.device)
+        rows = [(None if name is None else self.slot(name), n) for name, n in scheduled]
+        return LoraBatch.build(self.stacked, rows, self.device)

@@ -1,6 +1,6 @@
 """LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) applied beside the base model's
 matmuls: each row of a step adds its adapter's low-rank update, x @ A^T @ B^T * scaling, to the base matmul's output,
-which runs once for all rows (punica's shrink and expand, grouped by adapter). The base weights are never changed.
+which runs once for all rows (slots.py). The base weights are never changed.
 
 Targets are the decoder's projections (q/k/v/o, gate/up/down, or Phi-3's fused qkv_proj/gate_up_proj); an update
 of a projection that the model fuses with others (q, k and v in one qkv matmul) writes its slice of the output.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,13 +66,6 @@ class LoraUpdate:
     a: torch.Tensor
     b: torch.Tensor
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
-        """y[rows] += the update of x[rows]: in place on a slice of rows, by index_add_ on scattered ones."""
-        if isinstance(rows, slice):
-            y[rows].addmm_(x[rows] @ self.a.T, self.b.T)
-        else:
-            y.index_add_(0, rows, (x.index_select(0, rows) @ self.a.T) @ self.b.T)
-
 
 @dataclass
 class LoraAdapter:
@@ -82,13 +74,6 @@ class LoraAdapter:
     rank: int  # the largest of its projections'
     digest: str  # of its config and weights' bytes: what caches key the adapter's results by
     layers: list[dict[str, LoraUpdate]]  # per decoder layer, by fused matmul name ("qkv", "o", "gate_up", "down")
-
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> LoraAdapter:
-        def moved(u: LoraUpdate) -> LoraUpdate:
-            return LoraUpdate(u.a.to(device, dtype), u.b.to(device, dtype))
-
-        layers = [{k: moved(u) for k, u in layer.items()} for layer in self.layers]
-        return LoraAdapter(self.name, self.path, self.rank, self.digest, layers)
 
 
 def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -166,42 +151,3 @@ def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tup
         if not 0 < r <= max_rank:
             raise LoraError(f"{where}: rank {r} is above max_lora_rank {max_rank}" if r else f"{where}: rank 0")
     return pairs
-
-
-@dataclass
-class LoraBatch:
-    """A step's adapters, each with the rows (token indices) it applies to: a slice where they lie side by side (the
-    scheduler groups a step's sequences by adapter), else an index tensor."""
-
-    groups: list[tuple[LoraAdapter, slice | torch.Tensor]]
-
-    @classmethod
-    def build(cls, row_adapters: Iterable[tuple[LoraAdapter | None, int]], device: torch.device) -> LoraBatch | None:
-        """From each scheduled sequence's adapter (None for the base model) and its token count, in step order;
-        None when no row has one."""
-        spans: dict[int, tuple[LoraAdapter, list[range]]] = {}
-        total = 0
-        for adapter, n in row_adapters:
-            if adapter is not None:
-                ranges = spans.setdefault(id(adapter), (adapter, []))[1]
-                if ranges and ranges[-1].stop == total:  # the same adapter's rows continue
-                    ranges[-1] = range(ranges[-1].start, total + n)
-                else:
-                    ranges.append(range(total, total + n))
-            total += n
-        groups: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
-        for adapter, ranges in spans.values():
-            if len(ranges) == 1:
-                groups.append((adapter, slice(ranges[0].start, ranges[0].stop)))
-            else:
-                rows = torch.tensor([i for r in ranges for i in r], dtype=torch.int64, device=device)
-                groups.append((adapter, rows))
-        return cls(groups) if groups else None
-
-    def add_to(self, layer: int, matmul: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y plus the update of each row's adapter for this layer's matmul (in place); y."""
-        for adapter, rows in self.groups:
-            update = adapter.layers[layer].get(matmul)
-            if update is not None:
-                update.add_to(y, x, rows)
-        return y
