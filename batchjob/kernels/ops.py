@@ -11,6 +11,7 @@ from batchjob.kernels.attention import paged_attention
 from batchjob.kernels.elementwise import gelu_tanh_and_mul, rms_norm, rotary, silu_and_mul
 from batchjob.kernels.encoder_attention import varlen_attention
 from batchjob.kernels.kv_cache import store_kv
+from batchjob.kernels.lora import lora_add
 from batchjob.kernels.moe import fused_moe
 from batchjob.model.fp8 import FP8_DTYPE  # either ops module names the fp8 cache dtype it writes
 from batchjob.model.moe import StackedExperts as moe_experts  # the grouped GEMM's layout: [E, 2I, H] and [E, H, I]
@@ -35,6 +36,7 @@ __all__ = [
     "varlen_attention",
     "moe_experts",
     "fused_moe",
+    "lora_add",
     "FP8_DTYPE",
     "CAPTURABLE",
 ]

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from batchjob.model.attention_metadata import AttentionMetadata
+from batchjob.model.lora.slots import LoraBatch
 
 
 class OpsBackend(Protocol):
@@ -37,6 +38,10 @@ class OpsBackend(Protocol):
     def fused_moe(
         self, x: torch.Tensor, experts: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor: ...
+
+    def lora_add(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch) -> None:
+        """y[row] += x[row] @ a[slot] @ b[slot] for each row of `batch` with an adapter (a: [slots, in, rank], b:
+        [slots, rank, out], one matmul's stacked adapters), in place."""
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None) -> None: ...
 

@@ -65,6 +65,7 @@ def fused_moe(x, experts, topk_weights, topk_ids) -> torch.Tensor:
 
 
 moe_experts = torch_ops.moe_experts
+lora_add = torch_ops.lora_add  # the adapters' small matmuls: torch's GEMMs and bmm
 gelu_tanh_and_mul = torch_ops.gelu_tanh_and_mul  # Gemma's MLP: torch's GELU kernel, no C++ form of its own
 varlen_attention = torch_ops.varlen_attention  # an encoder's attention: torch's SDPA per run of one length
 

@@ -258,7 +258,7 @@ class LlamaModel:
     def project(self, layer: int, matmul: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         """One of the layer's matmuls ("qkv", "o", "gate_up", "down"), with the rows' LoRA updates where any."""
         y = self.layers[layer][matmul](x)
-        return y if lora is None else lora.add_to(layer, matmul, x, y)
+        return y if lora is None else lora.add_to(layer, matmul, x, y, self.ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from batchjob.model.attention_metadata import AttentionMetadata
 from batchjob.model.fp8 import FP8_DTYPE, quantize_fp8
+from batchjob.model.lora.slots import lora_add  # noqa: F401 (an op of the backend: the torch form)
 from batchjob.model.moe import ExpertLinears
 
 # store_kv and paged_attention's plan read device values on the host (masks, lengths): no CUDA graph can hold a step

@@ -171,9 +171,11 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
         assert f"LoRA adapter {name!r}" in str(e.value)
 
 
-def test_adapters_on_a_tiny_qwen3_equal_peft(tmp_path):
+@pytest.mark.parametrize("ops_backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_adapters_on_a_tiny_qwen3_equal_peft(tmp_path, ops_backend):
     """Qwen3's q/k norms and head_dim 32 (wider than hidden / heads): rank 8 on every projection and rank 64 with
-    rsLoRA on some, rows of both and base rows in one batch, each equal to transformers + peft greedily in fp32."""
+    rsLoRA on some, rows of both and base rows in one batch, each equal to transformers + peft greedily in fp32; on
+    the torch ops and on the GPU path's Triton kernels (in the interpreter here)."""
     tiny = pytest.importorskip("tests.oracle.test_tiny_architectures", reason="the oracle needs the test extra")
     base = tiny.build("qwen3-gqa2-headdim32-tied", tmp_path / "qwen3", tiny.tiny_tokenizer().to_str())
     models = {}
@@ -183,7 +185,7 @@ def test_adapters_on_a_tiny_qwen3_equal_peft(tmp_path):
         model.save_pretrained(tmp_path / name)
         models[name] = model.eval()
     folders = {name: str(tmp_path / name) for name in ADAPTERS}
-    engine = Engine(str(tmp_path / "qwen3"), dtype="float32", lora={"adapters": folders})
+    engine = Engine(str(tmp_path / "qwen3"), dtype="float32", lora={"adapters": folders}, ops_backend=ops_backend)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, tiny.VOCAB, (n,), generator=g).tolist() for n in (7, 19, 33)]
     names = [None, *ADAPTERS]

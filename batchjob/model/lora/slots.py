@@ -65,43 +65,59 @@ class LoraBatch:
     slots: LoraSlots
     large: list[tuple[int, slice | torch.Tensor]]
     bundle: _Bundle | None
+    # The same rows as runs of one adapter, for a GPU kernel (punica's SGMV): [runs, 3] int32 of (first row, rows,
+    # slot), and the longest run's length (the launch grid's size, a host value).
+    segments: torch.Tensor
+    longest_segment: int
 
     @classmethod
     def build(cls, slots: LoraSlots, row_slots: Iterable[tuple[int | None, int]], device: torch.device) -> LoraBatch:
         """From each scheduled sequence's slot (None for the base model) and token count, in step order."""
         spans: dict[int, list[int]] = {}
+        runs: list[list[int]] = []
         total = 0
         for slot, n in row_slots:
             if slot is not None:
                 spans.setdefault(slot, []).extend(range(total, total + n))
+                if runs and runs[-1][2] == slot and sum(runs[-1][:2]) == total:
+                    runs[-1][1] += n
+                else:
+                    runs.append([total, n, slot])
             total += n
         small = {s: rows for s, rows in spans.items() if len(rows) <= SMALL_GROUP}
         if len(small) < 2:  # nothing to batch
             small = {}
         large = [(s, _rows(rows, device)) for s, rows in spans.items() if s not in small]
-        return cls(slots, large, _bundle(small, slots.num_slots, device) if small else None)
+        segments = torch.tensor(runs, dtype=torch.int32, device=device).view(-1, 3)
+        longest = max((n for _, n, _ in runs), default=0)
+        return cls(slots, large, _bundle(small, slots.num_slots, device) if small else None, segments, longest)
 
-    def add_to(self, layer: int, matmul: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y plus each row's adapter update for this layer's matmul (in place); y."""
+    def add_to(self, layer: int, matmul: str, x: torch.Tensor, y: torch.Tensor, ops) -> torch.Tensor:
+        """y plus each row's adapter update for this layer's matmul (in place, by the backend's lora_add); y."""
         a, b = self.slots.a.get((layer, matmul)), self.slots.b.get((layer, matmul))
-        if a is None:  # no adapter targets it
-            return y
-        for slot, rows in self.large:
-            if isinstance(rows, slice):
-                y[rows].addmm_(x[rows] @ a[slot], b[slot])
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot]) @ b[slot])
-        g = self.bundle
-        if g is not None:
-            if g.slots is not None:
-                a, b = a.index_select(0, g.slots), b.index_select(0, g.slots)
-            xs = x.index_select(0, g.gather).view(a.shape[0], g.longest, x.shape[1])
-            out = torch.bmm(torch.bmm(xs, a), b).view(-1, y.shape[1]).index_select(0, g.pick)
-            if isinstance(g.rows, slice):
-                y[g.rows].add_(out)
-            else:
-                y.index_add_(0, g.rows, out)
+        if a is not None:  # else no adapter targets it
+            ops.lora_add(x, y, a, b, self)
         return y
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch) -> None:
+    """y[rows] += x[rows] @ a[slot] @ b[slot] for each row of the batch with an adapter (the torch form): the large
+    groups one by one, the small ones in two bmm."""
+    for slot, rows in batch.large:
+        if isinstance(rows, slice):
+            y[rows].addmm_(x[rows] @ a[slot], b[slot])
+        else:
+            y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot]) @ b[slot])
+    g = batch.bundle
+    if g is not None:
+        if g.slots is not None:
+            a, b = a.index_select(0, g.slots), b.index_select(0, g.slots)
+        xs = x.index_select(0, g.gather).view(a.shape[0], g.longest, x.shape[1])
+        out = torch.bmm(torch.bmm(xs, a), b).view(-1, y.shape[1]).index_select(0, g.pick)
+        if isinstance(g.rows, slice):
+            y[g.rows].add_(out)
+        else:
+            y.index_add_(0, g.rows, out)
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
