@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
@@ -45,7 +45,10 @@ def plan_job(
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
     constrained, grammars, hits = 0, set(), 0
+    lora_rows: Counter[str | None] | None = Counter() if job.engine.lora else None
     for work in planner.works(source.rows()):
+        if lora_rows is not None:
+            lora_rows[work.lora] += len(work.rows)
         if results is not None and results.holds(work):  # taken from the results cache: no time to estimate
             hits += len(work.rows)
             continue
@@ -59,15 +62,16 @@ def plan_job(
         shared += cache.hit_tokens(work.token_ids)
         if len(sample) < CALIBRATION_REQUESTS:  # the first in planned order: what the run starts with
             sample.append(work)
-    cached = {"rows_from_results_cache": hits} if results is not None else {}
+    counts = {"rows_from_results_cache": hits} if results is not None else {}
+    counts |= _lora_report(lora_rows)
     if not lengths:
-        return {"rows": scan.total, "rows_failing_before_the_model": failed, **cached, "requests": 0}
+        return {"rows": scan.total, "rows_failing_before_the_model": failed, **counts, "requests": 0}
 
     prompt_tokens = sum(lengths)
     report = {
         "rows": scan.total,
         "rows_failing_before_the_model": failed,
-        **cached,
+        **counts,
         "requests": len(lengths),
         "duplicate_rows_computed_once": duplicates,
         "constrained_rows": constrained,
@@ -154,7 +158,10 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
         nonlocal failed
         failed += 1
 
+    lora_rows: Counter[str | None] | None = Counter() if job.engine.lora else None
     for work in score_planner(job, engine, count_failure).works(source.rows()):
+        if lora_rows is not None:
+            lora_rows[work.lora] += len(work.rows)
         if results is not None and results.holds(work):
             hits += len(work.rows)
             continue
@@ -169,6 +176,7 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
         scored += work.scored_tokens
     report = {"task": "score", "rows": rows, "rows_failing_before_the_model": failed}
     report |= {"rows_from_results_cache": hits} if results is not None else {}
+    report |= _lora_report(lora_rows)
     report["requests"] = len(lengths)
     if job.score.labels:
         report["labels"] = len(job.score.labels)
@@ -190,6 +198,13 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
         report["calibration"] = {"requests": len(sample), "prefill_tokens_per_s": round(rate, 1)}
         report["estimated_time_s"] = round(computed / rate, 1) if rate else None
     return report
+
+
+def _lora_report(rows: Counter[str | None] | None) -> dict:
+    """With engine.lora: the rows each adapter and the base model will run (as _summary.json's lora counts them)."""
+    if rows is None:
+        return {}
+    return {"lora_rows": {"base_model": rows[None], "adapters": {n: rows[n] for n in sorted(k for k in rows if k)}}}
 
 
 def max_output_tokens(engine: JobEngine, work: Work) -> int:

@@ -113,3 +113,20 @@ def test_plan_of_a_qwen3_moe_counts_kv_by_its_head_dim(tmp_path):
     tokens = plan["prompt_tokens_total"] / 4 + plan["output_tokens_expected"] / 4
     assert plan["kv_bytes_per_sequence_mean"] == round(per_token * tokens)
     assert plan["kv_bytes_per_sequence_max"] == per_token * (plan["prompt_tokens_p99"] + 4)
+
+
+@pytest.mark.parametrize("task", ["generate", "score"])
+def test_plan_counts_the_rows_of_each_lora_adapter(tmp_path, task):
+    """engine.lora: the plan says how many rows each adapter and the base model will run (identical rows of one
+    adapter computed once still count each); a row naming an unknown adapter fails before the model."""
+    cells = ["a", "b", None, "a", "", "a", "nope"]
+    rows = [{"id": f"r{i}", "text": f"row {i % 4}", "lora": c} for i, c in enumerate(cells)]
+    sections = {"engine": {"lora": {"adapters": {"a": "folder-a", "b": "folder-b"}}}}
+    if task == "score":
+        sections |= {"task": "score", "sampling": None, "score": {"labels": [" yes", " no"]}}
+    job = make_job(write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "out", **sections)
+    plan = plan_job(job, calibrate=False, engine_factory=fake_factory())
+    assert plan["rows_failing_before_the_model"] == 1
+    assert plan["lora_rows"] == {"base_model": 2, "adapters": {"a": 3, "b": 1}}
+    no_lora = make_job(tmp_path / "d.jsonl", tmp_path / "out", **{k: v for k, v in sections.items() if k != "engine"})
+    assert "lora_rows" not in plan_job(no_lora, calibrate=False, engine_factory=fake_factory())
