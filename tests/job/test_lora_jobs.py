@@ -150,3 +150,24 @@ def test_a_bad_adapter_refuses_the_job_in_one_line(tmp_path, adapters):
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1].startswith("error: LoRA adapter 'bad': no adapter_config.json")
     assert not (tmp_path / "out" / "data").exists() or not list((tmp_path / "out" / "data").iterdir())
+
+
+def test_a_mixed_adapter_job_on_ray_gives_each_row_its_adapters_output_and_counts_them(tmp_path, adapters, reference):
+    """The Ray executor: each worker's engine holds the job's adapters; the driver sums the shards' rows by adapter
+    into _summary.json as a local run counts them."""
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
+    data = write_parquet(tmp_path / "rows.parquet", rows())
+    sections = {"executor": "ray", "ray": {"num_workers": 2, "shard_rows": 3}}
+    job = write_job(tmp_path / "job.yaml", data, tmp_path / "out", adapters, **sections)
+    ray.init(num_cpus=2, logging_level="WARNING")
+    try:
+        result = batchjob("run", str(job))
+    finally:
+        ray.shutdown()
+    assert result.exit_code == 0, result.output
+    check(dataset(tmp_path / "out"), reference)
+    four = {"rows": 4, "failed": 0}
+    assert json.loads((tmp_path / "out" / "_summary.json").read_text())["this_run"]["lora"] == {
+        "base_model": {"rows": 8, "failed": 0},
+        "adapters": {"alpha": four, "beta": four},
+    }

@@ -30,6 +30,7 @@ from batchjob.job.output.schema import (
 )
 from batchjob.job.output.state import Committed
 from batchjob.job.output.writer import PartWriter
+from batchjob.job.run.lora_counts import LoraCounts
 from batchjob.job.run.stopper import Interrupted, Stopper
 from batchjob.job.spec import JobSpec
 from batchjob.job.telemetry.progress import Progress
@@ -96,7 +97,7 @@ class LocalExecutor:
         self.in_flight: dict[str, Work | ScoreWork] = {}  # by request id
         self.cache: RunCache | None = None
         self.stop_committed = self.aborted = False
-        self.lora_rows: dict[str | None, dict[str, int]] = {}  # with engine.lora: this run's rows by adapter
+        self.lora_rows = LoraCounts()  # with engine.lora
 
     def execute(self, pending: Pending) -> None:
         self.pending = pending
@@ -260,9 +261,7 @@ class LocalExecutor:
 
     def _count_lora(self, work: Work | ScoreWork, failed: bool) -> None:
         if self.pending.job.engine.lora is not None:
-            counts = self.lora_rows.setdefault(work.lora, {"rows": 0, "failed": 0})
-            counts["rows"] += len(work.rows)
-            counts["failed"] += len(work.rows) if failed else 0
+            self.lora_rows.add(work.lora, len(work.rows), failed)
 
     def engine_summary(self) -> dict:
         if self.engine is None:
@@ -275,9 +274,8 @@ class LocalExecutor:
                 "peak_rss_bytes": peak_rss(),
             }
         summary = {"token_budget": self.engine.token_budget, "peak_rss_bytes": peak_rss()}
-        if self.lora_rows:  # the rows the model ran, by adapter; rows failing before it (an unknown name) are apart
-            adapters = {name: self.lora_rows[name] for name in sorted(n for n in self.lora_rows if n is not None)}
-            summary["lora"] = {"base_model": self.lora_rows.get(None, {"rows": 0, "failed": 0}), "adapters": adapters}
+        if (lora := self.lora_rows.summary()) is not None:
+            summary["lora"] = lora
         if self.engine.auto_budget is not None:
             summary["token_budget_auto"] = self.engine.auto_budget.summary()
         return summary

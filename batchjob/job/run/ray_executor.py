@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.job.contracts import Embedder, JobEngine, model_identity
-from batchjob.job.input.planner import EmbeddingPlanner, job_planner, requests
+from batchjob.job.input.planner import EmbeddingPlanner, Work, job_planner, requests
 from batchjob.job.input.reader import InputSource, Row
-from batchjob.job.input.scoring import ScoreGather, cached_tokens, score_planner, score_requests
+from batchjob.job.input.scoring import ScoreGather, ScoreWork, cached_tokens, score_planner, score_requests
 from batchjob.job.output.schema import (
     embedding_schema,
     failed_row,
@@ -38,6 +38,7 @@ from batchjob.job.output.schema import (
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import is_url
 from batchjob.job.run.executor import Pending, computed_prompt_tokens, embedding_calls, embedding_records
+from batchjob.job.run.lora_counts import LoraCounts
 from batchjob.job.run.stopper import Interrupted
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
 from batchjob.job.telemetry.timeline import Timeline
@@ -54,7 +55,7 @@ ROW = "row"  # the one column of an input shard: each Row pickled as the local r
 # Result schema metadata: the model a worker ran (contracts.model_identity, as JSON), for the job's fingerprint, and
 # the tokens it computed for the shard ({"prompt_tokens", "output_tokens"}, as JSON), for the progress line: counted
 # by work, as a local run counts them, since its rows' token columns do not add up to them (duplicates, labels).
-MODEL, TOKENS = b"model", b"tokens"
+MODEL, TOKENS, LORA = b"model", b"tokens", b"lora"
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class EngineWorker:
             rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         self.records, works = [], {}
         self.tokens = {"prompt_tokens": 0, "output_tokens": 0}
+        self.lora = LoraCounts()
         if self.job.task == "embed":
             for call in embedding_calls(self.planner.works(rows), self.engine):
                 self.records += embedding_records(self.engine, call, self.per_line)
@@ -117,10 +119,17 @@ class EngineWorker:
             for output in self.engine.stream(requests(self.planner.works(rows), works)):
                 work = works.pop(output.request_id)
                 self.records += result_rows(work, output, self.engine.tokenizer, self.job.output.split_reasoning)
+                self._count_lora(work, output.finish_reason == "error")
                 self.tokens["prompt_tokens"] += computed_prompt_tokens(work, [output])
                 self.tokens["output_tokens"] += sum(len(s.token_ids) for s in output.samples)
         table = pa.Table.from_pylist(self.records, schema=self.schema)
-        return table.replace_schema_metadata({**self.schema.metadata, TOKENS: json.dumps(self.tokens)})
+        lora = self.lora.summary()
+        extra = {} if lora is None else {LORA: json.dumps(lora)}
+        return table.replace_schema_metadata({**self.schema.metadata, TOKENS: json.dumps(self.tokens), **extra})
+
+    def _count_lora(self, work: Work | ScoreWork, failed: bool) -> None:
+        if self.job.engine.lora is not None:
+            self.lora.add(work.lora, len(work.rows), failed)
 
     def _score(self, rows: Iterable[Row]) -> None:
         works, gather = {}, ScoreGather()
@@ -131,6 +140,7 @@ class EngineWorker:
             if outputs is not None:
                 score = work.score(outputs)
                 self.records += score_rows(work, score, self.engine.tokenizer, per_token, cached_tokens(outputs))
+                self._count_lora(work, score.error is not None)
                 self.tokens["prompt_tokens"] += computed_prompt_tokens(work, outputs)
 
 
@@ -143,6 +153,7 @@ class RayExecutor:
         self.spec, self.engine_factory = spec, engine_factory
         self.model: dict | None = None
         self.written: set[str] = set()  # ids committed by this run (earlier runs' ids never reach the workers)
+        self.lora_rows = LoraCounts()  # the committed shards' counts
 
     def execute(self, pending: Pending) -> None:
         started = connect(self.spec)
@@ -153,7 +164,8 @@ class RayExecutor:
                 ray.shutdown()
 
     def engine_summary(self) -> dict:
-        return {}
+        lora = self.lora_rows.summary()
+        return {} if lora is None else {"lora": lora}
 
     def _run_shards(self, pending: Pending) -> None:
         spec = self.spec
@@ -223,6 +235,8 @@ class RayExecutor:
             pending.writer.add(record)
         # A shard is redone whole: its rows are all fresh, or all committed already (and its tokens counted).
         pending.progress.rows(len(fresh), **(json.loads(table.schema.metadata[TOKENS]) if fresh else {}))
+        if fresh and LORA in table.schema.metadata:
+            self.lora_rows.merge(json.loads(table.schema.metadata[LORA]))
 
 
 def connect(spec: RaySpec) -> bool:
