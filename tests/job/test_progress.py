@@ -1,6 +1,7 @@
 """Progress output that cannot be written never stops a job: `batchjob run ... | head -1`, a closed stream."""
 
 import io
+import json
 import subprocess
 import sys
 
@@ -49,3 +50,21 @@ def test_run_piped_into_head_commits_every_row_and_exits_0(tmp_path):
     assert b"--restart" in first and stderr == ""
     assert sorted(pq.read_table(out / "data").column("id").to_pylist()) == [d["id"] for d in documents(6)]
     assert (out / "_SUCCESS").exists()
+
+
+def test_the_progress_line_and_its_json_show_the_rows_by_lora_adapter():
+    """engine.lora: the base model's and the busiest adapters' rows, the rest counted; JSON lines carry them all."""
+    adapters = {f"a{i}": {"rows": i, "failed": 0} for i in range(1, 7)}
+    counts = {"base_model": {"rows": 5, "failed": 1}, "adapters": adapters}
+    text, lines = io.StringIO(), io.StringIO()
+    for stream, json_lines in ((text, False), (lines, True)):
+        progress = LogProgress(stream, interval=0, json_lines=json_lines)
+        progress.start(40, 0)
+        progress.lora(counts)
+        progress.rows(26)
+    assert "| lora a6 6, base 5, a5 5, a4 4 (+3 more) |" in text.getvalue()
+    assert json.loads(lines.getvalue().splitlines()[-1])["lora"] == counts
+    plain = LogProgress(io.StringIO(), interval=0)
+    plain.start(1, 0)
+    plain.rows(1)
+    assert "lora" not in plain.stream.getvalue()

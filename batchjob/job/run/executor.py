@@ -262,6 +262,7 @@ class LocalExecutor:
     def _count_lora(self, work: Work | ScoreWork, failed: bool) -> None:
         if self.pending.job.engine.lora is not None:
             self.lora_rows.add(work.lora, len(work.rows), failed)
+            self.pending.progress.lora(self.lora_rows.summary())
 
     def engine_summary(self) -> dict:
         if self.engine is None:

@@ -234,9 +234,10 @@ class RayExecutor:
             written.add(record["id"])
             pending.writer.add(record)
         # A shard is redone whole: its rows are all fresh, or all committed already (and its tokens counted).
-        pending.progress.rows(len(fresh), **(json.loads(table.schema.metadata[TOKENS]) if fresh else {}))
         if fresh and LORA in table.schema.metadata:
             self.lora_rows.merge(json.loads(table.schema.metadata[LORA]))
+            pending.progress.lora(self.lora_rows.summary())
+        pending.progress.rows(len(fresh), **(json.loads(table.schema.metadata[TOKENS]) if fresh else {}))
 
 
 def connect(spec: RaySpec) -> bool:

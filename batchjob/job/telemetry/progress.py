@@ -39,6 +39,7 @@ class Stats:
     step: StepMetrics | None = None
     started: float = field(default_factory=time.monotonic)
     task: str = "generate"  # an embedding job (embed) has input tokens only, and no engine steps; scoring no output
+    lora: dict | None = None  # with engine.lora: this run's rows by adapter, as _summary.json's this_run.lora
 
     @property
     def done(self) -> int:
@@ -63,13 +64,23 @@ class Stats:
             "preemptions": self.preemptions,
             "prefix_hit_pct": round(100 * step.prefix_cache_hit_rate, 1) if step else 0.0,
             "eta_s": round(remaining / rate) if rate > 0 else None,
-        }
+        } | ({"lora": self.lora} if self.lora else {})
 
 
 def _line(s: dict) -> str:
     eta = "?" if s["eta_s"] is None else _duration(s["eta_s"])
     pct = 100 * s["rows_done"] / s["rows_total"] if s["rows_total"] else 100.0
-    return f"rows {s['rows_done']}/{s['rows_total']} ({pct:.1f}%) | {_rates(s)} | eta {eta}"
+    return f"rows {s['rows_done']}/{s['rows_total']} ({pct:.1f}%) | {_rates(s)}{_adapters(s)} | eta {eta}"
+
+
+def _adapters(s: dict, shown: int = 4) -> str:
+    """The rows of the base model and of the adapters with most rows: " | lora base 8, alpha 4 (+3 more)"."""
+    if "lora" not in s:
+        return ""
+    counts = [("base", s["lora"]["base_model"]["rows"])] + [(n, c["rows"]) for n, c in s["lora"]["adapters"].items()]
+    counts.sort(key=lambda item: -item[1])
+    more = f" (+{len(counts) - shown} more)" if len(counts) > shown else ""
+    return " | lora " + ", ".join(f"{name} {rows}" for name, rows in counts[:shown]) + more
 
 
 def _rates(s: dict) -> str:
@@ -122,6 +133,10 @@ class Progress(ABC):
         self.stats.output_tokens += output_tokens
         self.stats.prompt_tokens += prompt_tokens
         self.refresh()
+
+    def lora(self, counts: dict | None) -> None:
+        """This run's rows by LoRA adapter so far (LoraCounts.summary()): shown from the next refresh."""
+        self.stats.lora = counts
 
     def step(self, metrics: StepMetrics) -> None:
         self.stats.step = metrics
@@ -204,7 +219,7 @@ class RichProgress(Progress):
             self.bar.update(
                 self.task, completed=s["rows_done"], eta="?" if s["eta_s"] is None else _duration(s["eta_s"])
             )
-            self.stats_line.plain = _rates(s)
+            self.stats_line.plain = _rates(s) + _adapters(s)
 
     def message(self, text: str) -> None:
         if not self.lost:
