@@ -38,7 +38,7 @@ def hf_tokens(oracle, prompt: str | list[int], images: list[Image.Image]) -> tup
 
 
 def vision_engine(folder, **config) -> Engine:
-    return Engine(str(folder), dtype="float32", device="cpu", num_kv_blocks=512, **config)
+    return Engine(str(folder), **{"dtype": "float32", "device": "cpu", "num_kv_blocks": 512, **config})
 
 
 @pytest.mark.parametrize("budget", [16, 2048], ids=["chunked", "whole"])
@@ -95,6 +95,18 @@ def test_samples_share_the_prompt_with_its_images(idefics3, oracle):
     )
     ref = hf_tokens(oracle, "Look: <image>", [img])[1]
     assert [s.token_ids for s in out.samples] == [ref, ref]
+
+
+def test_preempted_rows_recompute_with_their_images(idefics3, oracle):
+    """A pool too small for every row at once: rows preempted by recompute prefill their images again."""
+    folder, _ = idefics3
+    imgs = [image(10 + i, (40, 24)) for i in range(4)]
+    text = "Row <image> here."
+    engine = vision_engine(folder, num_kv_blocks=16, block_size=4, max_num_batched_tokens=16)  # 10 blocks a row
+    outs = engine.generate([{"prompt": text, "images": [img]} for img in imgs], GREEDY, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for img, out in zip(imgs, outs):
+        assert out.token_ids == hf_tokens(oracle, text, [img])[1]
 
 
 def test_bad_images_fail_their_row_alone(idefics3, tmp_path, monkeypatch):
