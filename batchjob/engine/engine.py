@@ -179,22 +179,25 @@ class Engine:
         plist = params if isinstance(params, list | tuple) else [params] * len(prompts)
         loras = _per_prompt(lora, len(prompts))
         # Ids unique to this engine (vLLM's request counter): an output can only be matched to its own call.
-        order, requests, done = [], [], {}
-        for p, sp, name in zip(prompts, plist, loras):
-            request_id = str(next(self._request_counter))
-            order.append(request_id)
-            try:
-                ids, images = self._prompt_input(p)
-            except ImageError as e:
-                done[request_id] = RequestOutput(request_id, [], [], "", "error", error=str(e))
-                continue
-            requests.append(Request(request_id, ids, sp, lora=name, images=images))
+        order = [str(next(self._request_counter)) for _ in prompts]
+        inputs = [self._prompt_form(p) for p in prompts]  # a malformed prompt raises before any request runs
+        done: dict[str, RequestOutput] = {}
+
+        def requests() -> Iterator[Request]:
+            """Images are read as the stream pulls their request: their pixels are large, a queue's worth is held."""
+            for request_id, p, sp, name in zip(order, inputs, plist, loras):
+                try:
+                    ids, images = (p, None) if isinstance(p, list) else self._image_input(p)
+                except ImageError as e:
+                    done[request_id] = RequestOutput(request_id, [], [], "", "error", error=str(e))
+                    bar.update(1)
+                    continue
+                yield Request(request_id, ids, sp, lora=name, images=images)
+
         start, tokens = time.perf_counter(), 0
         with (
-            tqdm(
-                total=len(order), initial=len(done), desc="Processed prompts", unit="req", disable=not use_tqdm
-            ) as bar,
-            contextlib.closing(self.stream(requests)) as outputs,
+            tqdm(total=len(order), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar,
+            contextlib.closing(self.stream(requests())) as outputs,
         ):
             for out in outputs:
                 done[out.request_id] = out
@@ -358,19 +361,21 @@ class Engine:
         except TypeError:
             raise TypeError(f"a prompt is a string or a list of token ids (ints), got {prompt!r:.80}") from None
 
-    def _prompt_input(self, prompt: str | list[int] | dict) -> tuple[list[int], ImagePrompt | None]:
-        """A prompt's token ids, and its images as the model's processor made them; a malformed prompt raises
-        before any request runs, an image that cannot be used raises ImageError (its prompt alone fails)."""
+    def _prompt_form(self, prompt: str | list[int] | dict) -> list[int] | dict:
+        """A prompt's token ids, or a prompt with images as it is (checked for its form: TypeError otherwise)."""
         if not isinstance(prompt, dict):
-            return self._prompt_ids(prompt), None
+            return self._prompt_ids(prompt)
         images = prompt.get("images") or []
         if set(prompt) - {"prompt", "images"} or not isinstance(prompt.get("prompt"), str) or isinstance(images, str):
             raise TypeError(f'a prompt dict is {{"prompt": str, "images": [images]}}, got {prompt!r:.80}')
-        if not images:
-            return self._prompt_ids(prompt["prompt"]), None
+        return prompt if images else self._prompt_ids(prompt["prompt"])
+
+    def _image_input(self, prompt: dict) -> tuple[list[int], ImagePrompt]:
+        """The token ids and images of a prompt with images, as the model's processor makes them; ImageError where
+        an image cannot be used or the model reads text only (that prompt alone fails)."""
         if self.image_prompter is None:
             raise ImageError(f"model {self.model_path.name} takes no images: it is not a vision-language model")
-        made = self.image_prompter(prompt["prompt"], list(images))
+        made = self.image_prompter(prompt["prompt"], list(prompt["images"]))
         return made.token_ids, made
 
     def _image_error(self, req: Request) -> str | None:
@@ -383,10 +388,10 @@ class Engine:
         positions = [i for i, t in enumerate(req.prompt_token_ids) if t == c.image_token_id]
         if req.images is None:
             return "the prompt holds image tokens but no images" if positions else None
-        if (
-            positions != list(req.images.positions)
-            or len(positions) != len(req.images.pixel_values) * c.tokens_per_tile
-        ):
+        pixels, mask = req.images.pixel_values, req.images.pixel_attention_mask
+        if not encoder.takes(pixels, mask):
+            return "the request's images are not tiles of this model's (as its processor makes them)"
+        if positions != list(req.images.positions) or len(positions) != len(pixels) * c.tokens_per_tile:
             return "the request's images do not match its image tokens"
         return None
 

@@ -4,6 +4,7 @@ rows that need a token."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 
@@ -367,3 +368,5 @@ class ModelRunner:
             tiles.update({(id(seq), i): f for (seq, i), f in zip(group, features)})
         for seq in seqs:
             seq.image_features = torch.cat([tiles[id(seq), i] for i in range(len(seq.images.pixel_values))])
+            # the pixels are not needed again (a recompute after preemption reuses the features): memory back now
+            seq.images = dataclasses.replace(seq.images, pixel_values=None, pixel_attention_mask=None)

@@ -4,12 +4,15 @@ chunks that start and end inside images; the prefix cache keys images by content
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
 from PIL import Image
 
 from batchjob.engine.engine import Engine
+from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from tests.vision.tiny_idefics3 import image, png_bytes
 
@@ -140,3 +143,23 @@ def test_text_model_refuses_images(engine):
     )
     assert outs[0].finish_reason == "error" and "takes no images" in outs[0].error
     assert outs[1].token_ids == outs[2].token_ids and outs[1].finish_reason != "error"
+
+
+def test_requests_whose_images_do_not_fit_fail_alone(idefics3):
+    """Requests built by hand (Engine.stream): tiles of another size, or image tokens that are not the images'."""
+    folder, _ = idefics3
+    engine = vision_engine(folder)
+    made = engine.image_prompter("a <image> b", [image(8, (40, 24))])
+    small = dataclasses.replace(made, pixel_values=made.pixel_values[:, :, :8, :8])
+    fewer = dataclasses.replace(
+        made, pixel_values=made.pixel_values[:1], pixel_attention_mask=made.pixel_attention_mask[:1]
+    )
+    requests = [
+        Request("small", made.token_ids, GREEDY, images=small),
+        Request("fewer", made.token_ids, GREEDY, images=fewer),
+        Request("fine", made.token_ids, GREEDY, images=made),
+    ]
+    outs = {o.request_id: o for o in engine.stream(requests)}
+    assert "not tiles of this model's" in outs["small"].error
+    assert "do not match its image tokens" in outs["fewer"].error
+    assert outs["fine"].error is None and len(outs["fine"].token_ids) == MAX_TOKENS

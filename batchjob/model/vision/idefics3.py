@@ -32,6 +32,16 @@ class ImageEncoder:
         self.tower = VisionTower(config, w)
         self.projection = w[WEIGHT]
 
+    def takes(self, pixel_values: torch.Tensor | None, pixel_attention_mask: torch.Tensor | None) -> bool:
+        """Whether these are tiles this encoder reads: [tiles, 3, H, W] whose patch grid is the learned one (the
+        pixel shuffle folds it into tokens_per_tile tokens), with pixel masks [tiles, H, W]."""
+        if not isinstance(pixel_values, torch.Tensor) or not isinstance(pixel_attention_mask, torch.Tensor):
+            return False
+        c, shape = self.config, tuple(pixel_values.shape)
+        if len(shape) != 4 or shape[1] != 3 or tuple(pixel_attention_mask.shape) != (shape[0], *shape[2:]):
+            return False
+        return shape[2] == shape[3] == c.image_size  # square tiles of image_size: the processor's max_image_size
+
     @property
     def dtype(self) -> torch.dtype:
         return self.projection.dtype

@@ -25,8 +25,10 @@ class ImageError(ValueError):
 @dataclass
 class ImagePrompt:
     token_ids: list[int]
-    pixel_values: torch.Tensor  # [tiles, 3, H, W], every image's tiles in prompt order
-    pixel_attention_mask: torch.Tensor  # [tiles, H, W]: 0 where the processor padded
+    # [tiles, 3, H, W], every image's tiles in prompt order, and [tiles, H, W], 0 where the processor padded; None
+    # once encoded (the engine keeps the features, a fraction of the pixels' size)
+    pixel_values: torch.Tensor | None
+    pixel_attention_mask: torch.Tensor | None
     positions: list[int]  # the image tokens' positions in token_ids: the feature rows replace them in this order
     image_starts: list[int]  # each image's first image-token position
     digests: list[bytes]  # each image's content digest: identical placeholder tokens, different images
@@ -72,6 +74,9 @@ class ImagePrompter:
         self.global_token_id = tokenizer.convert_tokens_to_ids(self.processor.global_image_tag)
         if tokenizer.convert_tokens_to_ids(self.image_token) != config.image_token_id:
             raise ValueError("the processor's image token is not the model's image_token_id")
+        tile = (getattr(self.processor.image_processor, "max_image_size", None) or {}).get("longest_edge")
+        if tile != config.image_size:
+            raise ValueError(f"the image processor's tiles ({tile}) are not the vision tower's {config.image_size}")
         if self.processor.image_seq_len != config.tokens_per_tile:
             raise ValueError(
                 f"the processor's image_seq_len {self.processor.image_seq_len} is not the model's "
