@@ -350,7 +350,7 @@ class ModelRunner:
         if not chunks:
             return None
         self._encode([seq for seq, *_ in chunks if seq.image_features is None])
-        rows = torch.from_numpy(np.concatenate([r for _, r, _, _ in chunks])).to(self.device)
+        rows = self._to_device(torch.from_numpy(np.concatenate([r for _, r, _, _ in chunks])))
         return rows, torch.cat([seq.image_features[lo:hi] for seq, _, lo, hi in chunks])
 
     def _encode(self, seqs: list[Sequence]) -> None:
@@ -362,11 +362,15 @@ class ModelRunner:
         tiles: dict[tuple[int, int], torch.Tensor] = {}
         n = self.image_encoder.config.tokens_per_tile
         for group in groups.values():
-            pixels = torch.stack([seq.images.pixel_values[i] for seq, i in group])
-            masks = torch.stack([seq.images.pixel_attention_mask[i] for seq, i in group])
+            pixels = self._to_device(torch.stack([seq.images.pixel_values[i] for seq, i in group]))
+            masks = self._to_device(torch.stack([seq.images.pixel_attention_mask[i] for seq, i in group]))
             features = self.image_encoder(pixels, masks).view(len(group), n, -1)
             tiles.update({(id(seq), i): f for (seq, i), f in zip(group, features)})
         for seq in seqs:
             seq.image_features = torch.cat([tiles[id(seq), i] for i in range(len(seq.images.pixel_values))])
             # the pixels are not needed again (a recompute after preemption reuses the features): memory back now
             seq.images = dataclasses.replace(seq.images, pixel_values=None, pixel_attention_mask=None)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device; on a GPU through pinned memory, without the host waiting (as step inputs)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t

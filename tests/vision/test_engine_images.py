@@ -163,3 +163,13 @@ def test_requests_whose_images_do_not_fit_fail_alone(idefics3):
     assert "not tiles of this model's" in outs["small"].error
     assert "do not match its image tokens" in outs["fewer"].error
     assert outs["fine"].error is None and len(outs["fine"].token_ids) == MAX_TOKENS
+
+
+def test_image_steps_read_nothing_back_on_the_host(idefics3):
+    """The host-sync guard (the device check's): the encoder and the embedding swap use no data-dependent op, so a
+    GPU step with images waits on nothing but its sampled tokens."""
+    folder, _ = idefics3
+    engine = vision_engine(folder, max_num_batched_tokens=16)
+    engine.forbid_host_sync()
+    outs = engine.generate([{"prompt": "Row <image> here.", "images": [image(9, (40, 24))]}], GREEDY, use_tqdm=False)
+    assert outs[0].error is None and len(outs[0].token_ids) == MAX_TOKENS
