@@ -7,7 +7,7 @@ import transformers
 
 from batchjob.model.loader import load_model
 from batchjob.model.vision.idefics3 import ImageEncoder
-from tests.vision.tiny_idefics3 import image
+from tests.vision.tiny_idefics3 import build, image
 
 
 def test_loads_text_model_as_llama_and_vision_apart(idefics3):
@@ -38,5 +38,20 @@ def test_features_equal_transformers(idefics3):
     with torch.inference_mode():
         ref = hf.get_image_features(pixels[None], mask[None]).pooler_output
     ref = torch.cat(ref)
+    assert ours.shape == ref.shape == (pixels.shape[0] * 4, hf.config.text_config.hidden_size)
+    assert (ours - ref).abs().max() <= 1e-5
+
+
+def test_features_equal_transformers_with_a_fourfold_shuffle(tmp_path):
+    """SmolVLM's connector: 8x8 patches a tile, each 4x4 square folded into one token."""
+    hf = build(tmp_path, image_size=32, scale=4)
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path)
+    inputs = processor(text=["<image>"], images=[[image(2, (70, 40))]], return_tensors="pt")
+    pixels, mask = inputs["pixel_values"][0], inputs["pixel_attention_mask"][0]
+    loaded = load_model(str(tmp_path))
+    assert loaded.vision.config.tokens_per_tile == 4
+    ours = ImageEncoder(loaded.vision.config, loaded.vision.weights)(pixels, mask)
+    with torch.inference_mode():
+        ref = torch.cat(hf.get_image_features(pixels[None], mask[None]).pooler_output)
     assert ours.shape == ref.shape == (pixels.shape[0] * 4, hf.config.text_config.hidden_size)
     assert (ours - ref).abs().max() <= 1e-5

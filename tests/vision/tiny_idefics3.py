@@ -15,7 +15,8 @@ from tokenizers import AddedToken
 
 from batchjob.model.loader import load_model
 
-PATCH, IMAGE_SIZE, SCALE = 4, 16, 2  # a tile: 16x16 pixels, 4x4 patches, 4 image tokens after the pixel shuffle
+# A tile: 16x16 pixels, 4x4 patches, 4 image tokens after the pixel shuffle by 2.
+PATCH, IMAGE_SIZE, SCALE = 4, 16, 2
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
 IMAGE_TOKENS += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 
@@ -43,7 +44,10 @@ def _randomize(model: torch.nn.Module) -> None:
                 p.copy_(0.15 * noise)
 
 
-def build(folder: Path) -> transformers.Idefics3ForConditionalGeneration:
+def build(
+    folder: Path, image_size: int = IMAGE_SIZE, scale: int = SCALE
+) -> transformers.Idefics3ForConditionalGeneration:
+    """SmolVLM-256M's shape is image_size 32 patches a side, scale 4; 2-fold is Idefics3-8B's."""
     tok = tokenizer()
     vocab = len(tok)
     config = transformers.Idefics3Config(
@@ -52,7 +56,7 @@ def build(folder: Path) -> transformers.Idefics3ForConditionalGeneration:
             intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=4,
-            image_size=IMAGE_SIZE,
+            image_size=image_size,
             patch_size=PATCH,
         ),
         text_config=dict(
@@ -69,7 +73,7 @@ def build(folder: Path) -> transformers.Idefics3ForConditionalGeneration:
             eos_token_id=tok.eos_token_id,
             pad_token_id=0,
         ),
-        scale_factor=SCALE,
+        scale_factor=scale,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
     )
@@ -78,9 +82,9 @@ def build(folder: Path) -> transformers.Idefics3ForConditionalGeneration:
     _randomize(model)
     model.save_pretrained(folder)
     image_processor = transformers.Idefics3ImageProcessor(
-        size={"longest_edge": 2 * IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE}
+        size={"longest_edge": 2 * image_size}, max_image_size={"longest_edge": image_size}
     )
-    seq_len = (IMAGE_SIZE // PATCH) ** 2 // SCALE**2
+    seq_len = (image_size // PATCH) ** 2 // scale**2
     processor = transformers.Idefics3Processor(image_processor, tok, image_seq_len=seq_len)
     processor.save_pretrained(folder)
     return model
