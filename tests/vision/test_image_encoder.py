@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
+from batchjob.model.dummy import load_dummy
+from batchjob.model.errors import ModelLoadError
 from batchjob.model.loader import load_model
 from batchjob.model.vision.idefics3 import ImageEncoder
 from tests.vision.tiny_idefics3 import build, image
@@ -55,3 +58,9 @@ def test_features_equal_transformers_with_a_fourfold_shuffle(tmp_path):
         ref = torch.cat(hf.get_image_features(pixels[None], mask[None]).pooler_output)
     assert ours.shape == ref.shape == (pixels.shape[0] * 4, hf.config.text_config.hidden_size)
     assert (ours - ref).abs().max() <= 1e-5
+
+
+def test_dummy_weights_refuse_a_vision_model(idefics3):
+    folder, _ = idefics3
+    with pytest.raises(ModelLoadError, match="draws text models only"):
+        load_dummy(str(folder))
