@@ -1,7 +1,8 @@
 """Paged KV-cache blocks: placement, reference counts, and prefix caching by chained block hashes.
 
-A full block is keyed by hash(parent block's hash, its token ids). When its last user frees it, a hashed block stays
-cached and is reused by a later request with the same prefix, until its place is taken for new tokens.
+A full block is keyed by hash(parent block's hash, its token ids and the digests of the images that start in it).
+When its last user frees it, a hashed block stays cached and is reused by a later request with the same prefix, until
+its place is taken for new tokens.
 
 Placement keeps each sequence's blocks in one run of the pool where it can: a decode step reads every sequence's K/V,
 and the CPU attention kernel reads a sequence's blocks faster where they lie in one run than at random places
@@ -37,7 +38,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # to verify a hash hit
+        self.block_tokens: list[tuple | None] = [None] * num_blocks  # its Sequence.block_key, to verify a hash hit
         self.hash_to_block: dict[int, int] = {}
         self._free = bytearray(b"\x01") * num_blocks  # 1 where no sequence holds the block (cached or not)
         self._blank = bytearray(b"\x01") * num_blocks  # 1 where it is free and caches nothing
@@ -114,11 +115,10 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        tokens = seq.token_ids
         parent = seq.prefix_root
         hits = 0
         for start in range(0, seq.prefix_cache_limit - self.block_size + 1, self.block_size):
-            chunk = tuple(tokens[start : start + self.block_size])
+            chunk = seq.block_key(start, self.block_size)
             h = hash((parent, chunk))
             block = self.hash_to_block.get(h)
             if block is None or self.block_tokens[block] != chunk:
@@ -153,7 +153,7 @@ class BlockManager:
         parent = seq.last_block_hash
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
             block = seq.block_table[i]
-            chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            chunk = seq.block_key(i * self.block_size, self.block_size)
             parent = hash((parent, chunk))
             if parent not in self.hash_to_block:  # a twin computed in the same step keeps the first as the key
                 self.hash_to_block[parent] = block

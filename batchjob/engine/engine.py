@@ -37,6 +37,7 @@ from batchjob.model.builtin import DEFAULT_MODEL
 from batchjob.model.dummy import load_dummy
 from batchjob.model.llama import LlamaModel
 from batchjob.model.loader import load_model
+from batchjob.model.vision.images import ImageError, ImagePrompt
 
 __all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "RequestOutput", "ScoreOutput"]
 
@@ -93,6 +94,11 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.structured = StructuredOutput(self.tokenizer, loaded.config.vocab_size, list(self.eos_token_ids))
+        self.image_prompter = None  # a vision-language model's: prompts with images through its own processor
+        if loaded.vision is not None:
+            from batchjob.model.vision.images import ImagePrompter
+
+            self.image_prompter = ImagePrompter(loaded.path, loaded.vision.config)
         self._step_callbacks: list[Callable[[StepMetrics], None]] = []
         self._arrivals = itertools.count()
         self._request_counter = itertools.count()
@@ -151,14 +157,17 @@ class Engine:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: list[str] | list[list[int]] | list[dict],
         params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
         use_tqdm: bool = True,
         lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in input order. Text prompts are tokenized as they are (no chat template; see chat()).
-        use_tqdm shows a tqdm.auto bar (a widget in notebooks) with requests done and output tokens/s. `lora`
-        names an adapter of engine.lora for every prompt, or one per prompt (None: the base model)."""
+        """Outputs in input order. Text prompts are tokenized as they are (no chat template; see chat()). A
+        vision-language model's prompt may be {"prompt": "... <image> ...", "images": [...]}, one image (a PIL
+        image, encoded bytes or a local path) for each <image>; an image that cannot be read, or images given to a
+        text-only model, fail that prompt alone (finish_reason "error"). use_tqdm shows a tqdm.auto bar (a widget in
+        notebooks) with requests done and output tokens/s. `lora` names an adapter of engine.lora for every prompt,
+        or one per prompt (None: the base model)."""
         from tqdm.auto import tqdm
 
         if isinstance(prompts, str):  # one prompt, as vLLM takes it
@@ -170,22 +179,32 @@ class Engine:
         plist = params if isinstance(params, list | tuple) else [params] * len(prompts)
         loras = _per_prompt(lora, len(prompts))
         # Ids unique to this engine (vLLM's request counter): an output can only be matched to its own call.
-        requests = [
-            Request(str(next(self._request_counter)), self._prompt_ids(p), sp, lora=name)
-            for p, sp, name in zip(prompts, plist, loras)
-        ]
+        order = [str(next(self._request_counter)) for _ in prompts]
+        inputs = [self._prompt_form(p) for p in prompts]  # a malformed prompt raises before any request runs
         done: dict[str, RequestOutput] = {}
+
+        def requests() -> Iterator[Request]:
+            """Images are read as the stream pulls their request: their pixels are large, a queue's worth is held."""
+            for request_id, p, sp, name in zip(order, inputs, plist, loras):
+                try:
+                    ids, images = (p, None) if isinstance(p, list) else self._image_input(p)
+                except ImageError as e:
+                    done[request_id] = RequestOutput(request_id, [], [], "", "error", error=str(e))
+                    bar.update(1)
+                    continue
+                yield Request(request_id, ids, sp, lora=name, images=images)
+
         start, tokens = time.perf_counter(), 0
         with (
-            tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar,
-            contextlib.closing(self.stream(requests)) as outputs,
+            tqdm(total=len(order), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar,
+            contextlib.closing(self.stream(requests())) as outputs,
         ):
             for out in outputs:
                 done[out.request_id] = out
                 tokens += sum(len(s.token_ids) for s in out.samples)
                 bar.set_postfix_str(f"output {tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
                 bar.update(1)
-        return [done[r.request_id] for r in requests]
+        return [done[request_id] for request_id in order]
 
     def chat(
         self,
@@ -342,6 +361,40 @@ class Engine:
         except TypeError:
             raise TypeError(f"a prompt is a string or a list of token ids (ints), got {prompt!r:.80}") from None
 
+    def _prompt_form(self, prompt: str | list[int] | dict) -> list[int] | dict:
+        """A prompt's token ids, or a prompt with images as it is (checked for its form: TypeError otherwise)."""
+        if not isinstance(prompt, dict):
+            return self._prompt_ids(prompt)
+        images = prompt.get("images") or []
+        if set(prompt) - {"prompt", "images"} or not isinstance(prompt.get("prompt"), str) or isinstance(images, str):
+            raise TypeError(f'a prompt dict is {{"prompt": str, "images": [images]}}, got {prompt!r:.80}')
+        return prompt if images else self._prompt_ids(prompt["prompt"])
+
+    def _image_input(self, prompt: dict) -> tuple[list[int], ImagePrompt]:
+        """The token ids and images of a prompt with images, as the model's processor makes them; ImageError where
+        an image cannot be used or the model reads text only (that prompt alone fails)."""
+        if self.image_prompter is None:
+            raise ImageError(f"model {self.model_path.name} takes no images: it is not a vision-language model")
+        made = self.image_prompter(prompt["prompt"], list(prompt["images"]))
+        return made.token_ids, made
+
+    def _image_error(self, req: Request) -> str | None:
+        """Why a request's images cannot run: images for a text-only model, image tokens without images, or
+        images that are not the ones its image tokens stand for (a Request built by hand)."""
+        encoder = self.runner.image_encoder
+        if encoder is None:
+            return None if req.images is None else "this model takes no images: it is not a vision-language model"
+        c = encoder.config
+        positions = [i for i, t in enumerate(req.prompt_token_ids) if t == c.image_token_id]
+        if req.images is None:
+            return "the prompt holds image tokens but no images" if positions else None
+        pixels, mask = req.images.pixel_values, req.images.pixel_attention_mask
+        if not encoder.takes(pixels, mask):
+            return "the request's images are not tiles of this model's (as its processor makes them)"
+        if positions != list(req.images.positions) or len(positions) != len(pixels) * c.tokens_per_tile:
+            return "the request's images do not match its image tokens"
+        return None
+
     def _wants_more(self) -> bool:
         # Enough queued to fill the next steps; the rest stays in the caller's iterator (bounded memory).
         return len(self.scheduler.waiting) < max(2 * self.config.max_num_seqs, 64)
@@ -361,6 +414,8 @@ class Engine:
             error = self._too_few_blocks(seq, req, blocks)
         elif max(req.prompt_token_ids) >= self.model_config.vocab_size or min(req.prompt_token_ids) < 0:
             error = "prompt holds token ids outside the vocabulary"
+        elif image_error := self._image_error(req):
+            error = image_error
         elif any(not 0 <= t < self.model_config.vocab_size for t in req.params.logit_bias):
             error = "logit_bias holds token ids outside the vocabulary"
         elif req.lora is not None and req.lora not in (self.runner.lora.paths if self.runner.lora else {}):

@@ -4,9 +4,11 @@ rows that need a token."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 
+import numpy as np
 import torch
 
 from batchjob import env
@@ -19,6 +21,7 @@ from batchjob.engine.lora.manager import LoraManager
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
 from batchjob.engine.prompt_logprobs import PromptLogprobRows
 from batchjob.engine.scheduler import SchedulerOutput
+from batchjob.engine.sequence import Sequence
 from batchjob.engine.step_inputs import build_step_inputs
 from batchjob.env import configure_threads
 from batchjob.model.arithmetic import arithmetic_label, arithmetic_path
@@ -31,6 +34,7 @@ from batchjob.model.gemma import decoder_class
 from batchjob.model.loader import LoadedModel
 from batchjob.model.matmul.gguf_linear import GGML_TYPES, QuantizedWeight, computable
 from batchjob.model.smoothing import CALIBRATION_TEXT
+from batchjob.model.vision.idefics3 import ImageEncoder
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_GB = 2.0
@@ -155,6 +159,10 @@ class ModelRunner:
             int8=self.weights == "int8",
             calibration=loaded.tokenizer.encode(CALIBRATION_TEXT) if self.weights == "int8" else None,
         )
+        self.image_encoder = None  # a vision-language model's: features of the step's new images
+        if loaded.vision is not None:
+            vision = {k: v.to(self.dtype) for k, v in loaded.vision.weights.items()}
+            self.image_encoder = ImageEncoder(loaded.vision.config, vision, self.device)
         # LoRA adapters, checked now: a damaged or mismatched one refuses the engine before any row runs
         self.lora = LoraManager(config.lora, loaded.config, self.device, self.dtype) if config.lora else None
         self.block_size = config.block_size
@@ -311,15 +319,58 @@ class ModelRunner:
         """The step on the device, where with the Triton ops the host never waits for it (forbid_host_sync):
         float32 logits of the rows that need a token (or of `rows`), in scheduled order."""
         lora = self.lora.batch([(seq.lora, n) for seq, n in out.scheduled]) if self.lora else None
-        graphs = rows is None and prompt is None and lora is None and self.decode_graphs is not None
+        images = self._image_embeds(out) if self.image_encoder is not None else None
+        graphs = rows is None and prompt is None and lora is None and images is None and self.decode_graphs is not None
         if graphs and self.decode_graphs.fits(out):
             hidden, rows = self.decode_graphs.run(out)
         else:
             step = build_step_inputs(out, self.block_size, self.device)
-            hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches, lora)
+            extra = {"image_embeds": images} if images is not None else {}  # only a Llama-family decoder takes them
+            hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches, lora, **extra)
             rows = step.sample_rows if rows is None else torch.tensor(rows, device=self.device)
             if prompt is not None:
                 prompt.compute(hidden, self.model, self.prompt_logprob_rows)
         if not rows.shape[0]:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def _image_embeds(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's rows that are image tokens and their features, in the order of each prompt's image tokens; a
+        chunk may start or end inside an image. Images whose features are not yet computed go through the encoder
+        together, one batch of tiles of each shape."""
+        chunks, offset = [], 0
+        for seq, k in out.scheduled:
+            start = seq.num_computed_tokens
+            if seq.images is not None and start < seq.num_prompt_tokens:
+                positions = np.asarray(seq.images.positions)
+                lo, hi = np.searchsorted(positions, [start, start + k])
+                if hi > lo:
+                    chunks.append((seq, offset + positions[lo:hi] - start, lo, hi))
+            offset += k
+        if not chunks:
+            return None
+        self._encode([seq for seq, *_ in chunks if seq.image_features is None])
+        rows = self._to_device(torch.from_numpy(np.concatenate([r for _, r, _, _ in chunks])))
+        return rows, torch.cat([seq.image_features[lo:hi] for seq, _, lo, hi in chunks])
+
+    def _encode(self, seqs: list[Sequence]) -> None:
+        """Each sequence's image features, its tiles encoded in one batch with the other sequences' of their shape."""
+        groups: dict[tuple[int, ...], list[tuple[Sequence, int]]] = {}
+        for seq in seqs:
+            for i in range(len(seq.images.pixel_values)):
+                groups.setdefault(tuple(seq.images.pixel_values.shape[1:]), []).append((seq, i))
+        tiles: dict[tuple[int, int], torch.Tensor] = {}
+        n = self.image_encoder.config.tokens_per_tile
+        for group in groups.values():
+            pixels = self._to_device(torch.stack([seq.images.pixel_values[i] for seq, i in group]))
+            masks = self._to_device(torch.stack([seq.images.pixel_attention_mask[i] for seq, i in group]))
+            features = self.image_encoder(pixels, masks).view(len(group), n, -1)
+            tiles.update({(id(seq), i): f for (seq, i), f in zip(group, features)})
+        for seq in seqs:
+            seq.image_features = torch.cat([tiles[id(seq), i] for i in range(len(seq.images.pixel_values))])
+            # the pixels are not needed again (a recompute after preemption reuses the features): memory back now
+            seq.images = dataclasses.replace(seq.images, pixel_values=None, pixel_attention_mask=None)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device; on a GPU through pinned memory, without the host waiting (as step inputs)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t

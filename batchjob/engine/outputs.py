@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchjob.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchjob.model.vision.images import ImagePrompt
 
 
 @dataclass
@@ -27,6 +31,8 @@ class Request:
     first_token_alternatives: list[int] = field(default_factory=list)
     # The engine's LoRA adapter (EngineConfig.lora) applied to this request; None: the base model.
     lora: str | None = None
+    # A vision-language model's images, as its processor made them (prompt_token_ids are its token_ids).
+    images: ImagePrompt | None = None
 
 
 @dataclass

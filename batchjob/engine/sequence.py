@@ -35,6 +35,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
         self.prompt_logprobs_start = request.prompt_logprobs_start
         self.lora = request.lora
+        self.images = request.images
+        self.image_features: torch.Tensor | None = None  # [image tokens, hidden], computed at its first image chunk
         # The prefix cache's root for this sequence's blocks: an adapter's K/V are its own (set by the engine).
         self.prefix_root: int | None = None
         # By position, so that a prompt computed again after a preemption writes the same entries again.
@@ -65,8 +67,10 @@ class Sequence:
         """Sample `index` of this root, at the point where the prompt is computed and no token drawn yet: it shares
         the prompt's KV blocks (BlockManager.fork) and draws its own tokens (seed + index when seeded)."""
         child = Sequence(
-            Request(self.request_id, self.prompt_token_ids, self.params, lora=self.lora), self.arrival_index
+            Request(self.request_id, self.prompt_token_ids, self.params, lora=self.lora, images=self.images),
+            self.arrival_index,
         )
+        child.image_features = self.image_features  # the partial block it computes again may hold image tokens
         child.prefix_root = self.prefix_root
         child.index, child.root = index, self
         child.max_tokens, child.length_capped = self.max_tokens, self.length_capped  # as capped at admission
@@ -77,6 +81,17 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         self.samples.append(child)
         return child
+
+    def block_key(self, start: int, block_size: int) -> tuple:
+        """What keys the block of tokens [start, start + block_size) in the prefix cache: its tokens, and the
+        digest of each image whose first token lies in it (chained on by the blocks after it), so that two images
+        behind the same placeholder tokens never share K/V."""
+        tokens = tuple(self.token_ids[start : start + block_size])
+        if self.images is None:
+            return tokens
+        images = self.images
+        digests = tuple(d for s, d in zip(images.image_starts, images.digests) if start <= s < start + block_size)
+        return (tokens, digests) if digests else tokens
 
     @property
     def needs_fork(self) -> bool:

@@ -25,6 +25,7 @@ from batchjob.model.config import GEMMA_ARCHITECTURES, ModelConfig, weight_shape
 from batchjob.model.errors import ModelError, ModelNotFoundError
 from batchjob.model.loader import LoadedModel, load_model, reading_model
 from batchjob.model.tokenizer import Tokenizer
+from batchjob.model.vision.config import IDEFICS3
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 
@@ -109,6 +110,8 @@ def dummy_spec(model: str, seed: int = 0) -> DummySpec:
     path = dummy_config_path(model)
     with reading_model(path):
         raw = json.loads(path.read_text())
+        if (raw.get("architectures") or [None])[0] == IDEFICS3:
+            raise ValueError("load_format dummy draws text models only, not a vision-language model's tower")
         config = ModelConfig.from_hf(raw)
     digest = hashlib.sha256(f"dummy:{seed}:".encode() + path.read_bytes()).hexdigest()
     return DummySpec(config, path, seed, raw.get("initializer_range", 0.02), digest)

@@ -223,11 +223,16 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, ...]],
         lora: LoraBatch | None = None,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens; K/V of every token is written to the cache. With `lora`,
-        each row's adapter (if any) adds its update to the decoder's matmuls."""
+        each row's adapter (if any) adds its update to the decoder's matmuls. With `image_embeds` (rows, features),
+        those rows' embeddings are the image features (a vision-language model's image tokens)."""
         c, ops = self.config, self.ops
         h = embedding(self.embed, input_ids)
+        if image_embeds is not None:
+            rows, features = image_embeds
+            h[rows] = features.to(h.dtype)
         residual = None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             if residual is None:

@@ -32,6 +32,8 @@ from batchjob.model.config import GGUF_ARCHITECTURES, ModelConfig, moe_weight_na
 from batchjob.model.errors import ModelError, ModelLoadError, ModelNotFoundError
 from batchjob.model.matmul.gguf_linear import GGML_TYPES, QuantizedWeight
 from batchjob.model.tokenizer import Tokenizer
+from batchjob.model.vision.config import IDEFICS3, VisionConfig, split_config
+from batchjob.model.vision.idefics3 import ImageEncoder, split_weights
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +215,13 @@ class LoadedModel:
     digest: str
     rope_freqs: torch.Tensor | None = None
     revision: str | None = None  # the Hub commit, for a model named by Hub id
+    vision: VisionWeights | None = None  # a vision-language model's image encoder; `weights` are its text model's
+
+
+@dataclass
+class VisionWeights:
+    config: VisionConfig
+    weights: dict[str, torch.Tensor]  # HF names: the vision tower's and the connector's
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, quantized: bool = False) -> LoadedModel:
@@ -267,7 +276,11 @@ def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
     if not cfg_path.exists():
         raise ModelNotFoundError(f"{path} has no config.json")
     with reading_model(path):
-        config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        hf_config = json.loads(cfg_path.read_text())
+        vision_config = None
+        if (hf_config.get("architectures") or [None])[0] == IDEFICS3:
+            hf_config, vision_config = split_config(hf_config)
+        config = ModelConfig.from_hf(hf_config)
         generation = path / "generation_config.json"
         if generation.is_file():
             # Its eos ids too, as transformers' generate and vLLM stop on them: an instruct model's end of turn is
@@ -289,11 +302,17 @@ def _load_hf(path: Path, dtype: torch.dtype) -> LoadedModel:
         for f in files:
             weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
         digest = folder_digest(path, files)
-    return LoadedModel(config, weights, tokenizer, path, digest)
+        vision = None
+        if vision_config is not None:
+            weights, vision_weights = split_weights(weights)
+            ImageEncoder(vision_config, vision_weights, "meta")  # a missing tensor fails here, naming the model
+            vision = VisionWeights(vision_config, vision_weights)
+    return LoadedModel(config, weights, tokenizer, path, digest, vision=vision)
 
 
 # Besides the weights, what a Hugging Face folder's results depend on: the architecture, the tokenizer, the chat
-# template and the generation defaults. A change to any of them must not let a resume mix two models' outputs.
+# template, the generation defaults and an image processor's settings. A change to any of them must not let a resume
+# mix two models' outputs.
 HF_RESULT_FILES = (
     "config.json",
     "generation_config.json",
@@ -302,6 +321,8 @@ HF_RESULT_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    "processor_config.json",  # a vision-language model's image processor: tiles, sizes, tokens per image
+    "preprocessor_config.json",
 )
 
 
