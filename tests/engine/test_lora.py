@@ -196,3 +196,12 @@ def test_adapters_on_a_tiny_qwen3_equal_peft(tmp_path, ops_backend):
         oracle = base if name is None else models[name]
         assert out.token_ids == hf_generate(oracle, prompt, 10, eos_token_id=-1)[0, len(prompt) :].tolist(), name
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the adapters change what the model writes
+
+
+def test_an_adapter_beyond_the_engines_dtype_refuses_it(adapters, tmp_path):
+    """Weights finite in float32 but past float16's range once scaled (alpha 1e9 / r 8: lora_B times 1.25e8)
+    would be infinite on a float16 engine's slots, every row of the adapter NaN; refused at start, as NaN weights."""
+    folder = _copy(adapters["every-projection-r8"][0], tmp_path / "big", {"lora_alpha": 1e9})
+    with pytest.raises(LoraError, match="'big'.*beyond float16's range"):
+        Engine("smollm2-135m-instruct", dtype="float16", device="cpu", lora={"adapters": {"big": str(folder)}})
+    Engine("smollm2-135m-instruct", dtype="float32", device="cpu", lora={"adapters": {"big": str(folder)}})
