@@ -76,10 +76,11 @@ class LoraAdapter:
     layers: list[dict[str, LoraUpdate]]  # per decoder layer, by fused matmul name ("qkv", "o", "gate_up", "down")
 
 
-def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
     """The adapter at `path` (a PEFT folder) for a model of `config`, in float32 on the host; LoraError naming the
-    adapter and the reason when it is not a plain LoRA of this model's projections or a rank above `max_rank`. Names,
-    dtypes and shapes are checked from the file's header before any tensor is read."""
+    adapter and the reason when it is not a plain LoRA of this model's projections, a rank above `max_rank`, or
+    weights that `dtype` (the slots') cannot hold. Names, dtypes and shapes are checked from the file's header before
+    any tensor is read."""
     cfg = read_adapter_config(name, path)
     file = weights_file(name, path)
     alpha = float(cfg["lora_alpha"])
@@ -95,6 +96,9 @@ def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
                 b = b * (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
                 if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # scaled: a huge alpha overflows
                     raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: NaN or infinite weights")
+                if not (torch.isfinite(a.to(dtype)).all() and torch.isfinite(b.to(dtype)).all()):  # float16's 65504
+                    kind = str(dtype).removeprefix("torch.")
+                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: weights beyond {kind}'s range")
                 layers[layer].setdefault(matmul, []).append((start, end, a, b))
                 rank = max(rank, r)
     except (SafetensorError, OSError, ValueError) as e:
