@@ -158,6 +158,17 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
             "not a LoRA weight of a decoder projection",
         ),
         "missing": (tmp_path / "none", "is not a folder"),
+        # PEFT's key of a vision-language adapter's tower: the same layer number and projection as a decoder's
+        "twice": (
+            _copy(
+                folder,
+                tmp_path / "twice",
+                weights=lambda t: (
+                    t | {f"vision_model.encoder.{first_a[first_a.index('layers.') :]}": t[first_a].clone()}
+                ),
+            ),
+            "two lora_A weights",
+        ),
     }
     cases["alpha"] = (_copy(folder, tmp_path / "alpha", {"lora_alpha": 1e308}), "NaN or infinite")
     for name, text in (("garbage", "{not json"), ("deep", "[" * 100_000)):
