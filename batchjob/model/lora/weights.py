@@ -129,7 +129,12 @@ def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tup
         part = f.get_slice(key)
         if part.get_dtype() not in _FLOAT_DTYPES:
             raise LoraError(f"LoRA adapter {name!r}: {key} holds {part.get_dtype()}, not floating-point weights")
-        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = key
+        pair = pairs.setdefault((int(m[1]), m[2]), {})
+        if m[3] in pair:  # another module's key ending alike (a vision tower's layers): one would be dropped
+            raise LoraError(
+                f"LoRA adapter {name!r}: two lora_{m[3]} weights for layer {m[1]} {m[2]}: {pair[m[3]]}, {key}"
+            )
+        pair[m[3]] = key
         shapes[key] = tuple(part.get_shape())
     if not pairs:
         raise LoraError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
