@@ -198,3 +198,16 @@ def test_images_without_pixels_fail_their_row_alone(idefics3):
     outs = engine.generate([*prompts, {"prompt": "fine <image>", "images": [image(7, (9, 9))]}], GREEDY, use_tqdm=False)
     assert [o.finish_reason for o in outs] == ["error", "error", "length"]
     assert all("no pixels" in o.error for o in outs[:2])
+
+
+def test_images_not_given_as_a_list_raise_before_any_request(idefics3):
+    """ "images" is a list (or tuple) of images: one image, bytes, a dict or a number in its place raises TypeError
+    up front, as a string there does. Bytes were read as a list of ints and a dict as its keys (paths), and a lone
+    PIL image raised from inside the stream, after the rows before it had run."""
+    folder, _ = idefics3
+    engine = vision_engine(folder)
+    for images in [image(1, (9, 9)), png_bytes(image(1, (9, 9))), {"a.png": 1}, 5]:
+        with pytest.raises(TypeError, match="a prompt dict is"):
+            engine.generate(["hello", {"prompt": "a <image>", "images": images}], GREEDY, use_tqdm=False)
+    outs = engine.generate([{"prompt": "a <image>", "images": (image(1, (9, 9)),)}], GREEDY, use_tqdm=False)
+    assert outs[0].error is None
