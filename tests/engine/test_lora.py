@@ -131,6 +131,15 @@ def _copy(folder, dest, config=None, weights=None):
     return dest
 
 
+def _with_fused_qkv(tensors: dict) -> dict:
+    """Layer 0's q_proj also as Phi-3's fused qkv_proj: both would add onto the same output columns of q."""
+    q = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_A" in k)
+    k = q.replace("q_proj", "k_proj").replace("lora_A", "lora_B")
+    rank, width = tensors[q].shape[0], tensors[q.replace("lora_A", "lora_B")].shape[0] + 2 * tensors[k].shape[0]
+    fused = {q.replace("q_proj", "qkv_proj"): tensors[q].clone()}
+    return tensors | fused | {q.replace("q_proj", "qkv_proj").replace("lora_A", "lora_B"): torch.zeros(width, rank)}
+
+
 def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, tmp_path):
     folder = adapters["every-projection-r8"][0]
     first_a = next(k for k in load_file(folder / "adapter_model.safetensors") if "lora_A" in k)
@@ -170,6 +179,7 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
             "two lora_A weights",
         ),
     }
+    cases["overlap"] = (_copy(folder, tmp_path / "overlap", weights=_with_fused_qkv), "q_proj and qkv_proj")
     cases["alpha"] = (_copy(folder, tmp_path / "alpha", {"lora_alpha": 1e308}), "NaN or infinite")
     for name, text in (("garbage", "{not json"), ("deep", "[" * 100_000)):
         (tmp_path / name).mkdir()
