@@ -179,7 +179,10 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
             "two lora_A weights",
         ),
     }
-    cases["overlap"] = (_copy(folder, tmp_path / "overlap", weights=_with_fused_qkv), "q_proj and qkv_proj")
+    cases["overlap"] = (
+        _copy(folder, tmp_path / "overlap", weights=_with_fused_qkv),
+        "_proj and qkv_proj update the same",
+    )
     cases["alpha"] = (_copy(folder, tmp_path / "alpha", {"lora_alpha": 1e308}), "NaN or infinite")
     for name, text in (("garbage", "{not json"), ("deep", "[" * 100_000)):
         (tmp_path / name).mkdir()

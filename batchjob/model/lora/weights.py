@@ -139,13 +139,19 @@ def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tup
     if not pairs:
         raise LoraError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     known = targets(config)
+    written: dict[tuple[int, str], list[tuple[int, int, str]]] = {}  # (layer, matmul) -> its targeted columns
     for (layer, module), keys in sorted(pairs.items()):
         where = f"LoRA adapter {name!r}: layer {layer} {module}"
         if module not in known:
             raise LoraError(f"{where}: not a projection LoRA is applied to here ({', '.join(known)})")
+        matmul, start, end = known[module]
+        # a projection and the fused one holding it (q_proj and qkv_proj): no model has both, and both would add
+        for s, e, other in written.setdefault((layer, matmul), []):
+            if s < end and start < e:
+                raise LoraError(f"LoRA adapter {name!r}: layer {layer}: {other} and {module} update the same outputs")
+        written[(layer, matmul)].append((start, end, module))
         if not 0 <= layer < config.num_hidden_layers:
             raise LoraError(f"{where}: the model has {config.num_hidden_layers} layers")
-        matmul, start, end = known[module]
         if config.is_moe_layer(layer) and matmul in ("gate_up", "down"):
             raise LoraError(f"{where}: a sparse MoE layer's experts take no LoRA here")
         if set(keys) != {"A", "B"}:
