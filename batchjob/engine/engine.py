@@ -365,8 +365,13 @@ class Engine:
         """A prompt's token ids, or a prompt with images as it is (checked for its form: TypeError otherwise)."""
         if not isinstance(prompt, dict):
             return self._prompt_ids(prompt)
-        images = prompt.get("images") or []
-        if set(prompt) - {"prompt", "images"} or not isinstance(prompt.get("prompt"), str) or isinstance(images, str):
+        images = [] if prompt.get("images") is None else prompt["images"]
+        # a list's form only: bytes would be read as ints, a dict as its keys, one image fail inside the stream
+        if (
+            set(prompt) - {"prompt", "images"}
+            or not isinstance(prompt.get("prompt"), str)
+            or not isinstance(images, list | tuple)
+        ):
             raise TypeError(f'a prompt dict is {{"prompt": str, "images": [images]}}, got {prompt!r:.80}')
         return prompt if images else self._prompt_ids(prompt["prompt"])
 

@@ -131,6 +131,15 @@ def _copy(folder, dest, config=None, weights=None):
     return dest
 
 
+def _with_fused_qkv(tensors: dict) -> dict:
+    """Layer 0's q_proj also as Phi-3's fused qkv_proj: both would add onto the same output columns of q."""
+    q = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_A" in k)
+    k = q.replace("q_proj", "k_proj").replace("lora_A", "lora_B")
+    rank, width = tensors[q].shape[0], tensors[q.replace("lora_A", "lora_B")].shape[0] + 2 * tensors[k].shape[0]
+    fused = {q.replace("q_proj", "qkv_proj"): tensors[q].clone()}
+    return tensors | fused | {q.replace("q_proj", "qkv_proj").replace("lora_A", "lora_B"): torch.zeros(width, rank)}
+
+
 def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, tmp_path):
     folder = adapters["every-projection-r8"][0]
     first_a = next(k for k in load_file(folder / "adapter_model.safetensors") if "lora_A" in k)
@@ -158,7 +167,22 @@ def test_a_damaged_or_mismatched_adapter_refuses_the_engine_naming_it(adapters, 
             "not a LoRA weight of a decoder projection",
         ),
         "missing": (tmp_path / "none", "is not a folder"),
+        # PEFT's key of a vision-language adapter's tower: the same layer number and projection as a decoder's
+        "twice": (
+            _copy(
+                folder,
+                tmp_path / "twice",
+                weights=lambda t: (
+                    t | {f"vision_model.encoder.{first_a[first_a.index('layers.') :]}": t[first_a].clone()}
+                ),
+            ),
+            "two lora_A weights",
+        ),
     }
+    cases["overlap"] = (
+        _copy(folder, tmp_path / "overlap", weights=_with_fused_qkv),
+        "_proj and qkv_proj update the same",
+    )
     cases["alpha"] = (_copy(folder, tmp_path / "alpha", {"lora_alpha": 1e308}), "NaN or infinite")
     for name, text in (("garbage", "{not json"), ("deep", "[" * 100_000)):
         (tmp_path / name).mkdir()
@@ -196,3 +220,12 @@ def test_adapters_on_a_tiny_qwen3_equal_peft(tmp_path, ops_backend):
         oracle = base if name is None else models[name]
         assert out.token_ids == hf_generate(oracle, prompt, 10, eos_token_id=-1)[0, len(prompt) :].tolist(), name
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the adapters change what the model writes
+
+
+def test_an_adapter_beyond_the_engines_dtype_refuses_it(adapters, tmp_path):
+    """Weights finite in float32 but past float16's range once scaled (alpha 1e9 / r 8: lora_B times 1.25e8)
+    would be infinite on a float16 engine's slots, every row of the adapter NaN; refused at start, as NaN weights."""
+    folder = _copy(adapters["every-projection-r8"][0], tmp_path / "big", {"lora_alpha": 1e9})
+    with pytest.raises(LoraError, match="'big'.*beyond float16's range"):
+        Engine("smollm2-135m-instruct", dtype="float16", device="cpu", lora={"adapters": {"big": str(folder)}})
+    Engine("smollm2-135m-instruct", dtype="float32", device="cpu", lora={"adapters": {"big": str(folder)}})

@@ -173,3 +173,41 @@ def test_image_steps_read_nothing_back_on_the_host(idefics3):
     engine.forbid_host_sync()
     outs = engine.generate([{"prompt": "Row <image> here.", "images": [image(9, (40, 24))]}], GREEDY, use_tqdm=False)
     assert outs[0].error is None and len(outs[0].token_ids) == MAX_TOKENS
+
+
+@pytest.mark.timeout(30)
+def test_image_paths_that_are_not_files_fail_without_blocking(tmp_path):
+    """A path to a FIFO (whose open waits for a writer), a device or a folder is refused, not read."""
+    import os
+
+    from batchjob.model.vision.images import ImageError, open_image
+
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero", tmp_path):
+        with pytest.raises(ImageError, match="not a file"):
+            open_image(path)
+
+
+def test_images_without_pixels_fail_their_row_alone(idefics3):
+    """An image 0 pixels wide or high (a PIL image given as it is) fails its row; the processor divides by its
+    size, and what it raised ended the whole call."""
+    folder, _ = idefics3
+    engine = vision_engine(folder)
+    prompts = [{"prompt": "a <image>", "images": [Image.new("RGB", size)]} for size in [(5, 0), (0, 5)]]
+    outs = engine.generate([*prompts, {"prompt": "fine <image>", "images": [image(7, (9, 9))]}], GREEDY, use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["error", "error", "length"]
+    assert all("no pixels" in o.error for o in outs[:2])
+
+
+def test_images_not_given_as_a_list_raise_before_any_request(idefics3):
+    """ "images" is a list (or tuple) of images: one image, bytes, a dict or a number in its place raises TypeError
+    up front, as a string there does. Bytes were read as a list of ints and a dict as its keys (paths), and a lone
+    PIL image raised from inside the stream, after the rows before it had run."""
+    folder, _ = idefics3
+    engine = vision_engine(folder)
+    for images in [image(1, (9, 9)), png_bytes(image(1, (9, 9))), {"a.png": 1}, 5]:
+        with pytest.raises(TypeError, match="a prompt dict is"):
+            engine.generate(["hello", {"prompt": "a <image>", "images": images}], GREEDY, use_tqdm=False)
+    outs = engine.generate([{"prompt": "a <image>", "images": (image(1, (9, 9)),)}], GREEDY, use_tqdm=False)
+    assert outs[0].error is None

@@ -18,13 +18,13 @@ from batchjob.model.lora.weights import load_lora
 
 class LoraManager:
     def __init__(self, config: LoraConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype):
-        self.config, self.model, self.device = config, model, device
+        self.config, self.model, self.device, self.dtype = config, model, device, dtype
         self.paths = adapter_paths(config.adapters)
         self.digests: dict[str, str] = {}
 
         def checked():  # one at a time: a slot is filled from the files on first use
             for name, path in self.paths.items():
-                adapter = load_lora(name, path, model, config.max_lora_rank)
+                adapter = load_lora(name, path, model, config.max_lora_rank, dtype)
                 self.digests[name] = adapter.digest
                 yield adapter
 
@@ -37,7 +37,7 @@ class LoraManager:
         if name in self.slots:
             self.slots.move_to_end(name)
             return self.slots[name]
-        adapter = load_lora(name, self.paths[name], self.model, self.config.max_lora_rank)
+        adapter = load_lora(name, self.paths[name], self.model, self.config.max_lora_rank, self.dtype)
         if adapter.digest != self.digests[name]:  # the folder changed since the engine checked it
             raise LoraError(f"LoRA adapter {name!r}: {self.paths[name]} changed while the engine ran")
         free = len(self.slots) < self.stacked.num_slots

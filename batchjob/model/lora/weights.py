@@ -76,10 +76,11 @@ class LoraAdapter:
     layers: list[dict[str, LoraUpdate]]  # per decoder layer, by fused matmul name ("qkv", "o", "gate_up", "down")
 
 
-def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
     """The adapter at `path` (a PEFT folder) for a model of `config`, in float32 on the host; LoraError naming the
-    adapter and the reason when it is not a plain LoRA of this model's projections or a rank above `max_rank`. Names,
-    dtypes and shapes are checked from the file's header before any tensor is read."""
+    adapter and the reason when it is not a plain LoRA of this model's projections, a rank above `max_rank`, or
+    weights that `dtype` (the slots') cannot hold. Names, dtypes and shapes are checked from the file's header before
+    any tensor is read."""
     cfg = read_adapter_config(name, path)
     file = weights_file(name, path)
     alpha = float(cfg["lora_alpha"])
@@ -95,6 +96,9 @@ def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int) -> Lora
                 b = b * (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
                 if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # scaled: a huge alpha overflows
                     raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: NaN or infinite weights")
+                if not (torch.isfinite(a.to(dtype)).all() and torch.isfinite(b.to(dtype)).all()):  # float16's 65504
+                    kind = str(dtype).removeprefix("torch.")
+                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: weights beyond {kind}'s range")
                 layers[layer].setdefault(matmul, []).append((start, end, a, b))
                 rank = max(rank, r)
     except (SafetensorError, OSError, ValueError) as e:
@@ -125,18 +129,29 @@ def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tup
         part = f.get_slice(key)
         if part.get_dtype() not in _FLOAT_DTYPES:
             raise LoraError(f"LoRA adapter {name!r}: {key} holds {part.get_dtype()}, not floating-point weights")
-        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = key
+        pair = pairs.setdefault((int(m[1]), m[2]), {})
+        if m[3] in pair:  # another module's key ending alike (a vision tower's layers): one would be dropped
+            raise LoraError(
+                f"LoRA adapter {name!r}: two lora_{m[3]} weights for layer {m[1]} {m[2]}: {pair[m[3]]}, {key}"
+            )
+        pair[m[3]] = key
         shapes[key] = tuple(part.get_shape())
     if not pairs:
         raise LoraError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     known = targets(config)
+    written: dict[tuple[int, str], list[tuple[int, int, str]]] = {}  # (layer, matmul) -> its targeted columns
     for (layer, module), keys in sorted(pairs.items()):
         where = f"LoRA adapter {name!r}: layer {layer} {module}"
         if module not in known:
             raise LoraError(f"{where}: not a projection LoRA is applied to here ({', '.join(known)})")
+        matmul, start, end = known[module]
+        # a projection and the fused one holding it (q_proj and qkv_proj): no model has both, and both would add
+        for s, e, other in written.setdefault((layer, matmul), []):
+            if s < end and start < e:
+                raise LoraError(f"LoRA adapter {name!r}: layer {layer}: {other} and {module} update the same outputs")
+        written[(layer, matmul)].append((start, end, module))
         if not 0 <= layer < config.num_hidden_layers:
             raise LoraError(f"{where}: the model has {config.num_hidden_layers} layers")
-        matmul, start, end = known[module]
         if config.is_moe_layer(layer) and matmul in ("gate_up", "down"):
             raise LoraError(f"{where}: a sparse MoE layer's experts take no LoRA here")
         if set(keys) != {"A", "B"}:

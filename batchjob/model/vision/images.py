@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +44,12 @@ def open_image(source: ImageSource) -> Image.Image:
         elif isinstance(source, bytes | bytearray):
             img = Image.open(io.BytesIO(source))
         elif isinstance(source, str | os.PathLike):
-            img = Image.open(Path(source))
+            img = _load_file(Path(source))
         else:
             raise ImageError(f"an image is a PIL image, bytes or a local path, got {type(source).__name__}")
         img.load()
+        if 0 in img.size:  # the processor divides by the sides
+            raise ImageError(f"an image with no pixels ({img.size[0]}x{img.size[1]})")
         return img.convert("RGB")
     except ImageError:
         raise
@@ -54,6 +57,19 @@ def open_image(source: ImageSource) -> Image.Image:
         raise ImageError("unreadable image: not a format Pillow reads (or not an image)") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # Pillow's ways of refusing bytes
         raise ImageError(f"unreadable image: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _load_file(path: Path) -> Image.Image:
+    """The image in a regular file, decoded: a FIFO's open would wait for a writer, and a device may never end, so
+    the file is opened without blocking and checked to be one before Pillow reads it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ImageError(f"{path} is not a file (a FIFO, a device or a folder)")
+    with open(fd, "rb") as f:
+        img = Image.open(f)
+        img.load()
+        return img
 
 
 def digest(img: Image.Image) -> bytes:
