@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import PIL.Image
 import pytest
 import yaml
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.input.planner import job_planner, requests
+from batchjob.job.input.reader import InputSource
 from batchjob.job.output.state import OutputDir
-from tests.helpers import write_parquet
+from tests.helpers import make_job, write_parquet
 from tests.job.test_e2e import dataset, run_killed
 from tests.job.test_score_jobs import batchjob
 from tests.vision.tiny_idefics3 import image, png_bytes
@@ -149,3 +152,34 @@ def test_an_image_column_on_a_text_only_model_refuses_the_job(tmp_path):
     result = batchjob("run", str(job))
     assert result.exit_code == 2, result.output
     assert "input.image_column: model smollm2-135m-instruct takes no images" in result.output
+
+
+def test_an_image_over_pillows_decompression_bomb_limit_fails_its_row(idefics3, tmp_path, monkeypatch):
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 200)  # Pillow refuses twice the limit: 9x13 passes, 40x40 not
+    rows = [
+        {"id": "small", "text": "x", "image": png_bytes(image(1, (9, 13)))},
+        {"id": "bomb", "text": "x", "image": png_bytes(image(2, (40, 40)))},
+    ]
+    data = write_parquet(tmp_path / "rows.parquet", rows)
+    job = write_job(tmp_path / "job.yaml", data, tmp_path / "out", model=idefics3[0])
+    assert batchjob("run", str(job)).exit_code == 0
+    got = dataset(tmp_path / "out")
+    assert got["small"]["error"] is None
+    assert "DecompressionBombError" in got["bomb"]["error"]
+
+
+def test_an_image_file_changed_after_planning_fails_its_row_when_streamed(idefics3, engine, tmp_path):
+    data, files = paths_input(tmp_path, 2)
+    job = make_job(data, tmp_path / "out", model=str(idefics3[0]), input={"image_column": "image"})
+    failed: list[tuple[str, str]] = []
+    works = list(
+        job_planner(job, engine, lambda row, error: failed.append((row.id, error))).works(InputSource(job).rows())
+    )
+    assert sorted(w.rows[0].id for w in works) == ["p0", "p1"]
+    assert [row_id for row_id, _ in failed] == ["missing"]
+    image(50, SIZES[0]).save(files[0])  # another picture of the same size: the same tokens
+    in_flight: dict = {}
+    streamed = list(requests(works, in_flight, lambda row, error: failed.append((row.id, error))))
+    assert [r.request_id for r in streamed] == [w.request_id for w in works if w.rows[0].id == "p1"]
+    assert streamed[0].images is not None and streamed[0].images.pixel_values is not None
+    assert failed[1][0] == "p0" and "the image changed since its row was planned" in failed[1][1]
