@@ -13,11 +13,11 @@ from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.job.cache.results_cache import open_cache
 from batchjob.job.contracts import Embedder, JobEngine
 from batchjob.job.input.planner import EmbeddingPlanner, Work, job_planner
+from batchjob.job.input.prompt import RowError
 from batchjob.job.input.reader import InputSource
 from batchjob.job.input.scoring import score_planner
 from batchjob.job.run.executor import load_engine
 from batchjob.job.spec import JobSpec
-from batchjob.model.vision.images import ImageError
 
 CALIBRATION_REQUESTS = 8
 CALIBRATION_MAX_TOKENS = 64
@@ -259,7 +259,7 @@ def _request(work: Work) -> Request | None:
     """A work's request with its image read; None where the image no longer reads (the run fails that row)."""
     try:
         return work.request
-    except ImageError:
+    except RowError:
         return None
 
 

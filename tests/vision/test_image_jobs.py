@@ -6,9 +6,11 @@ kill -9 and resume keeps each row once; a text-only model refuses the job."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import PIL.Image
+import pydantic
 import pytest
 import yaml
 
@@ -182,4 +184,19 @@ def test_an_image_file_changed_after_planning_fails_its_row_when_streamed(idefic
     streamed = list(requests(works, in_flight, lambda row, error: failed.append((row.id, error))))
     assert [r.request_id for r in streamed] == [w.request_id for w in works if w.rows[0].id == "p1"]
     assert streamed[0].images is not None and streamed[0].images.pixel_values is not None
-    assert failed[1][0] == "p0" and "the image changed since its row was planned" in failed[1][1]
+    assert failed[1][0] == "p0" and "image: it changed since its row was planned" in failed[1][1]
+
+
+@pytest.mark.parametrize(
+    ("sections", "refused"),
+    [
+        ({"task": "embed", "sampling": None}, "task 'embed'"),
+        ({"input": {"messages_column": "messages"}, "prompt": {"template": None}}, "input.messages_column"),
+        ({"executor": "ray"}, "executor 'ray'"),
+        ({"input": {"image_column": "text"}}, "'text' is the row's text or id column"),
+    ],
+)
+def test_what_an_image_job_does_not_read_yet_is_refused(tmp_path, sections, refused):
+    sections = {**sections, "input": {"image_column": "image", **sections.get("input", {})}}
+    with pytest.raises(pydantic.ValidationError, match=re.escape(refused)):
+        make_job(tmp_path / "rows.parquet", tmp_path / "out", **sections)

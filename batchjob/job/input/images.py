@@ -9,13 +9,17 @@ is streamed to the engine, for its pixels; a file that changed in between fails 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from batchjob.job.contracts import JobEngine
 from batchjob.job.input.prompt import RowError
 from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobFileError, JobSpec
-from batchjob.model.vision.images import ImageError, ImagePrompt, ImagePrompter
+
+if TYPE_CHECKING:  # the vision module imports torch, which the CLI loads with the model only
+    from batchjob.model.vision.images import ImagePrompt, ImagePrompter
 
 
 @dataclass(frozen=True)
@@ -27,18 +31,21 @@ class RowImage:
     prompter: ImagePrompter
 
     def prompt(self, token_ids: list[int]) -> ImagePrompt:
-        """The engine's input for the image in `token_ids` (the spliced prompt); ImageError where the image no longer
+        """The engine's input for the image in `token_ids` (the spliced prompt); RowError where the image no longer
         reads, or reads as another picture than the one planned."""
-        made = self.prompter(self.prompter.image_token, [self.source])
+        from batchjob.model.vision.images import ImageError
+
+        try:
+            made = self.prompter(self.prompter.image_token, [self.source])
+        except ImageError as e:
+            raise RowError(f"image: {e}") from None
         if made.digests[0] != self.digest or len(made.token_ids) != self.tokens:
-            raise ImageError("the image changed since its row was planned (a file rewritten while the job ran)")
-        return ImagePrompt(
-            token_ids,
-            made.pixel_values,
-            made.pixel_attention_mask,
-            [p + self.start for p in made.positions],
-            [s + self.start for s in made.image_starts],
-            made.digests,
+            raise RowError("image: it changed since its row was planned (a file rewritten while the job ran)")
+        return dataclasses.replace(
+            made,
+            token_ids=token_ids,
+            positions=[p + self.start for p in made.positions],
+            image_starts=[s + self.start for s in made.image_starts],
         )
 
 
@@ -47,7 +54,7 @@ class RowImages:
 
     def __init__(self, job: JobSpec, engine: JobEngine):
         self.column = job.input.image_column
-        prompter = getattr(engine, "image_prompter", None)
+        prompter = engine.image_prompter
         if prompter is None:
             raise JobFileError(
                 f"input.image_column: model {job.model} takes no images (it is not a vision-language model)"
@@ -64,6 +71,8 @@ class RowImages:
                 f"the prompt holds {count} image tokens {self.token}, not the one its image takes (the template's "
                 "or its own, which prompt.on_too_long cuts away when it cuts the whole prompt)"
             )
+        from batchjob.model.vision.images import ImageError
+
         source = self._source(row.values.get(self.column))
         try:
             made = self.prompter(self.token, [source])

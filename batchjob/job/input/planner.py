@@ -28,7 +28,6 @@ from batchjob.job.input.lora import RowLora
 from batchjob.job.input.prompt import PromptBuilder, RowError
 from batchjob.job.input.reader import Row
 from batchjob.job.spec import JobSpec
-from batchjob.model.vision.images import ImageError
 
 # Quarter-octave length bins: lengths within ~19% of each other count as similar.
 BINS_PER_OCTAVE = 4
@@ -47,7 +46,7 @@ class Work:
 
     @property
     def request(self) -> Request:
-        """The engine's request; a row's image is read here, as the stream pulls it (ImageError where it fails)."""
+        """The engine's request; a row's image is read here, as the stream pulls it (RowError where it fails)."""
         images = self.image.prompt(self.token_ids) if self.image is not None else None
         return Request(self.request_id, self.token_ids, self.params, lora=self.lora, images=images)
 
@@ -163,9 +162,9 @@ def requests(
     for work in works:
         try:
             request = work.request
-        except ImageError as e:
+        except RowError as e:
             for row in work.rows:
-                on_error(row, f"image: {e}")
+                on_error(row, str(e))
             continue
         in_flight[work.request_id] = work
         yield request
