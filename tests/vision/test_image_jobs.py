@@ -1,7 +1,9 @@
 """Jobs whose rows carry an image (input.image_column) on a tiny random Idefics3 in float32, greedy: each row's output
-is Engine.generate's for the same prompt and image; bad images fail their own rows while the rest complete; rows of
-one text and different images are neither deduplicated nor served each other's results from the results cache; a
-kill -9 and resume keeps each row once; a text-only model refuses the job."""
+is Engine.generate's for the same prompt and image; bad images (unreadable, truncated, null, a missing path, a
+decompression bomb, too long with their tokens, a file rewritten after planning) fail their own rows while the rest
+complete; rows of one text and different images are neither deduplicated nor served each other's results from the
+results cache; a kill -9 and resume keeps each row once; a text-only model, and what image jobs do not read yet, refuse
+the job."""
 
 from __future__ import annotations
 
