@@ -64,7 +64,7 @@ def plan_job(
         if work.image is not None:
             image_rows += len(work.rows)
             image_tokens += work.image.tokens
-        image = work.image and (work.image.start, work.image.digest)
+        image = work.image and (work.image.first, work.image.digest)
         shared += cache.hit_tokens(work.token_ids, image)
         if len(sample) < CALIBRATION_REQUESTS:  # the first in planned order: what the run starts with
             sample.append(work)
@@ -271,8 +271,9 @@ class PrefixCacheModel:
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
     def hit_tokens(self, token_ids: list[int], image: tuple[int, bytes] | None = None) -> int:
-        """`image`: where a row's image starts and its digest, which the engine folds into the block that holds its
-        start (and so into every block after it): its placeholder tokens are the same for any image of its size."""
+        """`image`: a row's first image token's position and the image's digest, which the engine folds into the
+        block that holds that token (and so into every block after it): its placeholder tokens are the same for any
+        image of its size."""
         hits, parent, hitting = 0, None, True
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             digest = image[1] if image is not None and start <= image[0] < start + self.block_size else None

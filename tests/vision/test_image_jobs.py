@@ -203,3 +203,15 @@ def test_what_an_image_job_does_not_read_yet_is_refused(tmp_path, sections, refu
     sections = {**sections, "input": {"image_column": "image", **sections.get("input", {})}}
     with pytest.raises(pydantic.ValidationError, match=re.escape(refused)):
         make_job(tmp_path / "rows.parquet", tmp_path / "out", **sections)
+
+
+def test_the_plan_shares_no_prefix_blocks_between_two_images_behind_one_text(idefics3, tmp_path):
+    pair = [png_bytes(image(0, SIZES[0])), png_bytes(image(10, SIZES[0]))]  # one size: the same placeholder tokens
+    rows = [{"id": f"r{i}", "text": "Same text.", "image": b} for i, b in enumerate(pair)]
+    data = write_parquet(tmp_path / "rows.parquet", rows)
+    # no template: the image opens the prompt, so its digest keys the first block and every block after it (the
+    # blocks before an image's first image token are shared, as the engine shares them)
+    job = write_job(tmp_path / "job.yaml", data, tmp_path / "out", model=idefics3[0], prompt={"chat_template": False})
+    plan = batchjob("plan", str(job), "--no-calibrate", "--json")
+    assert plan.exit_code == 0, plan.output
+    assert json.loads(plan.output)["prefix_sharing_ratio"] == 0.0

@@ -28,6 +28,7 @@ class RowImage:
     digest: bytes  # of the decoded pixels (images.digest): what keys the row apart from another image's
     start: int  # where its expansion begins in the work's token ids
     tokens: int  # the expansion's length
+    first: int  # its first image token's position in the work's token ids: the prefix cache keys the image from there
     prompter: ImagePrompter
 
     def prompt(self, token_ids: list[int]) -> ImagePrompt:
@@ -80,7 +81,8 @@ class RowImages:
             raise RowError(f"{self.column}: {e}") from None
         at = token_ids.index(self.token_id)
         ids = token_ids[:at] + made.token_ids + token_ids[at + 1 :]
-        return ids, RowImage(source, made.digests[0], at, len(made.token_ids), self.prompter)
+        first = at + made.image_starts[0]
+        return ids, RowImage(source, made.digests[0], at, len(made.token_ids), first, self.prompter)
 
     def _source(self, value) -> bytes | str:
         if value is None:
