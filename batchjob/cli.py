@@ -162,6 +162,11 @@ def _plan_text(r: dict) -> str:
             ),
             ("output tokens", f"expected {r['output_tokens_expected']:,} (at most {r['output_tokens_max']:,})"),
             ("constrained", f"{r['constrained_rows']:,} rows by {r['distinct_grammars']:,} distinct grammars"),
+            *(
+                [("images", f"{r['image_rows']:,} rows with an image, {r['image_tokens_total']:,} image tokens")]
+                if "image_rows" in r
+                else []
+            ),
             ("prefix sharing", f"{100 * r['prefix_sharing_ratio']:.1f}% of prompt tokens hit cached blocks"),
             (
                 "KV per sequence",

@@ -67,6 +67,7 @@ class FakeEngine:
         self.model_digest = f"digest-of-{model}"
         self.model_revision = None
         self.lora_digests: dict[str, str] = {}
+        self.image_prompter = None  # reads text only
         self.numerics = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "ops_backend": "fake"}
         self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
         self.token_budget, self.auto_budget = 64, None

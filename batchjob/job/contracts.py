@@ -4,13 +4,16 @@ does the fake engine of the tests (tests/job/test_contracts.py checks both). Tor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.outputs import EmbedderStats, EmbeddingRequestOutput, Request, RequestOutput, StepMetrics
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.engine.token_budget import AutoTokenBudget
 from batchjob.model.chat_shape import Chat
+
+if TYPE_CHECKING:  # the vision module imports torch, which the CLI loads with the model only
+    from batchjob.model.vision.images import ImagePrompter
 
 
 class Tokenizer(Protocol):
@@ -39,6 +42,7 @@ class JobEngine(Protocol):
     model_revision: str | None  # the Hub commit, where the model came from the Hub
     numerics: dict[str, str]  # the resolved device, dtypes and ops backend: what else decides the numbers
     lora_digests: dict[str, str]  # each LoRA adapter's content digest, by name (engine.lora)
+    image_prompter: ImagePrompter | None  # a vision-language model's processor for prompts with images; else None
     num_kv_blocks: int
     kv_bytes_per_token: int
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from array import array
@@ -12,6 +13,7 @@ from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.job.cache.results_cache import open_cache
 from batchjob.job.contracts import Embedder, JobEngine
 from batchjob.job.input.planner import EmbeddingPlanner, Work, job_planner
+from batchjob.job.input.prompt import RowError
 from batchjob.job.input.reader import InputSource
 from batchjob.job.input.scoring import score_planner
 from batchjob.job.run.executor import load_engine
@@ -44,7 +46,7 @@ def plan_job(
     results = open_cache(job, engine)
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
-    constrained, grammars, hits = 0, set(), 0
+    constrained, grammars, hits, image_rows, image_tokens = 0, set(), 0, 0, 0
     lora_rows: Counter[str | None] | None = Counter() if job.engine.lora else None
     for work in planner.works(source.rows()):
         if lora_rows is not None:
@@ -59,7 +61,11 @@ def plan_job(
         lengths.append(len(work.token_ids))
         max_tokens.append(max_output_tokens(engine, work))
         duplicates += len(work.rows) - 1
-        shared += cache.hit_tokens(work.token_ids)
+        if work.image is not None:
+            image_rows += len(work.rows)
+            image_tokens += work.image.tokens
+        image = work.image and (work.image.first, work.image.digest)
+        shared += cache.hit_tokens(work.token_ids, image)
         if len(sample) < CALIBRATION_REQUESTS:  # the first in planned order: what the run starts with
             sample.append(work)
     counts = {"rows_from_results_cache": hits} if results is not None else {}
@@ -76,6 +82,8 @@ def plan_job(
         "duplicate_rows_computed_once": duplicates,
         "constrained_rows": constrained,
         "distinct_grammars": len(grammars),
+        # rows with an image (input.image_column), and the image tokens of the requests computed
+        **({"image_rows": image_rows, "image_tokens_total": image_tokens} if job.input.image_column else {}),
         **_prompt_token_stats(lengths),
         "output_tokens_max": sum(max_tokens),
         "prefix_sharing_ratio": round(shared / prompt_tokens, 3),
@@ -219,12 +227,12 @@ def measure(engine: JobEngine, sample: list[Work]) -> dict:
     )  # warm-up
     engine.add_step_callback(steps.append)
     requests = [
-        Request(
-            w.request_id,
-            w.token_ids,
-            w.params.model_copy(update={"max_tokens": min(w.params.max_tokens, CALIBRATION_MAX_TOKENS)}),
+        dataclasses.replace(
+            request,
+            params=w.params.model_copy(update={"max_tokens": min(w.params.max_tokens, CALIBRATION_MAX_TOKENS)}),
         )
         for w in sample
+        if (request := _request(w)) is not None
     ]
     by_id = {w.request_id: w for w in sample}
     outputs = list(engine.stream(requests))
@@ -247,6 +255,14 @@ def measure(engine: JobEngine, sample: list[Work]) -> dict:
     }
 
 
+def _request(work: Work) -> Request | None:
+    """A work's request with its image read; None where the image no longer reads (the run fails that row)."""
+    try:
+        return work.request
+    except RowError:
+        return None
+
+
 class PrefixCacheModel:
     """Which full prompt blocks an LRU prefix cache of the engine's size would already hold, in planned order."""
 
@@ -254,10 +270,14 @@ class PrefixCacheModel:
         self.capacity, self.block_size = num_blocks, block_size
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def hit_tokens(self, token_ids: list[int]) -> int:
+    def hit_tokens(self, token_ids: list[int], image: tuple[int, bytes] | None = None) -> int:
+        """`image`: a row's first image token's position and the image's digest, which the engine folds into the
+        block that holds that token (and so into every block after it): its placeholder tokens are the same for any
+        image of its size."""
         hits, parent, hitting = 0, None, True
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            key = hash((parent, tuple(token_ids[start : start + self.block_size])))
+            digest = image[1] if image is not None and start <= image[0] < start + self.block_size else None
+            key = hash((parent, tuple(token_ids[start : start + self.block_size]), digest))
             parent = key
             if hitting and key in self.blocks:
                 hits += self.block_size

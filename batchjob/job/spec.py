@@ -62,6 +62,11 @@ class InputSpec(_Section):
     text_column: str = "text"
     messages_column: str | None = Field(None, description="a column of chat messages, instead of a text column")
     passthrough: list[str] = Field(default_factory=list, description="input columns copied to the output")
+    image_column: str | None = Field(
+        None,
+        description="a vision-language model's image for each row: a column of encoded image bytes or local paths; "
+        "it takes the template's <image> (before the text where the template has none)",
+    )
     lora_column: str = Field(
         "lora",
         min_length=1,
@@ -273,6 +278,8 @@ class JobSpec(_Section):
                     f"prompt.template: must contain {{{inp.text_column}}} (input.text_column), "
                     f"the text that is checked and truncated; it has {prompt.fields}"
                 )
+        if inp.image_column is not None:
+            self._check_images()
         if self.cache is not None and self.executor == "ray":
             raise ValueError("cache: not yet used with executor 'ray' (its workers do not look rows up)")
         if self.cache is not None:
@@ -280,6 +287,18 @@ class JobSpec(_Section):
         if self.output.format == "openai-batch" and inp.format != "openai-batch":
             raise ValueError("output.format: 'openai-batch' needs input.format 'openai-batch' (custom_id per line)")
         return self
+
+    def _check_images(self) -> None:
+        """What an image job does not read yet is refused rather than run without its images."""
+        inp, unused = self.input, []
+        unused += [f"task {self.task!r}"] if self.task != "generate" else []
+        unused += [f"input.format {inp.format!r}"] if inp.format == "openai-batch" else []
+        unused += ["input.messages_column"] if inp.messages_column is not None else []
+        unused += ["executor 'ray'"] if self.executor == "ray" else []
+        if unused:
+            raise ValueError(f"input.image_column: not yet read with {', '.join(unused)}")
+        if inp.image_column in (inp.text_column, inp.id_column):
+            raise ValueError(f"input.image_column: {inp.image_column!r} is the row's text or id column")
 
     def _check_cache_path(self) -> None:
         """The results cache may share the output folder, never one of the names batchjob writes there: its entries

@@ -283,7 +283,11 @@ class RunCache:
         if isinstance(work, ScoreWork):
             settings = {"start": work.start, "labels": work.labels} | lora
             return self.key([work.token_ids, *work.tails], work.params, settings)
-        return self.key(work.token_ids, work.params, lora or None) if work.params.deterministic else None
+        if not work.params.deterministic:
+            return None
+        # an image row by its pixels' digest: its tokens are placeholders, the same for any image of its size
+        image = {"image": work.image.digest.hex()} if work.image is not None else {}
+        return self.key(work.token_ids, work.params, (lora | image) or None)
 
     def holds(self, work: Work | EmbeddingWork | ScoreWork) -> bool:
         """Whether a run would take a work's result from the cache (`plan`'s count): the run's own check, without

@@ -23,6 +23,7 @@ import pydantic
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import Embedder, JobEngine
+from batchjob.job.input.images import RowImage, RowImages
 from batchjob.job.input.lora import RowLora
 from batchjob.job.input.prompt import PromptBuilder, RowError
 from batchjob.job.input.reader import Row
@@ -41,10 +42,13 @@ class Work:
     truncated: bool
     rows: list[Row] = field(default_factory=list)  # the first is computed, the rest are its duplicates
     lora: str | None = None  # the LoRA adapter the rows name (input/lora.py); None: the base model
+    image: RowImage | None = None  # the rows' image (input/images.py), its tokens spliced into token_ids
 
     @property
     def request(self) -> Request:
-        return Request(self.request_id, self.token_ids, self.params, lora=self.lora)
+        """The engine's request; a row's image is read here, as the stream pulls it (RowError where it fails)."""
+        images = self.image.prompt(self.token_ids) if self.image is not None else None
+        return Request(self.request_id, self.token_ids, self.params, lora=self.lora, images=images)
 
 
 @dataclass
@@ -133,7 +137,8 @@ def job_planner(
     """The job's planner for this engine's tokenizer, context and block size; JobFileError at once when the job's
     chat messages need a chat template that the model lacks; `on_note` hears how prompts are built where the job
     file leaves it to the model (a base model's plain-text prompts)."""
-    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len)
+    images = RowImages(job, engine) if job.input.image_column is not None else None
+    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len, images and images.token)
     if note := builder.check():
         on_note(note)
     return Planner(
@@ -144,14 +149,25 @@ def job_planner(
         block_size=engine.config.block_size,
         on_error=on_error,
         lora=RowLora(job),
+        images=images,
+        context_len=engine.max_model_len,
     )
 
 
-def requests(works: Iterable[Work], in_flight: dict[str, Work]) -> Iterator[Request]:
-    """Each work's request, keeping the work in `in_flight` under its id until the caller pops it with the output."""
+def requests(
+    works: Iterable[Work], in_flight: dict[str, Work], on_error: Callable[[Row, str], None] | None = None
+) -> Iterator[Request]:
+    """Each work's request, keeping the work in `in_flight` under its id until the caller pops it with the output;
+    a work whose image no longer reads goes to `on_error`, each of its rows."""
     for work in works:
+        try:
+            request = work.request
+        except RowError as e:
+            for row in work.rows:
+                on_error(row, str(e))
+            continue
         in_flight[work.request_id] = work
-        yield work.request
+        yield request
 
 
 class Planner:
@@ -165,8 +181,11 @@ class Planner:
         block_size: int,
         on_error: Callable[[Row, str], None],
         lora: RowLora,
+        images: RowImages | None = None,
+        context_len: int = 0,
     ):
         self.builder, self.params, self.lora = builder, params, lora
+        self.images, self.context_len = images, context_len
         self.sort_window, self.dedupe, self.block_size = sort_window, dedupe, block_size
         self.on_error = on_error
         self._ids = itertools.count()
@@ -202,10 +221,28 @@ class Planner:
             prompts = dict(zip(usable, built))
             for i, row in enumerate(chunk):
                 result = prompts.get(i, results[i])
+                image = None
+                if self.images is not None and not isinstance(result, RowError):
+                    try:
+                        ids, image = self._with_image(row, result[0])
+                        result = (ids, result[1])
+                    except RowError as e:
+                        result = e
                 if isinstance(result, RowError):
                     self.on_error(row, str(result))
                 else:
-                    yield Work(str(next(self._ids)), result[0], results[i], result[1], [row], loras[i])
+                    yield Work(str(next(self._ids)), result[0], results[i], result[1], [row], loras[i], image)
+
+    def _with_image(self, row: Row, token_ids: list[int]) -> tuple[list[int], RowImage]:
+        """The prompt with the row's image spliced in; RowError where the image does not read, or the prompt with it
+        no longer fits the context (prompt.on_too_long cut the prompt before the image's tokens were known)."""
+        ids, image = self.images.splice(row, token_ids)
+        if len(ids) >= self.context_len:
+            raise RowError(
+                f"the prompt with its image is {len(ids)} tokens ({image.tokens} of them the image's), too long for "
+                f"the model's context of {self.context_len}"
+            )
+        return ids, image
 
     def _row_params(self, row: Row) -> SamplingParams:
         if not row.overrides:
@@ -276,4 +313,6 @@ def _request_key(work: Work, params_json: bytes) -> bytes:
     digest = hashlib.blake2b(array("q", work.token_ids).tobytes(), digest_size=16)
     digest.update(params_json)
     digest.update(b"\0lora:" + (work.lora or "").encode())  # rows of different adapters are different requests
+    if work.image is not None:  # its tokens are placeholders, the same for any image of its size
+        digest.update(b"\0image:" + work.image.digest)
     return digest.digest()

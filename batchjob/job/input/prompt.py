@@ -18,7 +18,7 @@ class RowError(ValueError):
 
 
 class PromptBuilder:
-    def __init__(self, job: JobSpec, tokenizer: Tokenizer, context_len: int):
+    def __init__(self, job: JobSpec, tokenizer: Tokenizer, context_len: int, image_token: str | None = None):
         self.prompt, self.format = job.prompt, job.input.format
         self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
         kwargs = job.prompt.chat_template_kwargs
@@ -39,6 +39,8 @@ class PromptBuilder:
             self.data = lambda text: self.tokenizer.escape(text, not job.prompt.special_tokens_in_data)
             self.text_of_job = lambda text: self.tokenizer.escape(text, special_tokens=False)
         self.template, self.system = map(self.text_of_job, (job.prompt.template or "", job.prompt.system or ""))
+        # A row's image (input/images.py) goes where the template writes its image token, else before the row's text.
+        self.image_lead = image_token if image_token and image_token not in (job.prompt.template or "") else ""
 
     def build_many(self, rows: list[Row], max_tokens: list[int]) -> list[tuple[list[int], bool] | RowError]:
         """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads), and chat
@@ -142,9 +144,10 @@ class PromptBuilder:
             return self._messages_parts(row.values[self.messages_column])
         main = self.data(_text(row.values.get(self.text_column), self.text_column))
         fields = {name: self.data(_scalar(row.values.get(name), name)) for name in self.fields}
-        template, system, chat = self.template, self.system, self.chat
+        template, system, chat, lead = self.template, self.system, self.chat, self.image_lead
 
         def compose(text: str) -> str | Chat:
+            text = lead + text
             try:
                 body = template.format_map({**fields, self.text_column: text}) if template else text
             except (ValueError, IndexError) as e:

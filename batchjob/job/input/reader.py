@@ -90,7 +90,7 @@ class InputSource:
             )
             continuation = job.score.continuation_column if job.task == "score" else None
             lora = spec.lora_column if job.engine.lora else None  # each row's adapter (input/lora.py)
-            for column in (continuation, lora):
+            for column in (continuation, lora, spec.image_column):
                 if column is not None and column not in self.prompt_columns:
                     self.prompt_columns.append(column)
             self.passthrough = list(spec.passthrough)

@@ -4,6 +4,7 @@ spreads shards over Ray workers. Both commit through the same PartWriter, so the
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -121,7 +122,9 @@ class LocalExecutor:
     def generate(self, pending: Pending, engine: JobEngine) -> None:
         planner = job_planner(pending.job, engine, pending.row_failed, pending.progress.message)
         misses = self.cache and (lambda works: self.cache.generation_misses(works, self.commit_hit))
-        self._stream(pending, engine, planner.works, misses, requests, self.commit)
+        # a row whose image no longer reads when its request is made (a file changed since it was planned) fails
+        to_requests = functools.partial(requests, on_error=pending.row_failed)
+        self._stream(pending, engine, planner.works, misses, to_requests, self.commit)
 
     def score(self, pending: Pending, engine: JobEngine) -> None:
         """A scoring job: its rows' prompt-only requests streamed through the engine, which packs them into its

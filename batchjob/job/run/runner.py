@@ -52,6 +52,8 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
         "input": {
             **job.input.model_dump(include={"format", "id_column", "text_column", "messages_column", "passthrough"}),
             "files": source.identity(),
+            # The image column's name only: the files behind its paths are not in `files` (docs/job-file.md).
+            **({"image_column": job.input.image_column} if job.input.image_column else {}),
         },
     }
     return json.loads(json.dumps(fp))  # as it reads back from _job.json, for comparing
