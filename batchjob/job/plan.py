@@ -6,7 +6,7 @@ import dataclasses
 import statistics
 import time
 from array import array
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 
 from batchjob.engine.outputs import Request, StepMetrics
@@ -17,6 +17,7 @@ from batchjob.job.input.prompt import RowError
 from batchjob.job.input.reader import InputSource
 from batchjob.job.input.scoring import score_planner
 from batchjob.job.run.executor import load_engine
+from batchjob.job.run.lora_counts import LoraCounts
 from batchjob.job.spec import JobSpec
 
 CALIBRATION_REQUESTS = 8
@@ -47,10 +48,10 @@ def plan_job(
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
     constrained, grammars, hits, image_rows, image_tokens = 0, set(), 0, 0, 0
-    lora_rows: Counter[str | None] | None = Counter() if job.engine.lora else None
+    lora_rows = LoraCounts() if job.engine.lora else None
     for work in planner.works(source.rows()):
         if lora_rows is not None:
-            lora_rows[work.lora] += len(work.rows)
+            lora_rows.add(work.lora, len(work.rows), failed=False)
         if results is not None and results.holds(work):  # taken from the results cache: no time to estimate
             hits += len(work.rows)
             continue
@@ -166,10 +167,10 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
         nonlocal failed
         failed += 1
 
-    lora_rows: Counter[str | None] | None = Counter() if job.engine.lora else None
+    lora_rows = LoraCounts() if job.engine.lora else None
     for work in score_planner(job, engine, count_failure).works(source.rows()):
         if lora_rows is not None:
-            lora_rows[work.lora] += len(work.rows)
+            lora_rows.add(work.lora, len(work.rows), failed=False)
         if results is not None and results.holds(work):
             hits += len(work.rows)
             continue
@@ -208,11 +209,9 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
     return report
 
 
-def _lora_report(rows: Counter[str | None] | None) -> dict:
+def _lora_report(rows: LoraCounts | None) -> dict:
     """With engine.lora: the rows each adapter and the base model will run (as _summary.json's lora counts them)."""
-    if rows is None:
-        return {}
-    return {"lora_rows": {"base_model": rows[None], "adapters": {n: rows[n] for n in sorted(k for k in rows if k)}}}
+    return {} if rows is None else {"lora_rows": rows.rows_by_adapter()}
 
 
 def max_output_tokens(engine: JobEngine, work: Work) -> int:

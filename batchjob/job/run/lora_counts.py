@@ -24,7 +24,12 @@ class LoraCounts:
 
     def summary(self) -> dict | None:
         """{"base_model": {"rows", "failed"}, "adapters": {NAME: {"rows", "failed"}}}; None when nothing was counted."""
-        if not self.rows:
-            return None
-        adapters = {name: self.rows[name] for name in sorted(n for n in self.rows if n is not None)}
-        return {"base_model": self.rows.get(None, {"rows": 0, "failed": 0}), "adapters": adapters}
+        return self._by_adapter(lambda counts: counts) if self.rows else None
+
+    def rows_by_adapter(self) -> dict:
+        """{"base_model": rows, "adapters": {NAME: rows}}: `plan`'s count, where no row has failed yet."""
+        return self._by_adapter(lambda counts: counts["rows"])
+
+    def _by_adapter(self, value) -> dict:
+        adapters = {name: value(self.rows[name]) for name in sorted(n for n in self.rows if n is not None)}
+        return {"base_model": value(self.rows.get(None, {"rows": 0, "failed": 0})), "adapters": adapters}
