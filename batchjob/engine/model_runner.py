@@ -15,7 +15,7 @@ from batchjob import env
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
-from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, available_memory, keep_freed_memory, lazy_zeros
+from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, StepBlocks, available_memory, lazy_zeros
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.lora.manager import LoraManager
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
@@ -143,8 +143,11 @@ class ModelRunner:
         self.device = pick_device(config)
         if self.device.type == "cpu":
             configure_threads(config.num_threads or os.cpu_count() or 1)
-            keep_freed_memory()
         self.dtype = pick_dtype(config, self.device)
+        # which freed blocks malloc keeps through a CPU step
+        self.step_blocks: StepBlocks | None = None
+        if self.device.type == "cpu":
+            self.step_blocks = StepBlocks(loaded.config.hidden_size * self.dtype.itemsize)
         self.ops_backend = pick_ops_backend(config, self.device)
         self.weights = pick_weights(config, self.device, loaded, self.dtype)
         self.model = decoder_class(loaded.config)(
@@ -306,6 +309,9 @@ class ModelRunner:
         and plain, sampler.takes_argmax) their tokens, taken on the device and read by the host. With `rows`
         (indices into the step's tokens), the logits of those rows on the host instead: what teacher-forced scoring
         reads (StepRunner.score). With `prompt`, the prompt logprobs of its rows are computed into it as well."""
+        if self.step_blocks is not None:
+            # a step computing prompt logprobs keeps its blocks: its logits slices are sized to be kept
+            self.step_blocks.before_step(0 if prompt is not None else out.num_batched_tokens)
         with forbid_host_sync(self.device) if self.forbid_host_sync else contextlib.nullcontext():
             logits = self._forward_step(out, rows, prompt)
             if argmax:
