@@ -187,7 +187,12 @@ def _plan_text(r: dict) -> str:
             ),
             ("estimated time", f"{r['estimated_time_s']:,.0f} s"),
         ]
-    return _table(lines)
+    return _table(lines + _peak_memory_line(r))
+
+
+def _peak_memory_line(r: dict) -> list[tuple[str, str]]:
+    predicted = r.get("peak_rss_bytes_predicted")
+    return [] if predicted is None else [("peak memory", f"{predicted / 2**30:.2f} GiB resident (predicted)")]
 
 
 def _plan_embedding_text(r: dict, lines: list[tuple[str, str]]) -> str:
@@ -231,7 +236,7 @@ def _plan_scoring_text(r: dict, lines: list[tuple[str, str]]) -> str:
             ("calibration", f"{c['requests']} requests: prefill {c['prefill_tokens_per_s']:,.0f} tok/s"),
             ("estimated time", estimate),
         ]
-    return _table(lines)
+    return _table(lines + _peak_memory_line(r))
 
 
 def _table(lines: list[tuple[str, str]]) -> str:

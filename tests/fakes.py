@@ -154,6 +154,9 @@ class FakeEngine:
             metrics=metrics,
         )
 
+    def largest_step_host_bytes(self) -> int | None:
+        return None  # no model, no memory to measure
+
     def generate(self, prompts, params, use_tqdm=True, lora=None):
         requests = [Request(str(i), list(p), params, lora=lora) for i, p in enumerate(prompts)]
         return [self._answer(r, RequestMetrics(arrival_time=time.time())) for r in requests]

@@ -151,6 +151,11 @@ class Engine:
         """Raise at any host synchronisation inside a step (the device check's guard of the Triton path)."""
         self.runner.forbid_host_sync = forbid
 
+    def largest_step_host_bytes(self) -> int | None:
+        """On a CPU, the resident memory a step over the full token budget adds at its peak (ModelRunner's); else
+        None. Starts this process's peak RSS afresh."""
+        return self.runner.largest_step_host_bytes()
+
     def step_runner(self) -> StepRunner:
         """Steps of sequences the caller batches itself, through this engine's KV blocks, model and sampler."""
         return StepRunner(self.block_manager, self.runner, self.sampler)

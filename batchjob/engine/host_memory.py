@@ -92,15 +92,25 @@ def reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
-def peak_rss(pid: int | str = "self") -> int | None:
-    """A process's peak resident memory in bytes since it started or since reset_peak_rss (VmHWM), or None where
-    /proc does not say."""
+def _status_bytes(pid: int | str, field: str) -> int | None:
+    """A size line of a process's /proc status (VmHWM, VmRSS) in bytes, or None where /proc does not say."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith(field + ":")), None)
     return None if kb is None else int(kb) * 1024
+
+
+def peak_rss(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory in bytes since it started or since reset_peak_rss (VmHWM), or None where
+    /proc does not say."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def resident_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident memory in bytes now (VmRSS), or None where /proc does not say."""
+    return _status_bytes(pid, "VmRSS")
 
 
 def available_memory() -> int | None:

@@ -15,7 +15,15 @@ from batchjob import env
 from batchjob.engine.config import EmbedderConfig, EngineConfig
 from batchjob.engine.decode_graphs import DecodeGraphs
 from batchjob.engine.errors import DeviceSettingError
-from batchjob.engine.host_memory import KEPT_BLOCK_BYTES, StepBlocks, available_memory, lazy_zeros
+from batchjob.engine.host_memory import (
+    KEPT_BLOCK_BYTES,
+    StepBlocks,
+    available_memory,
+    lazy_zeros,
+    peak_rss,
+    reset_peak_rss,
+    resident_bytes,
+)
 from batchjob.engine.host_sync import forbid_host_sync
 from batchjob.engine.lora.manager import LoraManager
 from batchjob.engine.memory_profile import MemoryProfile, reserved_peak
@@ -295,6 +303,24 @@ class ModelRunner:
         positions = torch.arange(n, device=self.device)
         hidden = self.model.forward(torch.zeros_like(positions), positions, meta, kv_caches)
         return self.model.compute_logits(hidden[: self.config.max_num_seqs])
+
+    def largest_step_host_bytes(self) -> int | None:
+        """On a CPU, what the largest step (probe_step) adds to this process's resident memory at its peak, the pages
+        of the scratch KV cache it writes not counted; None on another device or where /proc does not say. Starts
+        the process's peak RSS afresh (reset_peak_rss)."""
+        if self.device.type != "cpu":
+            return None
+        caches = self.make_scratch_caches()
+        tokens = self.config.max_num_batched_tokens
+        if self.step_blocks is not None:
+            self.step_blocks.before_step(tokens)
+        before = resident_bytes()
+        reset_peak_rss()
+        self.probe_step(caches)
+        peak = peak_rss()
+        if before is None or peak is None:
+            return None
+        return max(0, peak - before - tokens * self.kv_bytes_per_token)
 
     @torch.inference_mode()
     def execute(

@@ -9,6 +9,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
+from batchjob.engine.host_memory import peak_rss, resident_bytes
 from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.job.cache.results_cache import open_cache
 from batchjob.job.contracts import Embedder, JobEngine
@@ -115,6 +116,11 @@ def plan_job(
         prefill_s = (prompt_tokens - shared) / c["prefill_tokens_per_s"] if c["prefill_tokens_per_s"] else 0.0
         decode_s = report["output_tokens_expected"] / concurrency * c["decode_step_s"]
         report["estimated_time_s"] = round(prefill_s + decode_s, 1)
+        # the tokens whose K/V the run writes, each request's last block whole
+        written = prompt_tokens - shared + report["output_tokens_expected"] + len(lengths) * block_size
+        report["peak_rss_bytes_predicted"] = predicted_peak_rss(
+            engine, min(written, kv_tokens), c.pop("kv_tokens_written")
+        )
     return report
 
 
@@ -206,6 +212,10 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
         rate = tokens / seconds if tokens and seconds else 0.0  # 0: the sample's rows all failed in the engine
         report["calibration"] = {"requests": len(sample), "prefill_tokens_per_s": round(rate, 1)}
         report["estimated_time_s"] = round(computed / rate, 1) if rate else None
+        written = min(computed + len(lengths) * block, engine.num_kv_blocks * block)  # last blocks whole
+        report["peak_rss_bytes_predicted"] = predicted_peak_rss(
+            engine, written, tokens + len(sample[0].prompt_token_ids)
+        )
     return report
 
 
@@ -244,6 +254,7 @@ def measure(engine: JobEngine, sample: list[Work]) -> dict:
     ]
     prefill_time = sum(s.step_time for s in prefill)
     return {
+        "kv_tokens_written": sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps) + 10,  # warm-up's 10
         "requests": len(sample),
         "prefill_tokens_per_s": round(sum(s.num_prefill_tokens for s in prefill) / prefill_time, 1)
         if prefill_time
@@ -252,6 +263,19 @@ def measure(engine: JobEngine, sample: list[Work]) -> dict:
         "decode_batch_size": round(statistics.fmean(s.num_seqs for s in decode), 1) if decode else 0,
         "mean_output_tokens": statistics.fmean(lengths),
     }
+
+
+def predicted_peak_rss(engine: JobEngine, kv_tokens: int, calibration_kv_tokens: int) -> int | None:
+    """The run's peak resident memory, from this process's, whose engine has loaded and calibrated: the larger of
+    its peak so far (the model's load) and its memory now, less the K/V pages the calibration wrote, plus what the
+    largest step adds at its peak, plus the K/V pages of the run's `kv_tokens` (the pool is mapped lazily, a page
+    resident once written). None where it cannot be measured (not a CPU, no /proc)."""
+    loaded_peak, now = peak_rss(), resident_bytes()
+    step = engine.largest_step_host_bytes()
+    if loaded_peak is None or now is None or step is None:
+        return None
+    kv = engine.kv_bytes_per_token
+    return max(loaded_peak, now + step + (kv_tokens - calibration_kv_tokens) * kv)
 
 
 def _request(work: Work) -> Request | None:

@@ -315,4 +315,7 @@ def test_plan_reports_the_cost_without_running_the_job(tmp_path, data, reference
     # measured steps, on a busy machine too.
     busy = pc.sum(pq.read_table(reference_run / "_timeline.parquet").column("busy_s")).as_py()
     assert busy / 3 <= plan["estimated_time_s"] <= 3 * busy, (plan, busy)
+    # The predicted peak resident memory against the run's own (_summary.json): within 15 %.
+    measured = json.loads((reference_run / "_summary.json").read_text())["this_run"]["peak_rss_bytes"]
+    assert 0.85 * measured <= plan["peak_rss_bytes_predicted"] <= 1.15 * measured, (plan, measured)
     assert not (tmp_path / "out").exists()
