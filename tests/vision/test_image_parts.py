@@ -293,6 +293,7 @@ def test_image_sources_by_form(tmp_path):
     assert image_source(data_url(C), "x", False) == png
     assert image_source((tmp_path / "a b.png").as_uri(), "x", False) == str(tmp_path / "a b.png")
     assert image_source("relative/a.png", "x", False) == "relative/a.png"
+    assert image_source("a:b.png", "x", False) == "a:b.png"  # a colon, no URL
     # an unreachable URL with allow_urls: a closed port on this host, so no network is needed to fail it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

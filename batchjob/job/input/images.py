@@ -29,6 +29,7 @@ from batchjob.job.spec import JobFileError, JobSpec
 if TYPE_CHECKING:  # the vision module imports torch, which the CLI loads with the model only
     from batchjob.model.vision.images import ImagePrompt, ImagePrompter
 
+SCHEME = re.compile(r"([A-Za-z][\w+.-]*):")  # a URL's: then "//", but for data: and file:
 DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
 URL_TIMEOUT_S = 30
 MAX_URL_BYTES = 64 << 20  # an image fetched by URL: Pillow's bomb limit guards the pixels, this the download
@@ -153,7 +154,10 @@ def image_source(value, where: str, allow_urls: bool) -> bytes | str:
         return bytes(value)
     if not isinstance(value, str) or not value:
         raise RowError(f"{where} must be image bytes, a local path or a URL, got {type(value).__name__}")
-    scheme = value.split(":", 1)[0].lower() if re.match(r"[A-Za-z][\w+.-]*:", value) else ""
+    m = SCHEME.match(value)
+    scheme = m.group(1).lower() if m else ""
+    if scheme not in ("data", "file") and not value[len(scheme) + 1 :].startswith("//"):
+        scheme = ""  # no URL: a local path (a colon in a file name, a Windows drive)
     if scheme == "data":
         if not DATA_URL.match(value):
             raise RowError(f"{where}: a data URL must be data:image/...;base64,")
@@ -170,7 +174,7 @@ def image_source(value, where: str, allow_urls: bool) -> bytes | str:
         if not allow_urls:
             raise RowError(f"{where}: an {scheme} URL is fetched only with input.allow_urls: true")
         return _fetch(value, where)
-    if len(scheme) > 1:  # a one-letter "scheme" is a Windows drive
+    if scheme:
         raise RowError(f"{where}: a {scheme}: URL is not read (data:, file://, http(s):// and local paths are)")
     return value
 

@@ -17,8 +17,6 @@ TRUNCATION_TRIES = 4
 # A content that a chat template writes as it is, where it reads a text content; none of a model's special tokens.
 PROBE = "\ue000batchjob-probe\ue001"
 
-__all__ = ["PromptBuilder", "RowError"]
-
 
 class PromptBuilder:
     def __init__(
