@@ -175,13 +175,19 @@ def test_a_content_part_no_model_reads_fails_its_row(tmp_path, part, message):
 
 
 def test_an_image_part_fails_its_row_where_the_task_reads_no_images(tmp_path):
-    """A scoring job's builder (and any built without an image token): the image part is named, the row fails."""
-    b = builder(tmp_path, FakeTokenizer(), input={"path": "b.jsonl", "format": "openai-batch"})
+    """A scoring job's builder (as any built without an image token): the image part is named, the row fails."""
+    b = builder(
+        tmp_path,
+        FakeTokenizer(),
+        task="score",
+        input={"path": "b.jsonl", "messages_column": "messages"},
+        score={"labels": ["yes", "no"]},
+    )
     content = [
         {"type": "text", "text": "Describe"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
     ]
-    with pytest.raises(RowError, match=r"^messages\[0\]\.content\[1\] is an image: task 'generate' reads none"):
+    with pytest.raises(RowError, match=r"^messages\[0\]\.content\[1\] is an image: task 'score' reads none"):
         b.build(Row(0, "a", {"messages": [{"role": "user", "content": content}]}), 16)
 
 
