@@ -39,7 +39,10 @@ MAX_URL_BYTES = 64 << 20  # an image fetched by URL: Pillow's bomb limit guards 
 class RowImages:
     """The images of a planned row, in prompt order: what keys it and where their tokens lie."""
 
-    sources: tuple[bytes | str, ...]  # each image as read: encoded bytes or a local path, read again when streamed
+    # each image as read: encoded bytes (a cell's, a data URL's, a URL's download) or a local path, read again when
+    # streamed; and its place in the row, for error messages
+    sources: tuple[bytes | str, ...]
+    names: tuple[str, ...]
     digests: tuple[bytes, ...]  # of the decoded pixels (images.digest): what keys the row apart from other images
     starts: tuple[int, ...]  # where each expansion begins in the work's token ids
     lengths: tuple[int, ...]  # each expansion's length
@@ -58,13 +61,13 @@ class RowImages:
         from batchjob.model.vision.images import ImageError
 
         made = []
-        for source, digest, length in zip(self.sources, self.digests, self.lengths):
+        for source, name, digest, length in zip(self.sources, self.names, self.digests, self.lengths):
             try:
                 one = self.prompter(self.prompter.image_token, [source])
             except ImageError as e:
-                raise RowError(f"image: {e}") from None
+                raise RowError(f"{name}: {e}") from None
             if one.digests[0] != digest or len(one.token_ids) != length:
-                raise RowError("image: it changed since its row was planned (a file rewritten while the job ran)")
+                raise RowError(f"{name}: it changed since its row was planned (a file rewritten while the job ran)")
             made.append(one)
         return dataclasses.replace(
             made[0],
@@ -124,9 +127,7 @@ class ImageReader:
             lengths.append(len(made.token_ids))
             at = token + 1
         ids += token_ids[at:]
-        planned = RowImages(
-            tuple(s for s, _ in sources), *map(tuple, (digests, starts, lengths, firsts)), self.prompter
-        )
+        planned = RowImages(*map(tuple, zip(*sources)), *map(tuple, (digests, starts, lengths, firsts)), self.prompter)
         return ids, planned
 
     def _sources(self, row: Row) -> list[tuple[bytes | str, str]]:
