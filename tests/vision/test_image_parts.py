@@ -226,9 +226,26 @@ def test_openai_batch_chat_lines_with_image_parts_equal_transformers(idefics3, o
         }
         for row in rows
     ]
+    # a /v1/completions line beside them: a text prompt as it is
+    body = {"model": "m", "prompt": "Once upon a time"}
+    lines.append({"custom_id": "completion", "method": "POST", "url": "/v1/completions", "body": body})
     data = write_jsonl(tmp_path / "batch.jsonl", lines)
     job = write_job(tmp_path / "job.yaml", data, idefics3[0], input={"format": "openai-batch"})
-    check_message_rows(run(job), oracle, want)
+    got = run(job)
+    check_message_rows(got, oracle, want)
+    assert_answers(got, oracle, {"completion": ("Once upon a time", [])})
+
+
+def test_image_parts_under_the_ray_executor_fail_their_rows(idefics3, engine, tmp_path):  # noqa: F811
+    """The Ray executor's workers read no images yet: on a vision-language model a row with an image part fails."""
+    part = {"type": "image_url", "image_url": {"url": data_url(C)}}
+    rows = [{"id": "a", "messages": [{"role": "user", "content": [part]}]}]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = make_job(data, tmp_path / "out", model=str(idefics3[0]), input={"messages_column": "messages"})
+    job = job.model_copy(update={"executor": "ray"})  # the executor's own settings are not what this is about
+    failed: list = []
+    works = list(job_planner(job, engine, lambda row, e: failed.append(e)).works(InputSource(job).rows()))
+    assert works == [] and failed == ["messages[0].content[0] is an image: executor 'ray' reads no images yet"]
 
 
 def test_image_parts_on_a_text_only_model_stop_the_job(tmp_path):

@@ -133,6 +133,8 @@ class ImageReader:
     def _sources(self, row: Row) -> list[tuple[bytes | str, str]]:
         """Each of the row's images as bytes or a local path, with its place for error messages."""
         if self.column is None:
+            if "prompt" in row.values:  # an OpenAI Batch /v1/completions line: a text prompt, no parts
+                return []
             parts = images_of(parse_messages(row.values.get(self.messages)))
             return [(image_source(p.url, p.where, self.allow_urls), p.where) for p in parts]
         value = row.values.get(self.column)
