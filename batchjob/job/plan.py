@@ -7,7 +7,7 @@ import statistics
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from batchjob.engine.outputs import Request, StepMetrics
 from batchjob.job.cache.results_cache import open_cache
@@ -275,7 +275,7 @@ class PrefixCacheModel:
         self.capacity, self.block_size = num_blocks, block_size
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def hit_tokens(self, token_ids: list[int], images: list[tuple[int, bytes]] = ()) -> int:
+    def hit_tokens(self, token_ids: list[int], images: Sequence[tuple[int, bytes]] = ()) -> int:
         """`images`: each of a row's images' first image token's position and digest, which the engine folds into
         the block that holds that token (and so into every block after it): their placeholder tokens are the same
         for any image of a size."""

@@ -328,6 +328,7 @@ def _request_key(work: Work, params_json: bytes) -> bytes:
     digest = hashlib.blake2b(array("q", work.token_ids).tobytes(), digest_size=16)
     digest.update(params_json)
     digest.update(b"\0lora:" + (work.lora or "").encode())  # rows of different adapters are different requests
-    for image in work.images.digests if work.images is not None else ():  # placeholder tokens: the same for any
-        digest.update(b"\0image:" + image)  # image of a size, so each image's pixels, in order
+    # an image's tokens are placeholders, the same for any image of its size: each image's pixels key it, in order
+    for image in work.images.digests if work.images is not None else ():
+        digest.update(b"\0image:" + image)
     return digest.digest()
