@@ -213,9 +213,7 @@ def test_text_and_refusal_parts_are_read_and_an_image_line_stops_a_text_model(tm
     # a line with an image on a model that reads text only: the job stops in one line, exit 2, as an image column does
     data = write_jsonl(tmp_path / "c.jsonl", lines)
     job = make_job(data, tmp_path / "out-c", input={"format": "openai-batch"})
-    with pytest.raises(
-        JobFileError, match=r"^messages\[0\]\.content\[1\] of a row is an image, and model \S+ takes no"
-    ):
+    with pytest.raises(JobFileError, match=r"^row r0: messages\[0\]\.content\[1\] is an image, and model \S+ takes no"):
         run_job(job, progress, engine_factory=fake_factory())
 
 

@@ -257,9 +257,7 @@ def test_image_parts_on_a_text_only_model_stop_the_job(tmp_path):
     job = write_job(tmp_path / "job.yaml", data, "smollm2-135m-instruct", input={"messages_column": "messages"})
     result = batchjob("run", str(job))
     assert result.exit_code == 2, result.output
-    assert (
-        "messages[0].content[0] of a row is an image, and model smollm2-135m-instruct takes no images" in result.output
-    )
+    assert "row b: messages[0].content[0] is an image, and model smollm2-135m-instruct takes no images" in result.output
     assert "Traceback" not in result.output
 
 

@@ -159,14 +159,15 @@ def job_planner(
     )
 
 
-def _no_images(job: JobSpec, engine: JobEngine) -> Callable[[str], Exception]:
+def _no_images(job: JobSpec, engine: JobEngine) -> Callable[[str, str], Exception]:
     """What an image part raises where this job reads no images: a text-only model stops the job, as an image
     column does; the Ray executor fails the row."""
     if engine.image_prompter is None:
-        return lambda where: JobFileError(
-            f"{where} of a row is an image, and model {job.model} takes no images (it is not a vision-language model)"
+        return lambda where, row_id: JobFileError(
+            f"row {row_id}: {where} is an image, and model {job.model} takes no images (it is not a vision-language "
+            "model)"
         )
-    return lambda where: RowError(f"{where} is an image: executor {job.executor!r} reads no images yet")
+    return lambda where, _: RowError(f"{where} is an image: executor {job.executor!r} reads no images yet")
 
 
 def requests(
