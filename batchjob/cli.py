@@ -163,7 +163,13 @@ def _plan_text(r: dict) -> str:
             ("output tokens", f"expected {r['output_tokens_expected']:,} (at most {r['output_tokens_max']:,})"),
             ("constrained", f"{r['constrained_rows']:,} rows by {r['distinct_grammars']:,} distinct grammars"),
             *(
-                [("images", f"{r['image_rows']:,} rows with an image, {r['image_tokens_total']:,} image tokens")]
+                [
+                    (
+                        "images",
+                        f"{r['images']:,} in {r['image_rows']:,} rows with images, {r['image_tokens_total']:,} image "
+                        "tokens",
+                    )
+                ]
                 if "image_rows" in r
                 else []
             ),

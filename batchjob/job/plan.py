@@ -7,7 +7,7 @@ import statistics
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from batchjob.engine.host_memory import peak_rss, resident_bytes
 from batchjob.engine.outputs import Request, StepMetrics
@@ -48,7 +48,7 @@ def plan_job(
     results = open_cache(job, engine)
     # Compact arrays: a plan of a million-row input keeps two numbers a request.
     lengths, max_tokens, sample, duplicates, shared = array("q"), array("q"), [], 0, 0
-    constrained, grammars, hits, image_rows, image_tokens = 0, set(), 0, 0, 0
+    constrained, grammars, hits, image_rows, image_count, image_tokens = 0, set(), 0, 0, 0, 0
     lora_rows = LoraCounts() if job.engine.lora else None
     for work in planner.works(source.rows()):
         if lora_rows is not None:
@@ -63,11 +63,12 @@ def plan_job(
         lengths.append(len(work.token_ids))
         max_tokens.append(max_output_tokens(engine, work))
         duplicates += len(work.rows) - 1
-        if work.image is not None:
+        if work.images is not None:
             image_rows += len(work.rows)
-            image_tokens += work.image.tokens
-        image = work.image and (work.image.first, work.image.digest)
-        shared += cache.hit_tokens(work.token_ids, image)
+            image_count += len(work.images.digests) * len(work.rows)
+            image_tokens += work.images.tokens
+        images = list(zip(work.images.firsts, work.images.digests)) if work.images is not None else []
+        shared += cache.hit_tokens(work.token_ids, images)
         if len(sample) < CALIBRATION_REQUESTS:  # the first in planned order: what the run starts with
             sample.append(work)
     counts = {"rows_from_results_cache": hits} if results is not None else {}
@@ -84,8 +85,13 @@ def plan_job(
         "duplicate_rows_computed_once": duplicates,
         "constrained_rows": constrained,
         "distinct_grammars": len(grammars),
-        # rows with an image (input.image_column), and the image tokens of the requests computed
-        **({"image_rows": image_rows, "image_tokens_total": image_tokens} if job.input.image_column else {}),
+        # rows with images (the image column's, the messages' image parts), their images, and the image tokens of the
+        # requests computed
+        **(
+            {"image_rows": image_rows, "images": image_count, "image_tokens_total": image_tokens}
+            if planner.images is not None
+            else {}
+        ),
         **_prompt_token_stats(lengths),
         "output_tokens_max": sum(max_tokens),
         "prefix_sharing_ratio": round(shared / prompt_tokens, 3),
@@ -293,14 +299,14 @@ class PrefixCacheModel:
         self.capacity, self.block_size = num_blocks, block_size
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def hit_tokens(self, token_ids: list[int], image: tuple[int, bytes] | None = None) -> int:
-        """`image`: a row's first image token's position and the image's digest, which the engine folds into the
-        block that holds that token (and so into every block after it): its placeholder tokens are the same for any
-        image of its size."""
+    def hit_tokens(self, token_ids: list[int], images: Sequence[tuple[int, bytes]] = ()) -> int:
+        """`images`: each of a row's images' first image token's position and digest, which the engine folds into
+        the block that holds that token (and so into every block after it): their placeholder tokens are the same
+        for any image of a size."""
         hits, parent, hitting = 0, None, True
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            digest = image[1] if image is not None and start <= image[0] < start + self.block_size else None
-            key = hash((parent, tuple(token_ids[start : start + self.block_size]), digest))
+            digests = tuple(d for first, d in images if start <= first < start + self.block_size)
+            key = hash((parent, tuple(token_ids[start : start + self.block_size]), digests))
             parent = key
             if hitting and key in self.blocks:
                 hits += self.block_size

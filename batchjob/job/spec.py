@@ -64,8 +64,14 @@ class InputSpec(_Section):
     passthrough: list[str] = Field(default_factory=list, description="input columns copied to the output")
     image_column: str | None = Field(
         None,
-        description="a vision-language model's image for each row: a column of encoded image bytes or local paths; "
-        "it takes the template's <image> (before the text where the template has none)",
+        description="a vision-language model's images for each row: a column of encoded image bytes, local paths or "
+        "URLs (data:, file://; http(s):// with allow_urls), or a list of them; each takes the template's next <image> "
+        "(all before the text where the template has none)",
+    )
+    allow_urls: bool = Field(
+        False,
+        description="true: images given by http(s) URL (an image column's, a message's image_url part) are fetched; "
+        "default: such a row fails",
     )
     lora_column: str = Field(
         "lora",
@@ -292,11 +298,15 @@ class JobSpec(_Section):
         """What an image job does not read yet is refused rather than run without its images."""
         inp, unused = self.input, []
         unused += [f"task {self.task!r}"] if self.task != "generate" else []
-        unused += [f"input.format {inp.format!r}"] if inp.format == "openai-batch" else []
-        unused += ["input.messages_column"] if inp.messages_column is not None else []
         unused += ["executor 'ray'"] if self.executor == "ray" else []
         if unused:
             raise ValueError(f"input.image_column: not yet read with {', '.join(unused)}")
+        chats = [f"input.format {inp.format!r}"] if inp.format == "openai-batch" else []
+        chats += ["input.messages_column"] if inp.messages_column is not None else []
+        if chats:
+            raise ValueError(
+                f"input.image_column: not used with {', '.join(chats)} (a message's image_url parts are its images)"
+            )
         if inp.image_column in (inp.text_column, inp.id_column):
             raise ValueError(f"input.image_column: {inp.image_column!r} is the row's text or id column")
 

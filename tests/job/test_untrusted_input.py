@@ -19,7 +19,7 @@ from batchjob.job.input.reader import Row
 from batchjob.job.input.scoring import score_planner
 from batchjob.job.output.state import StateError
 from batchjob.job.run.runner import run_job
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import JobFileError, JobSpec
 from batchjob.model.loader import load_model
 from tests.fakes import FakeEngine, FakeTokenizer
 from tests.helpers import documents, fake_factory, make_job, write_jsonl, write_parquet
@@ -157,23 +157,41 @@ def test_an_embedding_job_refuses_the_opt_out_and_records_what_it_does(tmp_path)
 @pytest.mark.parametrize(
     "part, message",
     [
-        ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, " is of type 'image_url'"),
         ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, " is of type 'input_audio'"),
         ({"type": "file", "file": {"file_id": "file-1"}}, " is of type 'file'"),
         ({"type": "hologram", "text": "x"}, " is of type 'hologram'"),
         ({"text": "no type"}, " has no type"),
         ("just a string", " must be an object with a type"),
         ({"type": "text", "text": 3}, ".text must be text"),
+        ({"type": "image_url", "image_url": {"url": ""}}, ".image_url.url must be a non-empty text"),
+        ({"type": "image_url"}, ".image_url.url must be a non-empty text"),
     ],
 )
-def test_a_content_part_a_text_model_cannot_read_fails_its_row(tmp_path, part, message):
+def test_a_content_part_no_model_reads_fails_its_row(tmp_path, part, message):
     b = builder(tmp_path, FakeTokenizer(), input={"path": "b.jsonl", "format": "openai-batch"})
     content = [{"type": "text", "text": "Describe the picture."}, part]
     with pytest.raises(RowError, match=f"^messages\\[0\\]\\.content\\[1\\]{message}"):
         b.build(Row(0, "a", {"messages": [{"role": "user", "content": content}]}), 16)
 
 
-def test_text_and_refusal_parts_are_read_and_an_image_line_fails_alone(tmp_path, progress):
+def test_an_image_part_fails_its_row_where_the_task_reads_no_images(tmp_path):
+    """A scoring job's builder (as any built without an image token): the image part is named, the row fails."""
+    b = builder(
+        tmp_path,
+        FakeTokenizer(),
+        task="score",
+        input={"path": "b.jsonl", "messages_column": "messages"},
+        score={"labels": ["yes", "no"]},
+    )
+    content = [
+        {"type": "text", "text": "Describe"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]
+    with pytest.raises(RowError, match=r"^messages\[0\]\.content\[1\] is an image: task 'score' reads none"):
+        b.build(Row(0, "a", {"messages": [{"role": "user", "content": content}]}), 16)
+
+
+def test_text_and_refusal_parts_are_read_and_an_image_line_stops_a_text_model(tmp_path, progress):
     def line(i: int, content) -> dict:
         body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
         return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
@@ -186,13 +204,17 @@ def test_text_and_refusal_parts_are_read_and_an_image_line_fails_alone(tmp_path,
     ]
     lines = [line(0, [{"type": "text", "text": "The picture of a"}, image]), line(1, "one two")]
     lines.append({**line(2, ""), "body": {"model": "m", "max_tokens": 16, "messages": history}})
-    data = write_jsonl(tmp_path / "b.jsonl", lines)
+    data = write_jsonl(tmp_path / "b.jsonl", lines[1:])
     job = make_job(data, tmp_path / "out", input={"format": "openai-batch"})
     assert run_job(job, progress, engine_factory=fake_factory()) == EXIT_OK
     rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "data").to_pylist()}
-    assert "messages[0].content[1] is of type 'image_url'" in rows["r0"]["error"] and rows["r0"]["output"] is None
     assert rows["r1"]["error"] is None and rows["r1"]["output"] == "two one"
     assert rows["r2"]["error"] is None and rows["r2"]["output"] == "words two"
+    # a line with an image on a model that reads text only: the job stops in one line, exit 2, as an image column does
+    data = write_jsonl(tmp_path / "c.jsonl", lines)
+    job = make_job(data, tmp_path / "out-c", input={"format": "openai-batch"})
+    with pytest.raises(JobFileError, match=r"^row r0: messages\[0\]\.content\[1\] is an image, and model \S+ takes no"):
+        run_job(job, progress, engine_factory=fake_factory())
 
 
 @pytest.mark.parametrize(

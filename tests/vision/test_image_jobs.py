@@ -97,7 +97,7 @@ def test_image_rows_equal_engine_generate_and_bad_images_fail_alone(idefics3, en
     assert report["image_rows"] == len(ok) and report["duplicate_rows_computed_once"] == 0
     assert report["image_tokens_total"] > len(ok) * 16
     calibrated = batchjob("plan", str(job))  # the calibration's requests carry their images
-    assert calibrated.exit_code == 0 and "rows with an image" in calibrated.output, calibrated.output
+    assert calibrated.exit_code == 0 and "rows with images" in calibrated.output, calibrated.output
 
 
 def paths_input(tmp_path: Path, n: int) -> tuple[Path, list[Path]]:

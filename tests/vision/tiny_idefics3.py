@@ -19,6 +19,13 @@ from batchjob.model.loader import load_model
 PATCH, IMAGE_SIZE, SCALE = 4, 16, 2
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
 IMAGE_TOKENS += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+# SmolVLM-Instruct's processor chat template, which reads a message's content as a list of parts only.
+CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] == "
+    "'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
+    "{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -85,7 +92,7 @@ def build(
         size={"longest_edge": 2 * image_size}, max_image_size={"longest_edge": image_size}
     )
     seq_len = (image_size // PATCH) ** 2 // scale**2
-    processor = transformers.Idefics3Processor(image_processor, tok, image_seq_len=seq_len)
+    processor = transformers.Idefics3Processor(image_processor, tok, image_seq_len=seq_len, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(folder)
     return model
 

@@ -285,8 +285,10 @@ class RunCache:
             return self.key([work.token_ids, *work.tails], work.params, settings)
         if not work.params.deterministic:
             return None
-        # an image row by its pixels' digest: its tokens are placeholders, the same for any image of its size
-        image = {"image": work.image.digest.hex()} if work.image is not None else {}
+        # an image row by its pixels' digests in order: its tokens are placeholders, the same for any image of its
+        # size (one image keys as it always has)
+        digests = [d.hex() for d in work.images.digests] if work.images is not None else []
+        image = {"image": digests[0]} if len(digests) == 1 else {"images": digests} if digests else {}
         return self.key(work.token_ids, work.params, (lora | image) or None)
 
     def holds(self, work: Work | EmbeddingWork | ScoreWork) -> bool:

@@ -23,11 +23,11 @@ import pydantic
 from batchjob.engine.outputs import Request
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.job.contracts import Embedder, JobEngine
-from batchjob.job.input.images import RowImage, RowImages
+from batchjob.job.input.images import ImageReader, RowImages
 from batchjob.job.input.lora import RowLora
 from batchjob.job.input.prompt import PromptBuilder, RowError
 from batchjob.job.input.reader import Row
-from batchjob.job.spec import JobSpec
+from batchjob.job.spec import JobFileError, JobSpec
 
 # Quarter-octave length bins: lengths within ~19% of each other count as similar.
 BINS_PER_OCTAVE = 4
@@ -42,12 +42,12 @@ class Work:
     truncated: bool
     rows: list[Row] = field(default_factory=list)  # the first is computed, the rest are its duplicates
     lora: str | None = None  # the LoRA adapter the rows name (input/lora.py); None: the base model
-    image: RowImage | None = None  # the rows' image (input/images.py), its tokens spliced into token_ids
+    images: RowImages | None = None  # the rows' images (input/images.py), their tokens spliced into token_ids
 
     @property
     def request(self) -> Request:
-        """The engine's request; a row's image is read here, as the stream pulls it (RowError where it fails)."""
-        images = self.image.prompt(self.token_ids) if self.image is not None else None
+        """The engine's request; a row's images are read here, as the stream pulls it (RowError where one fails)."""
+        images = self.images.prompt(self.token_ids) if self.images is not None else None
         return Request(self.request_id, self.token_ids, self.params, lora=self.lora, images=images)
 
 
@@ -137,8 +137,13 @@ def job_planner(
     """The job's planner for this engine's tokenizer, context and block size; JobFileError at once when the job's
     chat messages need a chat template that the model lacks; `on_note` hears how prompts are built where the job
     file leaves it to the model (a base model's plain-text prompts)."""
-    images = RowImages(job, engine) if job.input.image_column is not None else None
-    builder = PromptBuilder(job, engine.tokenizer, engine.max_model_len, images and images.token)
+    chats = job.input.messages_column is not None or job.input.format == "openai-batch"
+    vision = engine.image_prompter is not None and job.executor == "local"
+    # the image column's, or on a vision-language model the image parts of chat rows
+    images = ImageReader(job, engine) if job.input.image_column is not None or (chats and vision) else None
+    builder = PromptBuilder(
+        job, engine.tokenizer, engine.max_model_len, images and images.token, _no_images(job, engine)
+    )
     if note := builder.check():
         on_note(note)
     return Planner(
@@ -152,6 +157,17 @@ def job_planner(
         images=images,
         context_len=engine.max_model_len,
     )
+
+
+def _no_images(job: JobSpec, engine: JobEngine) -> Callable[[str, str], Exception]:
+    """What an image part raises where this job reads no images: a text-only model stops the job, as an image
+    column does; the Ray executor fails the row."""
+    if engine.image_prompter is None:
+        return lambda where, row_id: JobFileError(
+            f"row {row_id}: {where} is an image, and model {job.model} takes no images (it is not a vision-language "
+            "model)"
+        )
+    return lambda where, _: RowError(f"{where} is an image: executor {job.executor!r} reads no images yet")
 
 
 def requests(
@@ -181,7 +197,7 @@ class Planner:
         block_size: int,
         on_error: Callable[[Row, str], None],
         lora: RowLora,
-        images: RowImages | None = None,
+        images: ImageReader | None = None,
         context_len: int = 0,
     ):
         self.builder, self.params, self.lora = builder, params, lora
@@ -221,28 +237,28 @@ class Planner:
             prompts = dict(zip(usable, built))
             for i, row in enumerate(chunk):
                 result = prompts.get(i, results[i])
-                image = None
+                images = None
                 if self.images is not None and not isinstance(result, RowError):
                     try:
-                        ids, image = self._with_image(row, result[0])
+                        ids, images = self._with_images(row, result[0])
                         result = (ids, result[1])
                     except RowError as e:
                         result = e
                 if isinstance(result, RowError):
                     self.on_error(row, str(result))
                 else:
-                    yield Work(str(next(self._ids)), result[0], results[i], result[1], [row], loras[i], image)
+                    yield Work(str(next(self._ids)), result[0], results[i], result[1], [row], loras[i], images)
 
-    def _with_image(self, row: Row, token_ids: list[int]) -> tuple[list[int], RowImage]:
-        """The prompt with the row's image spliced in; RowError where the image does not read, or the prompt with it
-        no longer fits the context (prompt.on_too_long cut the prompt before the image's tokens were known)."""
-        ids, image = self.images.splice(row, token_ids)
-        if len(ids) >= self.context_len:
+    def _with_images(self, row: Row, token_ids: list[int]) -> tuple[list[int], RowImages | None]:
+        """The prompt with the row's images spliced in; RowError where one does not read, or the prompt with them no
+        longer fits the context (prompt.on_too_long cut the prompt before the images' tokens were known)."""
+        ids, images = self.images.splice(row, token_ids)
+        if images is not None and len(ids) >= self.context_len:
             raise RowError(
-                f"the prompt with its image is {len(ids)} tokens ({image.tokens} of them the image's), too long for "
-                f"the model's context of {self.context_len}"
+                f"the prompt with its images is {len(ids)} tokens ({images.tokens} of them the images'), too long "
+                f"for the model's context of {self.context_len}"
             )
-        return ids, image
+        return ids, images
 
     def _row_params(self, row: Row) -> SamplingParams:
         if not row.overrides:
@@ -313,6 +329,7 @@ def _request_key(work: Work, params_json: bytes) -> bytes:
     digest = hashlib.blake2b(array("q", work.token_ids).tobytes(), digest_size=16)
     digest.update(params_json)
     digest.update(b"\0lora:" + (work.lora or "").encode())  # rows of different adapters are different requests
-    if work.image is not None:  # its tokens are placeholders, the same for any image of its size
-        digest.update(b"\0image:" + work.image.digest)
+    # an image's tokens are placeholders, the same for any image of its size: each image's pixels key it, in order
+    for image in work.images.digests if work.images is not None else ():
+        digest.update(b"\0image:" + image)
     return digest.digest()

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from batchjob.job.contracts import Chat, Tokenizer
+from batchjob.job.input.parts import ImagePart, Message, parse_messages
 from batchjob.job.input.reader import Row
+from batchjob.job.input.row_error import RowError
 from batchjob.job.spec import JobFileError, JobSpec
 
 # Re-encoding a cut text can merge or split tokens at the cut; a few spare tokens make the next try fit.
 TRUNCATION_MARGIN = 4
 TRUNCATION_TRIES = 4
-
-
-class RowError(ValueError):
-    """This row cannot become a request; the message goes into the output row's `error`."""
+# A content that a chat template writes as it is, where it reads a text content; none of a model's special tokens.
+PROBE = "\ue000batchjob-probe\ue001"
 
 
 class PromptBuilder:
-    def __init__(self, job: JobSpec, tokenizer: Tokenizer, context_len: int, image_token: str | None = None):
+    def __init__(
+        self,
+        job: JobSpec,
+        tokenizer: Tokenizer,
+        context_len: int,
+        image_token: str | None = None,
+        no_images: Callable[[str, str], Exception] | None = None,
+    ):
+        """`image_token`: a vision-language model's, where this job reads images (input/images.py); else an image
+        part raises what `no_images` makes of its place and its row's id (default: a RowError saying the task reads
+        no images)."""
         self.prompt, self.format = job.prompt, job.input.format
         self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
         kwargs = job.prompt.chat_template_kwargs
@@ -39,8 +50,10 @@ class PromptBuilder:
             self.data = lambda text: self.tokenizer.escape(text, not job.prompt.special_tokens_in_data)
             self.text_of_job = lambda text: self.tokenizer.escape(text, special_tokens=False)
         self.template, self.system = map(self.text_of_job, (job.prompt.template or "", job.prompt.system or ""))
-        # A row's image (input/images.py) goes where the template writes its image token, else before the row's text.
+        # A row's images (input/images.py) go where the template writes image tokens, else all before the row's text.
+        self.image_token, self.image_column = image_token, job.input.image_column
         self.image_lead = image_token if image_token and image_token not in (job.prompt.template or "") else ""
+        self.no_images = no_images or (lambda where, _: RowError(f"{where} is an image: task {job.task!r} reads none"))
 
     def build_many(self, rows: list[Row], max_tokens: list[int]) -> list[tuple[list[int], bool] | RowError]:
         """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads), and chat
@@ -139,12 +152,13 @@ class PromptBuilder:
                     "a /v1/chat/completions line needs a chat template, and this model has none "
                     "(a /v1/completions line with body.prompt needs none)"
                 )
-            return self._messages_parts(row.values["messages"])
+            return self._messages_parts(row.values["messages"], row.id)
         if self.messages_column:
-            return self._messages_parts(row.values[self.messages_column])
+            return self._messages_parts(row.values[self.messages_column], row.id)
         main = self.data(_text(row.values.get(self.text_column), self.text_column))
         fields = {name: self.data(_scalar(row.values.get(name), name)) for name in self.fields}
-        template, system, chat, lead = self.template, self.system, self.chat, self.image_lead
+        template, system, chat = self.template, self.system, self.chat
+        lead = self.image_lead * _image_count(row.values.get(self.image_column)) if self.image_lead else ""
 
         def compose(text: str) -> str | Chat:
             text = lead + text
@@ -153,22 +167,66 @@ class PromptBuilder:
             except (ValueError, IndexError) as e:
                 raise RowError(f"prompt.template cannot format this row: {e}") from None
             if chat:
-                head = [{"role": "system", "content": system}] if system else []
-                return head + [{"role": "user", "content": body}], len(head)
+                head = [{"role": "system", "content": self._content([system], True)}] if system else []
+                return head + [{"role": "user", "content": self._content(self._split_images(body), True)}], len(head)
             return f"{system}\n\n{body}" if system else body
 
         return compose, main
 
-    def _messages_parts(self, messages) -> tuple[Callable[[str], Chat], str]:
-        messages = [{"role": self.data(m["role"]), "content": self.data(m["content"])} for m in _messages(messages)]
-        if self.system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.system})
-        longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
+    def _messages_parts(self, value, row_id: str) -> tuple[Callable[[str], Chat], str]:
+        """A chat of the row's messages, their text escaped and each image part where it is; the longest text (a
+        message's, or a part's) is the one truncation cuts."""
+        messages = parse_messages(value)
+        for m in messages:
+            for p in m.pieces:
+                if isinstance(p, ImagePart) and self.image_token is None:
+                    raise self.no_images(p.where, row_id)
+        messages = [
+            Message(self.data(m.role), [p if isinstance(p, ImagePart) else self.data(p) for p in m.pieces], m.text_only)
+            for m in messages
+        ]
+        if self.system and messages[0].role != "system":
+            messages.insert(0, Message("system", [self.system], True))
+        texts = [(i, j) for i, m in enumerate(messages) for j, p in enumerate(m.pieces) if isinstance(p, str)]
+        # messages of images alone have no text to cut: their last is the chat's hole, its content as it is
+        longest, at = max(texts, key=lambda ij: len(messages[ij[0]].pieces[ij[1]])) if texts else (-1, -1)
 
         def compose(text: str) -> Chat:
-            return [*messages[:longest], {**messages[longest], "content": text}, *messages[longest + 1 :]], longest
+            chat = []
+            for i, m in enumerate(messages):
+                pieces = [*m.pieces[:at], text, *m.pieces[at + 1 :]] if i == longest else m.pieces
+                chat.append({"role": m.role, "content": self._content(pieces, m.text_only)})
+            return chat, longest % len(chat)
 
-        return compose, messages[longest]["content"]
+        return compose, messages[longest].pieces[at] if texts else ""
+
+    def _content(self, pieces: list[str | ImagePart | None], text_only: bool) -> str | list[dict]:
+        """A message's content as the chat template reads it: a text content as a text, its images' tokens in place,
+        for a template that reads text; else (content parts, or a vision-language model's template that reads parts
+        only: SmolVLM's) a list of `text` and `image` parts, as transformers' processor hands them to it. None, or an
+        ImagePart, is an image."""
+        if self.image_token is None or (text_only and self._reads_text_content):
+            return "".join(p if isinstance(p, str) else self.image_token for p in pieces)
+        return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in pieces]
+
+    def _split_images(self, body: str) -> list[str | None]:
+        """A filled template's text and the image tokens in it (the job file's: the row's own are escaped), as pieces
+        of a content; no empty text piece, which would be a part of its own."""
+        if self.image_token is None:
+            return [body]
+        texts = body.split(self.image_token)
+        pieces: list[str | None] = []
+        for k, text in enumerate(texts):
+            pieces += ([None] if k else []) + ([text] if text else [])
+        return pieces
+
+    @functools.cached_property
+    def _reads_text_content(self) -> bool:
+        """Whether the chat template writes a text content (most do); SmolVLM's writes only a list of parts."""
+        try:
+            return PROBE in self.tokenizer.apply_chat_template([{"role": "user", "content": PROBE}])
+        except Exception:  # the template's own refusal: it reads no text content either
+            return False
 
     def _chat(self, messages: list[dict]) -> str:
         try:
@@ -226,39 +284,9 @@ def _scalar(value, name: str) -> str:
     return str(value)
 
 
-def _messages(value) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise RowError("messages must be a non-empty list")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RowError(f"messages[{i}] must be an object with a role")
-        content = message.get("content")
-        if isinstance(content, list):  # OpenAI content parts
-            content = "".join(_text_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content))
-        if not isinstance(content, str):
-            raise RowError(f"messages[{i}].content must be text")
-        out.append({"role": message["role"], "content": content})
-    return out
-
-
-# The text of each content part a text model reads, by type: OpenAI's text, and an assistant's refusal as vLLM reads it.
-TEXT_PARTS = {"text": "text", "refusal": "refusal"}
-
-
-def _text_part(part, name: str) -> str:
-    """A content part's text; RowError for a part a text model cannot read (an image, audio, a file), which would
-    otherwise be answered as if it were not there, as OpenAI's API and vLLM refuse it."""
-    if not isinstance(part, dict):
-        raise RowError(f"{name} must be an object with a type")
-    kind = part.get("type")
-    if kind not in TEXT_PARTS:
-        what = "has no type" if kind is None else f"is of type {kind!r}"
-        raise RowError(f"{name} {what}: this model reads text only (parts of type 'text')")
-    text = part.get(TEXT_PARTS[kind])
-    if not isinstance(text, str):
-        raise RowError(f"{name}.{TEXT_PARTS[kind]} must be text")
-    return text
+def _image_count(value) -> int:
+    """How many images a row's image cell holds: a list's length, else one (input/images.py reads it, or fails it)."""
+    return len(value) if isinstance(value, list) and value else 1
 
 
 def shown(text: str, width: int = 40) -> str:

@@ -54,6 +54,8 @@ def fingerprint(job: JobSpec, source: InputSource, model_digest: str | None) -> 
             "files": source.identity(),
             # The image column's name only: the files behind its paths are not in `files` (docs/job-file.md).
             **({"image_column": job.input.image_column} if job.input.image_column else {}),
+            # rows whose image is an http(s) URL fail without it (only where set: older fingerprints stay as they were)
+            **({"allow_urls": True} if job.input.allow_urls else {}),
         },
     }
     return json.loads(json.dumps(fp))  # as it reads back from _job.json, for comparing
