@@ -13,8 +13,12 @@ import yaml
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.exit_codes import EXIT_ROW_ERRORS
 from batchjob.job.output.state import OutputDir
-from tests.helpers import peft_adapter, write_jsonl, write_parquet
+from batchjob.job.run.executor import load_engine
+from batchjob.job.run.runner import run_job
+from batchjob.job.spec import load_job
+from tests.helpers import Messages, peft_adapter, write_jsonl, write_parquet
 from tests.job.test_e2e import dataset, run_killed
 from tests.job.test_score_jobs import batchjob
 
@@ -150,6 +154,57 @@ def test_a_bad_adapter_refuses_the_job_in_one_line(tmp_path, adapters):
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1].startswith("error: LoRA adapter 'bad': no adapter_config.json")
     assert not (tmp_path / "out" / "data").exists() or not list((tmp_path / "out" / "data").iterdir())
+
+
+def test_an_adapter_whose_files_change_mid_run_fails_its_remaining_rows_and_the_others_go_on(
+    tmp_path, adapters, reference
+):
+    """max_loras 1, two rows at a time, rows in input order: alpha's first two, then beta's two (taking alpha's
+    slot), then alpha's next two, which read alpha from its folder again. alpha's weights are replaced after the
+    run's first step: the reload finds other content, and those two rows become error rows naming alpha and the
+    change, while beta's rows and the base rows run on; the run finishes every row and exits 3 (fail_on_row_errors)."""
+    folders = {name: str(shutil.copytree(adapters[name], tmp_path / name)) for name in ("alpha", "beta")}
+    plan = [("alpha", 0), ("alpha", 1), ("beta", 0), ("beta", 1), ("alpha", 2), ("alpha", 3), (None, 0), (None, 1)]
+    data = write_parquet(
+        tmp_path / "rows.parquet", [{"id": f"{i}", "text": TEXTS[t], "lora": n} for i, (n, t) in enumerate(plan)]
+    )
+    engine = {**ENGINE, "max_num_seqs": 2, "lora": {"adapters": folders, "max_loras": 1}}
+    path = write_job(
+        tmp_path / "job.yaml", data, tmp_path / "out", folders,
+        engine=engine, schedule={"sort_window": 1}, fail_on_row_errors=True,
+    )  # fmt: skip
+    swapped = []
+
+    def engine_factory(job):
+        engine = load_engine(job)
+
+        def replace_alpha(metrics) -> None:  # a user overwriting the adapter while the job runs
+            if not swapped:
+                shutil.copyfile(tmp_path / "beta" / "adapter_model.safetensors", tmp_path / "new")
+                (tmp_path / "new").replace(tmp_path / "alpha" / "adapter_model.safetensors")
+                swapped.append(metrics.step)
+
+        engine.add_step_callback(replace_alpha)
+        return engine
+
+    assert run_job(load_job(path), Messages(), engine_factory=engine_factory) == EXIT_ROW_ERRORS
+    got = dataset(tmp_path / "out")
+    assert len(got) == len(plan) and swapped
+    for i, (name, t) in enumerate(plan):
+        row = got[str(i)]
+        if i in (4, 5):
+            assert row["finish_reason"] == "error" and row["error"].startswith("LoRA adapter 'alpha': its files in "), (
+                row
+            )
+            assert "changed during the run" in row["error"]
+        else:
+            assert row["error"] is None and row["output"] == reference[(TEXTS[t], name)], (i, row)
+    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
+    assert summary["rows_failed"] == 2
+    assert summary["this_run"]["lora"] == {
+        "base_model": {"rows": 2, "failed": 0},
+        "adapters": {"alpha": {"rows": 4, "failed": 2}, "beta": {"rows": 2, "failed": 0}},
+    }
 
 
 def test_a_mixed_adapter_job_on_ray_gives_each_row_its_adapters_output_and_counts_them(tmp_path, adapters, reference):
