@@ -81,6 +81,24 @@ def check(got: dict, reference) -> None:
         assert "unknown LoRA adapter 'gamma'" in unknown["error"] and "'alpha', 'beta'" in unknown["error"]
 
 
+def status_lora(out) -> dict:
+    result = batchjob("status", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["lora"]
+
+
+def committed_by_adapter(got: dict) -> dict:
+    """rows()' committed rows the model ran, by adapter (an id names its row's adapter; gamma's fail before it)."""
+    counts = {}
+    for row_id in got:
+        lora = row_id.split("-", 1)[1]
+        if lora != "gamma":
+            name = lora if lora in ("alpha", "beta") else None  # "None" and "": the base model
+            counts[name] = counts.get(name, 0) + 1
+    adapters = {name: {"rows": counts[name], "failed": 0} for name in sorted(n for n in counts if n is not None)}
+    return {"base_model": {"rows": counts.get(None, 0), "failed": 0}, "adapters": adapters}
+
+
 def test_a_job_of_mixed_adapters_survives_a_kill_and_resumes_with_each_rows_adapter(tmp_path, adapters, reference):
     assert reference[(TEXTS[0], "alpha")] != reference[(TEXTS[0], None)] != reference[(TEXTS[0], "beta")]
     data = write_parquet(tmp_path / "rows.parquet", rows())
@@ -90,11 +108,18 @@ def test_a_job_of_mixed_adapters_survives_a_kill_and_resumes_with_each_rows_adap
     out = OutputDir(tmp_path / "out")
     done = run_killed(str(job), ("commit", 2, 0.0), tmp_path / "kill.log", out, "lora kill")
     assert 0 < done < len(rows())
+    # `status` of the stopped run: the committed rows by adapter, as their ids name it
+    assert status_lora(tmp_path / "out") == committed_by_adapter(dataset(tmp_path / "out"))
     resumed = batchjob("run", str(job))
     assert resumed.exit_code == 0, resumed.output
     got = dataset(tmp_path / "out")
     assert len(got) == len(rows())
     check(got, reference)
+    # both runs' rows, where this_run.lora counts only the second's
+    four = {"rows": 4, "failed": 0}
+    whole = {"base_model": {"rows": 8, "failed": 0}, "adapters": {"alpha": four, "beta": four}}
+    assert status_lora(tmp_path / "out") == whole == committed_by_adapter(got)
+    assert "rows by LoRA adapter: base 8, alpha 4, beta 4" in batchjob("status", str(tmp_path / "out")).output
     meta = json.loads((tmp_path / "out" / "_job.json").read_text())
     assert set(meta["fingerprint"]["lora"]) == {"alpha", "beta"}
 
@@ -205,6 +230,9 @@ def test_an_adapter_whose_files_change_mid_run_fails_its_remaining_rows_and_the_
         "base_model": {"rows": 2, "failed": 0},
         "adapters": {"alpha": {"rows": 4, "failed": 2}, "beta": {"rows": 2, "failed": 0}},
     }
+    assert summary["lora"] == summary["this_run"]["lora"]  # one run: the whole job's count is this run's
+    status = batchjob("status", str(tmp_path / "out")).output
+    assert "rows by LoRA adapter: alpha 4 (2 failed), base 2, beta 2" in status
 
 
 def test_a_mixed_adapter_job_on_ray_gives_each_row_its_adapters_output_and_counts_them(tmp_path, adapters, reference):
@@ -222,7 +250,6 @@ def test_a_mixed_adapter_job_on_ray_gives_each_row_its_adapters_output_and_count
     assert result.exit_code == 0, result.output
     check(dataset(tmp_path / "out"), reference)
     four = {"rows": 4, "failed": 0}
-    assert json.loads((tmp_path / "out" / "_summary.json").read_text())["this_run"]["lora"] == {
-        "base_model": {"rows": 8, "failed": 0},
-        "adapters": {"alpha": four, "beta": four},
-    }
+    whole = {"base_model": {"rows": 8, "failed": 0}, "adapters": {"alpha": four, "beta": four}}
+    assert json.loads((tmp_path / "out" / "_summary.json").read_text())["this_run"]["lora"] == whole
+    assert status_lora(tmp_path / "out") == whole  # the driver's parts record the workers' rows by adapter
