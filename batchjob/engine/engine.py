@@ -533,12 +533,15 @@ class Engine:
         failed = self.runner.lora.load({seq.lora for seq, _ in sched.scheduled if seq.lora is not None})
         if not failed:
             return []
-        for seq, n in [(seq, n) for seq, n in sched.scheduled if seq.lora in failed]:
-            sched.scheduled.remove((seq, n))
-            if seq.is_prefill:
+        kept = []
+        for seq, n in sched.scheduled:
+            if seq.lora not in failed:
+                kept.append((seq, n))
+            elif seq.is_prefill:
                 sched.num_prefill_tokens -= n
             else:
                 sched.num_decode_tokens -= n
+        sched.scheduled = kept
         roots = {}
         for seq in [s for s in self.scheduler.running if s.lora in failed]:
             self.scheduler.finish(seq, "error")

@@ -42,6 +42,13 @@ def targets(c: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
+def in_features(c: ModelConfig, matmul: str) -> int:
+    """The input width of one of the model's fused matmuls ("qkv", "o", "gate_up", "down")."""
+    return {"qkv": c.hidden_size, "o": c.num_attention_heads * c.head_dim, "gate_up": c.hidden_size}.get(
+        matmul, c.intermediate_size
+    )
+
+
 def _out_features(c: ModelConfig, matmul: str) -> int:
     return max(end for name, (m, _, end) in targets(c).items() if m == matmul)
 
