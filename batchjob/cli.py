@@ -274,10 +274,24 @@ def status(folder: str, as_json: bool) -> None:
     click.echo(f"tokens: prompt {s['prompt_tokens']:,}, output {s['output_tokens']:,}")
     if s["cache_hits"] or s["cache_misses"]:
         click.echo(f"results cache: {s['cache_hits']:,} rows taken from it, {s['cache_misses']:,} computed")
+    if s["lora"] is not None:
+        click.echo(f"rows by LoRA adapter: {_by_adapter(s['lora'], s['lora_unrecorded_rows'])}")
     if s["parts"]:
         click.echo(f"parts: {s['parts']}, last commit {s['last_commit_s_ago']} s ago")
     if s["summary"]:
         click.echo(f"summary: {json.dumps(s['summary'])}")
+
+
+def _by_adapter(lora: dict, unrecorded: int, shown: int = 8) -> str:
+    """ "base 8, alpha 4 (1 failed), beta 4": the base model's rows and the adapters' with most rows first."""
+    counts = [("base", lora["base_model"]), *lora["adapters"].items()]
+    counts.sort(key=lambda item: -item[1]["rows"])
+    text = ", ".join(
+        f"{n} {c['rows']:,}" + (f" ({c['failed']:,} failed)" if c["failed"] else "") for n, c in counts[:shown]
+    )
+    more = f" (+{len(counts) - shown} more: --json lists them)" if len(counts) > shown else ""
+    # parts written before parts recorded their adapters
+    return text + more + (f"; {unrecorded:,} rows in parts that record no adapter" if unrecorded else "")
 
 
 @main.command()

@@ -28,7 +28,7 @@ from batchjob.engine.outputs import (
 from batchjob.engine.prompt_logprobs import prompt_logprob_rows
 from batchjob.engine.sampler import Sampler, takes_argmax
 from batchjob.engine.sampling_params import SamplingParams
-from batchjob.engine.scheduler import Scheduler
+from batchjob.engine.scheduler import Scheduler, SchedulerOutput
 from batchjob.engine.sequence import Sequence, SequenceStatus
 from batchjob.engine.step_runner import StepRunner
 from batchjob.engine.structured_output import StructuredOutput
@@ -433,6 +433,8 @@ class Engine:
             error = f"unknown LoRA adapter {req.lora!r} " + (
                 f"(engine.lora.adapters names {', '.join(map(repr, known))})" if known else "(engine.lora names none)"
             )
+        elif req.lora is not None and req.lora in self.runner.lora.changed:
+            error = self.runner.lora.changed[req.lora]
         elif req.first_token_alternatives and (
             req.params.prompt_logprobs is None
             or not all(0 <= t < self.model_config.vocab_size for t in req.first_token_alternatives)
@@ -487,7 +489,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        finished = []
+        finished = self._fail_changed_adapters(sched) if self.runner.lora is not None else []
         if sched.scheduled:
             argmax = all(takes_argmax(seq) for seq, _ in sched.scheduled)
             prompt = prompt_logprob_rows(sched)
@@ -528,6 +530,33 @@ class Engine:
         self.step_count += 1
         self._report(sched, time.perf_counter() - t0)
         return finished
+
+    def _fail_changed_adapters(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """The step's adapters loaded into their slots; where one's folder changed since the engine read it, its
+        requests, running and queued, finish with the reason (finish_reason "error") and the step goes on without
+        them: the other adapters' rows and the base model's are not held up."""
+        failed = self.runner.lora.load({seq.lora for seq, _ in sched.scheduled if seq.lora is not None})
+        if not failed:
+            return []
+        kept = []
+        for seq, n in sched.scheduled:
+            if seq.lora not in failed:
+                kept.append((seq, n))
+            elif seq.is_prefill:
+                sched.num_prefill_tokens -= n
+            else:
+                sched.num_decode_tokens -= n
+        sched.scheduled = kept
+        roots = {}
+        for seq in [s for s in self.scheduler.running if s.lora in failed]:
+            self.scheduler.finish(seq, "error")
+            roots[id(seq.root)] = seq.root
+        for seq in [s for s in self.scheduler.waiting if s.lora in failed]:
+            self.scheduler.waiting.remove(seq)
+            self.block_manager.free(seq)  # a preempted sample's, if it holds any
+            seq.finish_reason = "error"
+            roots[id(seq.root)] = seq.root
+        return [self._output(root, failed[root.lora]) for root in roots.values()]
 
     def _fork(self, to_sample: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """A root about to draw its first token forks its other n-1 samples; returns the sequences to sample and

@@ -17,8 +17,8 @@ from batchjob.job.input.planner import EmbeddingPlanner, Work, job_planner
 from batchjob.job.input.prompt import RowError
 from batchjob.job.input.reader import InputSource
 from batchjob.job.input.scoring import score_planner
+from batchjob.job.output.lora_counts import LoraCounts
 from batchjob.job.run.executor import load_engine
-from batchjob.job.run.lora_counts import LoraCounts
 from batchjob.job.spec import JobSpec
 
 CALIBRATION_REQUESTS = 8

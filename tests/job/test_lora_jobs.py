@@ -13,8 +13,12 @@ import yaml
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
+from batchjob.job.exit_codes import EXIT_ROW_ERRORS
 from batchjob.job.output.state import OutputDir
-from tests.helpers import peft_adapter, write_jsonl, write_parquet
+from batchjob.job.run.executor import load_engine
+from batchjob.job.run.runner import run_job
+from batchjob.job.spec import load_job
+from tests.helpers import Messages, peft_adapter, write_jsonl, write_parquet
 from tests.job.test_e2e import dataset, run_killed
 from tests.job.test_score_jobs import batchjob
 
@@ -77,6 +81,24 @@ def check(got: dict, reference) -> None:
         assert "unknown LoRA adapter 'gamma'" in unknown["error"] and "'alpha', 'beta'" in unknown["error"]
 
 
+def status_lora(out) -> dict:
+    result = batchjob("status", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["lora"]
+
+
+def committed_by_adapter(got: dict) -> dict:
+    """rows()' committed rows the model ran, by adapter (an id names its row's adapter; gamma's fail before it)."""
+    counts = {}
+    for row_id in got:
+        lora = row_id.split("-", 1)[1]
+        if lora != "gamma":
+            name = lora if lora in ("alpha", "beta") else None  # "None" and "": the base model
+            counts[name] = counts.get(name, 0) + 1
+    adapters = {name: {"rows": counts[name], "failed": 0} for name in sorted(n for n in counts if n is not None)}
+    return {"base_model": {"rows": counts.get(None, 0), "failed": 0}, "adapters": adapters}
+
+
 def test_a_job_of_mixed_adapters_survives_a_kill_and_resumes_with_each_rows_adapter(tmp_path, adapters, reference):
     assert reference[(TEXTS[0], "alpha")] != reference[(TEXTS[0], None)] != reference[(TEXTS[0], "beta")]
     data = write_parquet(tmp_path / "rows.parquet", rows())
@@ -86,11 +108,18 @@ def test_a_job_of_mixed_adapters_survives_a_kill_and_resumes_with_each_rows_adap
     out = OutputDir(tmp_path / "out")
     done = run_killed(str(job), ("commit", 2, 0.0), tmp_path / "kill.log", out, "lora kill")
     assert 0 < done < len(rows())
+    # `status` of the stopped run: the committed rows by adapter, as their ids name it
+    assert status_lora(tmp_path / "out") == committed_by_adapter(dataset(tmp_path / "out"))
     resumed = batchjob("run", str(job))
     assert resumed.exit_code == 0, resumed.output
     got = dataset(tmp_path / "out")
     assert len(got) == len(rows())
     check(got, reference)
+    # both runs' rows, where this_run.lora counts only the second's
+    four = {"rows": 4, "failed": 0}
+    whole = {"base_model": {"rows": 8, "failed": 0}, "adapters": {"alpha": four, "beta": four}}
+    assert status_lora(tmp_path / "out") == whole == committed_by_adapter(got)
+    assert "rows by LoRA adapter: base 8, alpha 4, beta 4" in batchjob("status", str(tmp_path / "out")).output
     meta = json.loads((tmp_path / "out" / "_job.json").read_text())
     assert set(meta["fingerprint"]["lora"]) == {"alpha", "beta"}
 
@@ -152,6 +181,60 @@ def test_a_bad_adapter_refuses_the_job_in_one_line(tmp_path, adapters):
     assert not (tmp_path / "out" / "data").exists() or not list((tmp_path / "out" / "data").iterdir())
 
 
+def test_an_adapter_whose_files_change_mid_run_fails_its_remaining_rows_and_the_others_go_on(
+    tmp_path, adapters, reference
+):
+    """max_loras 1, two rows at a time, rows in input order: alpha's first two, then beta's two (taking alpha's
+    slot), then alpha's next two, which read alpha from its folder again. alpha's weights are replaced after the
+    run's first step: the reload finds other content, and those two rows become error rows naming alpha and the
+    change, while beta's rows and the base rows run on; the run finishes every row and exits 3 (fail_on_row_errors)."""
+    folders = {name: str(shutil.copytree(adapters[name], tmp_path / name)) for name in ("alpha", "beta")}
+    plan = [("alpha", 0), ("alpha", 1), ("beta", 0), ("beta", 1), ("alpha", 2), ("alpha", 3), (None, 0), (None, 1)]
+    data = write_parquet(
+        tmp_path / "rows.parquet", [{"id": f"{i}", "text": TEXTS[t], "lora": n} for i, (n, t) in enumerate(plan)]
+    )
+    engine = {**ENGINE, "max_num_seqs": 2, "lora": {"adapters": folders, "max_loras": 1}}
+    path = write_job(
+        tmp_path / "job.yaml", data, tmp_path / "out", folders,
+        engine=engine, schedule={"sort_window": 1}, fail_on_row_errors=True,
+    )  # fmt: skip
+    swapped = []
+
+    def engine_factory(job):
+        engine = load_engine(job)
+
+        def replace_alpha(metrics) -> None:  # a user overwriting the adapter while the job runs
+            if not swapped:
+                shutil.copyfile(tmp_path / "beta" / "adapter_model.safetensors", tmp_path / "new")
+                (tmp_path / "new").replace(tmp_path / "alpha" / "adapter_model.safetensors")
+                swapped.append(metrics.step)
+
+        engine.add_step_callback(replace_alpha)
+        return engine
+
+    assert run_job(load_job(path), Messages(), engine_factory=engine_factory) == EXIT_ROW_ERRORS
+    got = dataset(tmp_path / "out")
+    assert len(got) == len(plan) and swapped
+    for i, (name, t) in enumerate(plan):
+        row = got[str(i)]
+        if i in (4, 5):
+            assert row["finish_reason"] == "error" and row["error"].startswith("LoRA adapter 'alpha': its files in "), (
+                row
+            )
+            assert "changed during the run" in row["error"]
+        else:
+            assert row["error"] is None and row["output"] == reference[(TEXTS[t], name)], (i, row)
+    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
+    assert summary["rows_failed"] == 2
+    assert summary["this_run"]["lora"] == {
+        "base_model": {"rows": 2, "failed": 0},
+        "adapters": {"alpha": {"rows": 4, "failed": 2}, "beta": {"rows": 2, "failed": 0}},
+    }
+    assert summary["lora"] == summary["this_run"]["lora"]  # one run: the whole job's count is this run's
+    status = batchjob("status", str(tmp_path / "out")).output
+    assert "rows by LoRA adapter: alpha 4 (2 failed), base 2, beta 2" in status
+
+
 def test_a_mixed_adapter_job_on_ray_gives_each_row_its_adapters_output_and_counts_them(tmp_path, adapters, reference):
     """The Ray executor: each worker's engine holds the job's adapters; the driver sums the shards' rows by adapter
     into _summary.json as a local run counts them."""
@@ -167,7 +250,6 @@ def test_a_mixed_adapter_job_on_ray_gives_each_row_its_adapters_output_and_count
     assert result.exit_code == 0, result.output
     check(dataset(tmp_path / "out"), reference)
     four = {"rows": 4, "failed": 0}
-    assert json.loads((tmp_path / "out" / "_summary.json").read_text())["this_run"]["lora"] == {
-        "base_model": {"rows": 8, "failed": 0},
-        "adapters": {"alpha": four, "beta": four},
-    }
+    whole = {"base_model": {"rows": 8, "failed": 0}, "adapters": {"alpha": four, "beta": four}}
+    assert json.loads((tmp_path / "out" / "_summary.json").read_text())["this_run"]["lora"] == whole
+    assert status_lora(tmp_path / "out") == whole  # the driver's parts record the workers' rows by adapter

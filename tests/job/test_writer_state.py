@@ -442,3 +442,26 @@ def test_a_finished_record_without_a_row_count_is_trusted_not_redone_forever(tmp
     assert out.complete(out.read_job()) and out.status()["state"] == "done"
     out.write_job({"fingerprint": {}, "rows_total": 4})
     assert not out.complete(out.read_job()) and out.status()["state"].startswith("incomplete (1 rows missing")
+
+
+def test_each_part_counts_its_rows_by_lora_adapter_and_older_parts_count_as_unrecorded(tmp_path):
+    """A part of a job with engine.lora records the rows the model ran, by adapter, in its metadata, split exactly
+    where the part ends; rows that never reached the model are in no count; a part recording none (written before
+    parts did) counts as unrecorded rows, not as the base model's."""
+    out = OutputDir(tmp_path)
+    out.recover()
+    older = writer(out.data, rows=2)
+    older.add(record(0), model_ran=True)
+    older.add(record(1), model_ran=True)  # committed without a count, as a part of an older batchjob
+    w = PartWriter(out.data, SCHEMA, checkpoint_rows=3, checkpoint_seconds=3600, next_part=1, count_lora=True)
+    w.add(record(2), model_ran=True, lora="alpha")
+    w.add(record(3, error="boom"), model_ran=True, lora="alpha")
+    w.add(record(4, error="unknown LoRA adapter 'x'"))  # failed before the model
+    w.add(record(5), model_ran=True)
+    w.flush()
+    committed = out.committed()
+    assert committed.lora_unrecorded == 2 and committed.rows == 6
+    assert committed.lora.counts() == {
+        "base_model": {"rows": 1, "failed": 0},
+        "adapters": {"alpha": {"rows": 2, "failed": 1}},
+    }

@@ -31,15 +31,40 @@ class LoraManager:
         self.stacked = LoraSlots(checked(), min(config.max_loras, len(self.paths)), device, dtype)
         self.slots: OrderedDict[str, int] = OrderedDict()  # adapter name -> its slot, least recently used first
         self.loads = 0  # adapters read into a slot, first uses and reloads after eviction
+        # Adapters whose folder changed after the engine read it, with the reason: their requests fail from then on
+        # (the digest that keys their results is the first files'), the other adapters' go on.
+        self.changed: dict[str, str] = {}
+
+    def load(self, names: set[str]) -> dict[str, str]:
+        """Each of `names` (a step's adapters, at most the slots) in a slot; those whose folder changed since the
+        engine read it stay out, returned with the reason."""
+        failed = {}
+        for name in sorted(names, key=lambda n: n not in self.slots):  # held ones first: a load must not evict them
+            try:
+                self.slot(name)
+            except LoraError as e:
+                failed[name] = str(e)
+        return failed
 
     def slot(self, name: str) -> int:
-        """The adapter's slot, read into one (taking the least recently used's) if it holds none."""
+        """The adapter's slot, read into one (taking the least recently used's) if it holds none; LoraError where
+        its folder changed since the engine read it."""
         if name in self.slots:
             self.slots.move_to_end(name)
             return self.slots[name]
-        adapter = load_lora(name, self.paths[name], self.model, self.config.max_lora_rank, self.dtype)
-        if adapter.digest != self.digests[name]:  # the folder changed since the engine checked it
-            raise LoraError(f"LoRA adapter {name!r}: {self.paths[name]} changed while the engine ran")
+        if name in self.changed:
+            raise LoraError(self.changed[name])
+        try:
+            adapter = load_lora(name, self.paths[name], self.model, self.config.max_lora_rank, self.dtype)
+            why = None if adapter.digest == self.digests[name] else "other content"
+        except LoraError as e:  # deleted or damaged since
+            why = str(e).removeprefix(f"LoRA adapter {name!r}: ")
+        if why is not None:
+            self.changed[name] = (
+                f"LoRA adapter {name!r}: its files in {self.paths[name]} changed during the run ({why}); its "
+                "remaining rows fail, as the run's results are keyed by the files it started with"
+            )
+            raise LoraError(self.changed[name])
         free = len(self.slots) < self.stacked.num_slots
         slot = len(self.slots) if free else self.slots.popitem(last=False)[1]
         self.stacked.load(slot, adapter)

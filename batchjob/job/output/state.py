@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 
 from batchjob.job.output.lease import LeaseLock, LeaseUnsupported, lease_expired
 from batchjob.job.output.lock import OutputLock, lock_is_held, read_holder
+from batchjob.job.output.lora_counts import LORA_METADATA, LoraCounts
 from batchjob.job.output.schema import CACHE_METADATA
 from batchjob.job.output.storage import (
     TMP_PREFIX,
@@ -80,6 +81,10 @@ class Committed:
     cached_tokens: int = 0
     cache_hits: int = 0  # rows the results cache gave
     cache_misses: int = 0  # rows looked up there in vain, then computed
+    # with engine.lora: the rows by adapter that the parts record (LORA_METADATA), and the rows of parts recording
+    # none (written before parts did, or an `order: input` job's sorted files)
+    lora: LoraCounts = field(default_factory=LoraCounts)
+    lora_unrecorded: int = 0
 
     def done_at(self, ids: pa.ChunkedArray) -> np.ndarray:
         """For each of the input's ids (by position), whether it is committed: one hash lookup in Arrow, a byte a
@@ -250,7 +255,9 @@ class OutputDir:
             try:
                 with parquet_file(part) as pf:  # an embedding job's parts have no output or cached tokens
                     table = pf.read(columns=[c for c in COUNTED_COLUMNS if c in pf.schema_arrow.names])
-                    cache = json.loads((pf.schema_arrow.metadata or {}).get(CACHE_METADATA, b"{}"))
+                    metadata = pf.schema_arrow.metadata or {}
+                    cache = json.loads(metadata.get(CACHE_METADATA, b"{}"))
+                    lora = json.loads(metadata[LORA_METADATA]) if LORA_METADATA in metadata else None
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
                 raise StateError(f"cannot read the committed part {part}: {e}") from None
             if with_ids:
@@ -259,6 +266,10 @@ class OutputDir:
             done.failed += table.num_rows - table.column("error").null_count
             done.cache_hits += cache.get("hits", 0)
             done.cache_misses += cache.get("misses", 0)
+            if lora is None:
+                done.lora_unrecorded += table.num_rows
+            else:
+                done.lora.merge(lora)
             for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
                 if name in table.column_names:
                     setattr(done, name, getattr(done, name) + (pc.sum(table.column(name)).as_py() or 0))
@@ -420,6 +431,12 @@ class OutputDir:
         summary = self.read_summary() if state == "done" else None
         # `order: input`'s sorted files do not carry the parts' cache counts: a finished job's are in its summary
         cache = (summary or {}).get("cache", {"hits": committed.cache_hits, "misses": committed.cache_misses})
+        lora, unrecorded = None, 0
+        if ((meta or {}).get("job") or {}).get("engine", {}).get("lora"):  # rows by adapter, as the summary's
+            if summary and "lora" in summary:  # a finished job's: its sorted files (order: input) record none
+                lora = summary["lora"]
+            else:
+                lora, unrecorded = committed.lora.counts(), committed.lora_unrecorded
         return {
             "folder": display(self.path),
             "state": state,
@@ -434,6 +451,8 @@ class OutputDir:
             "parts": len(parts),
             "last_commit_s_ago": round(time.time() - max(mtime(p) for p in parts)) if parts else None,
             "summary": summary,
+            "lora": lora,
+            "lora_unrecorded_rows": unrecorded,
         }
 
 

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.job.input.openai_batch import format_response
+from batchjob.job.output.lora_counts import LoraCounts
 from batchjob.job.output.schema import CACHE_METADATA
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import Location, display, parquet_file, read_parquet, write_atomic, write_table
@@ -33,6 +34,7 @@ class PartWriter:
         next_part: int,
         run_tag: str = "",
         before_commit: Callable[[], None] = lambda: None,
+        count_lora: bool = False,  # a job with engine.lora: each part records its rows by adapter
     ):
         self.before_commit = before_commit
         self.folder, self.schema = folder, schema
@@ -43,14 +45,19 @@ class PartWriter:
         self.next_part = next_part
         self.buffer: list[dict] = []
         self.cache_counts = {"hits": 0, "misses": 0}  # of the buffered rows, for the part's CACHE_METADATA
+        self.count_lora = count_lora
+        self.lora = LoraCounts()  # of the buffered rows, for the part's LORA_METADATA
         self.last_commit = time.monotonic()
 
-    def add(self, record: dict, cache: str | None = None) -> None:
+    def add(self, record: dict, cache: str | None = None, *, model_ran: bool = False, lora: str | None = None) -> None:
         """Buffer a row; `cache` is "hits" for a row taken from the results cache, "misses" for one looked up there
-        in vain and computed."""
+        in vain and computed; `model_ran` for a row the model ran (or the results cache answered), through adapter
+        `lora` (None: the base model)."""
         self.buffer.append(record)
         if cache is not None:
             self.cache_counts[cache] += 1
+        if model_ran and self.count_lora:
+            self.lora.add(lora, 1, record.get("error") is not None)
         if len(self.buffer) >= self.checkpoint_rows:
             self.flush()
         else:
@@ -64,12 +71,16 @@ class PartWriter:
         if self.buffer:
             self.before_commit()
             table = pa.Table.from_pylist(self.buffer, schema=self.schema)
-            if any(self.cache_counts.values()):
-                table = table.replace_schema_metadata({CACHE_METADATA: json.dumps(self.cache_counts)})
+            metadata = {CACHE_METADATA: json.dumps(self.cache_counts)} if any(self.cache_counts.values()) else {}
+            if self.count_lora:
+                metadata |= self.lora.metadata()
+            if metadata:
+                table = table.replace_schema_metadata(metadata)
             write_table(self.folder / f"part-{self.next_part:06d}{self.suffix}.parquet", table)
             self.next_part += 1
             self.buffer = []
             self.cache_counts = {"hits": 0, "misses": 0}
+            self.lora = LoraCounts()
         self.last_commit = time.monotonic()
 
 

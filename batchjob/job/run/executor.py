@@ -21,6 +21,7 @@ from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.input.planner import EmbeddingPlanner, EmbeddingWork, Work, job_planner, requests
 from batchjob.job.input.reader import InputSource, Row, Scan
 from batchjob.job.input.scoring import ScoreGather, ScoreWork, cached_tokens, score_planner, score_requests
+from batchjob.job.output.lora_counts import LoraCounts
 from batchjob.job.output.schema import (
     embedding_row,
     embedding_schema,
@@ -31,7 +32,6 @@ from batchjob.job.output.schema import (
 )
 from batchjob.job.output.state import Committed
 from batchjob.job.output.writer import PartWriter
-from batchjob.job.run.lora_counts import LoraCounts
 from batchjob.job.run.stopper import Interrupted, Stopper
 from batchjob.job.spec import JobSpec
 from batchjob.job.telemetry.progress import Progress
@@ -226,7 +226,7 @@ class LocalExecutor:
         if output.finish_reason == "abort":
             return  # not committed, so it runs again on resume
         for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
-            self.pending.writer.add(record, cache="misses" if looked_up else None)
+            self.pending.writer.add(record, cache="misses" if looked_up else None, model_ran=True, lora=work.lora)
         self._count_lora(work, output.finish_reason == "error")
         self.pending.progress.rows(
             len(work.rows),
@@ -237,7 +237,7 @@ class LocalExecutor:
     def commit_hit(self, work: Work, output: RequestOutput) -> None:
         """A work whose result the results cache holds: its rows as if the engine had just computed it."""
         for record in result_rows(work, output, self.engine.tokenizer, self.pending.job.output.split_reasoning):
-            self.pending.writer.add(record, cache="hits")
+            self.pending.writer.add(record, cache="hits", model_ran=True, lora=work.lora)
         self._count_lora(work, output.finish_reason == "error")
         self.pending.progress.rows(len(work.rows))
 
@@ -259,7 +259,7 @@ class LocalExecutor:
     def _add_scored(self, work: ScoreWork, score: ScoreOutput, cached: int, cache: str | None) -> None:
         per_token = self.pending.job.score.prompt_logprobs is not None
         for record in score_rows(work, score, self.engine.tokenizer, per_token, cached):
-            self.pending.writer.add(record, cache=cache)
+            self.pending.writer.add(record, cache=cache, model_ran=True, lora=work.lora)
         self._count_lora(work, score.error is not None)
 
     def _count_lora(self, work: Work | ScoreWork, failed: bool) -> None:

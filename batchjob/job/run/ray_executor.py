@@ -26,6 +26,7 @@ from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.input.planner import EmbeddingPlanner, Work, job_planner, requests
 from batchjob.job.input.reader import InputSource, Row
 from batchjob.job.input.scoring import ScoreGather, ScoreWork, cached_tokens, score_planner, score_requests
+from batchjob.job.output.lora_counts import LoraCounts
 from batchjob.job.output.schema import (
     embedding_schema,
     failed_row,
@@ -38,7 +39,6 @@ from batchjob.job.output.schema import (
 from batchjob.job.output.state import StateError
 from batchjob.job.output.storage import is_url
 from batchjob.job.run.executor import Pending, computed_prompt_tokens, embedding_calls, embedding_records
-from batchjob.job.run.lora_counts import LoraCounts
 from batchjob.job.run.stopper import Interrupted
 from batchjob.job.spec import JobFileError, JobSpec, RaySpec
 from batchjob.job.telemetry.timeline import Timeline
@@ -54,7 +54,9 @@ except ImportError:
 ROW = "row"  # the one column of an input shard: each Row pickled as the local reader made it
 # Result schema metadata: the model a worker ran (contracts.model_identity, as JSON), for the job's fingerprint, and
 # the tokens it computed for the shard ({"prompt_tokens", "output_tokens"}, as JSON), for the progress line: counted
-# by work, as a local run counts them, since its rows' token columns do not add up to them (duplicates, labels).
+# by work, as a local run counts them, since its rows' token columns do not add up to them (duplicates, labels);
+# with engine.lora, the adapter of each row the model ran ({row's position in the shard's table: name or null}, as
+# JSON), which the driver's parts record and its counts add up.
 MODEL, TOKENS, LORA = b"model", b"tokens", b"lora"
 
 
@@ -108,7 +110,7 @@ class EngineWorker:
             rows = (pickle.loads(b) for b in shard.column(ROW).to_pylist())
         self.records, works = [], {}
         self.tokens = {"prompt_tokens": 0, "output_tokens": 0}
-        self.lora = LoraCounts()
+        self.ran: dict[str, str | None] = {}
         if self.job.task == "embed":
             for call in embedding_calls(self.planner.works(rows), self.engine):
                 self.records += embedding_records(self.engine, call, self.per_line)
@@ -118,18 +120,18 @@ class EngineWorker:
         else:
             for output in self.engine.stream(requests(self.planner.works(rows), works)):
                 work = works.pop(output.request_id)
-                self.records += result_rows(work, output, self.engine.tokenizer, self.job.output.split_reasoning)
-                self._count_lora(work, output.finish_reason == "error")
+                self._ran(work, result_rows(work, output, self.engine.tokenizer, self.job.output.split_reasoning))
                 self.tokens["prompt_tokens"] += computed_prompt_tokens(work, [output])
                 self.tokens["output_tokens"] += sum(len(s.token_ids) for s in output.samples)
         table = pa.Table.from_pylist(self.records, schema=self.schema)
-        lora = self.lora.summary()
-        extra = {} if lora is None else {LORA: json.dumps(lora)}
+        extra = {LORA: json.dumps(self.ran)} if self.job.engine.lora is not None else {}
         return table.replace_schema_metadata({**self.schema.metadata, TOKENS: json.dumps(self.tokens), **extra})
 
-    def _count_lora(self, work: Work | ScoreWork, failed: bool) -> None:
+    def _ran(self, work: Work | ScoreWork, records: list[dict]) -> None:
+        """`work`'s result rows, which the model ran through its adapter."""
         if self.job.engine.lora is not None:
-            self.lora.add(work.lora, len(work.rows), failed)
+            self.ran |= {str(i): work.lora for i in range(len(self.records), len(self.records) + len(records))}
+        self.records += records
 
     def _score(self, rows: Iterable[Row]) -> None:
         works, gather = {}, ScoreGather()
@@ -139,8 +141,7 @@ class EngineWorker:
             outputs = gather.add(work, output)
             if outputs is not None:
                 score = work.score(outputs)
-                self.records += score_rows(work, score, self.engine.tokenizer, per_token, cached_tokens(outputs))
-                self._count_lora(work, score.error is not None)
+                self._ran(work, score_rows(work, score, self.engine.tokenizer, per_token, cached_tokens(outputs)))
                 self.tokens["prompt_tokens"] += computed_prompt_tokens(work, outputs)
 
 
@@ -229,13 +230,18 @@ class RayExecutor:
             )
         # Ray redoes the shard of a worker that died; should it ever hand over both results, one is kept.
         written = self.written
-        fresh = [record for record in table.to_pylist() if record["id"] not in written]
-        for record in fresh:
+        ran = json.loads(table.schema.metadata.get(LORA, b"{}"))
+        fresh = []
+        for i, record in enumerate(table.to_pylist()):
+            if record["id"] in written:
+                continue
             written.add(record["id"])
-            pending.writer.add(record)
+            fresh.append(record)
+            pending.writer.add(record, model_ran=str(i) in ran, lora=ran.get(str(i)))
+            if str(i) in ran:
+                self.lora_rows.add(ran[str(i)], 1, record["error"] is not None)
         # A shard is redone whole: its rows are all fresh, or all committed already (and its tokens counted).
         if fresh and LORA in table.schema.metadata:
-            self.lora_rows.merge(json.loads(table.schema.metadata[LORA]))
             pending.progress.lora(self.lora_rows.summary())
         pending.progress.rows(len(fresh), **(json.loads(table.schema.metadata[TOKENS]) if fresh else {}))
 

@@ -148,6 +148,7 @@ class JobRun:
             next_part=out.next_part_number(),
             run_tag=out.run_tag,
             before_commit=lambda: (out.check_held(), source.check_reading()),
+            count_lora=job.engine.lora is not None,
         )
 
         def model_known(identity: dict) -> None:
@@ -237,6 +238,8 @@ class JobRun:
             "output_tokens": committed.output_tokens,
             "cached_tokens": committed.cached_tokens,
             **({"cache": {"hits": committed.cache_hits, "misses": committed.cache_misses}} if job.cache else {}),
+            # the whole job's rows by adapter, from the parts (the sorted files of `order: input` keep no count)
+            **({"lora": committed.lora.counts()} if job.engine.lora else {}),
             "this_run": {
                 "rows": stats.rows,
                 "wall_time_s": round(wall_time, 3),

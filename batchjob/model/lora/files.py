@@ -21,14 +21,26 @@ class LoraError(ModelError):
     """An adapter that cannot be applied to this model, with the reason (naming the adapter)."""
 
 
-def read_adapter_config(name: str, path: Path) -> dict:
-    """The folder's adapter_config.json, checked to be a plain LoRA (LoraError otherwise)."""
+def read_adapter(name: str, path: Path) -> tuple[dict, bytes, str]:
+    """The folder's adapter_config.json (checked to be a plain LoRA), its weights file's bytes and the content digest
+    of the very bytes read: each file is read once, so that a file replaced meanwhile cannot pair one version's
+    weights with another's digest. LoraError naming the adapter where a file is missing, unreadable or not plain."""
     file = path / CONFIG_FILE
     if not file.is_file():
         raise LoraError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {path}")
     try:
-        cfg = json.loads(file.read_text())
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an endless number
+        config = file.read_bytes()
+        cfg = _plain_config(name, file, config)
+        data = weights_file(name, path).read_bytes()
+    except OSError as e:
+        raise LoraError(f"LoRA adapter {name!r}: cannot read its files ({e})") from None
+    return cfg, data, _digest(config, data)
+
+
+def _plain_config(name: str, file: Path, data: bytes) -> dict:
+    try:
+        cfg = json.loads(data)
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an endless number
         raise LoraError(f"LoRA adapter {name!r}: {file} is not readable JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise LoraError(f"LoRA adapter {name!r}: {file} holds no JSON object")
@@ -65,24 +77,15 @@ def adapter_paths(adapters: dict[str, str]) -> dict[str, Path]:
 
 
 def adapter_digests(adapters: dict[str, str]) -> dict[str, str]:
-    """Each adapter's content digest by name, its config checked but its weights not read; LoraError where an
+    """Each adapter's content digest by name, its config checked but its weights not parsed; LoraError where an
     adapter's folder or files are missing or its config is not a plain LoRA's."""
-    digests = {}
-    for name, path in adapter_paths(adapters).items():
-        read_adapter_config(name, path)
-        weights_file(name, path)
-        try:
-            digests[name] = adapter_digest(path)
-        except OSError as e:
-            raise LoraError(f"LoRA adapter {name!r}: cannot read its files ({e})") from None
-    return digests
+    return {name: read_adapter(name, path)[2] for name, path in adapter_paths(adapters).items()}
 
 
-def adapter_digest(path: Path) -> str:
+def _digest(config: bytes, weights: bytes) -> str:
     """sha256 of the adapter's two files (config, then weights): the results cache and output fingerprint key by it."""
     h = hashlib.sha256()
-    for file in (CONFIG_FILE, WEIGHTS_FILE):
-        data = (path / file).read_bytes()
+    for data in (config, weights):
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()

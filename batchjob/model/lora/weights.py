@@ -9,24 +9,20 @@ an adapter is untrusted input, and one applied in part would give wrong outputs 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 
-from batchjob.model.config import ModelConfig
-from batchjob.model.lora.files import (
-    WEIGHTS_FILE,
-    LoraError,
-    adapter_digest,
-    read_adapter_config,
-    weights_file,
-)
+from batchjob.model.config import ModelConfig, weight_shapes
+from batchjob.model.lora.files import WEIGHTS_FILE, LoraError, read_adapter
 
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 
@@ -80,29 +76,30 @@ def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int, dtype: 
     """The adapter at `path` (a PEFT folder) for a model of `config`, in float32 on the host; LoraError naming the
     adapter and the reason when it is not a plain LoRA of this model's projections, a rank above `max_rank`, or
     weights that `dtype` (the slots') cannot hold. Names, dtypes and shapes are checked from the file's header before
-    any tensor is read."""
-    cfg = read_adapter_config(name, path)
-    file = weights_file(name, path)
+    any tensor is parsed; the weights and the digest come from one read of the files."""
+    cfg, data, digest = read_adapter(name, path)
     alpha = float(cfg["lora_alpha"])
     layers: list[dict[str, list]] = [{} for _ in range(config.num_hidden_layers)]
     rank = 0
     try:
-        with safe_open(str(file), "pt") as f:
-            pairs = _checked_pairs(name, f, config, max_rank)
-            for (layer, module), keys in sorted(pairs.items()):
-                matmul, start, end = targets(config)[module]
-                a, b = f.get_tensor(keys["A"]).float(), f.get_tensor(keys["B"]).float()
-                r = a.shape[0]
-                b = b * (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
-                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # scaled: a huge alpha overflows
-                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: NaN or infinite weights")
-                if not (torch.isfinite(a.to(dtype)).all() and torch.isfinite(b.to(dtype)).all()):  # float16's 65504
-                    kind = str(dtype).removeprefix("torch.")
-                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: weights beyond {kind}'s range")
-                layers[layer].setdefault(matmul, []).append((start, end, a, b))
-                rank = max(rank, r)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise LoraError(f"LoRA adapter {name!r}: {file} is not a readable safetensors file ({e})") from None
+        pairs = _checked_pairs(name, _header(data), config, max_rank)
+        tensors = load_safetensors(data)
+    except (SafetensorError, ValueError, RecursionError) as e:  # ValueError: a header that is not JSON
+        raise LoraError(
+            f"LoRA adapter {name!r}: {path / WEIGHTS_FILE} is not a readable safetensors file ({e})"
+        ) from None
+    for (layer, module), keys in sorted(pairs.items()):
+        matmul, start, end = targets(config)[module]
+        a, b = tensors[keys["A"]].float(), tensors[keys["B"]].float()
+        r = a.shape[0]
+        b = b * (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # scaled: a huge alpha overflows
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: NaN or infinite weights")
+        if not (torch.isfinite(a.to(dtype)).all() and torch.isfinite(b.to(dtype)).all()):  # float16's 65504
+            kind = str(dtype).removeprefix("torch.")
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module}: weights beyond {kind}'s range")
+        layers[layer].setdefault(matmul, []).append((start, end, a, b))
+        rank = max(rank, r)
     fused = []
     for layer in layers:
         updates = {}
@@ -115,32 +112,51 @@ def load_lora(name: str, path: Path, config: ModelConfig, max_rank: int, dtype: 
                 r0 += a.shape[0]
             updates[matmul] = LoraUpdate(stacked, expand)
         fused.append(updates)
-    return LoraAdapter(name, path, rank, adapter_digest(path), fused)
+    return LoraAdapter(name, path, rank, digest, fused)
 
 
-def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tuple[int, str], dict[str, str]]:
-    """The file's (layer, projection) -> {"A": key, "B": key}, every name, dtype and shape checked from its header."""
-    pairs: dict[tuple[int, str], dict[str, str]] = {}
-    shapes = {}
-    for key in f.keys():  # noqa: SIM118 (safe_open has no iteration)
+def _header(data: bytes) -> dict[str, dict]:
+    """A safetensors file's tensors (name -> {"dtype", "shape", ...}) from its header, before any tensor is parsed;
+    ValueError where the header is no safetensors header."""
+    size = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or size > len(data) - 8:
+        raise ValueError("the header's length runs past the file's end")
+    header = json.loads(data[8 : 8 + size])
+    if not isinstance(header, dict):
+        raise ValueError("the header is no JSON object")
+    header.pop("__metadata__", None)
+    for key, entry in header.items():
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+        ):
+            raise ValueError(f"{key} has no dtype and shape")
+    return header
+
+
+def _checked_pairs(
+    name: str, header: dict, config: ModelConfig, max_rank: int
+) -> dict[tuple[int, str], dict[str, str]]:
+    """The file's (layer, projection) -> {"A": key, "B": key}, every name, dtype and shape checked from its header
+    against the base model's own modules (weight_shapes: the checkpoint's names, so that another family's fused or
+    separate projections are refused even where their shapes would fit the fused matmul)."""
+    pairs: dict[tuple[int, str, str], dict[str, str]] = {}  # by (layer, "self_attn" or "mlp", projection)
+    for key, entry in header.items():
         m = _KEY.search(key)
         if m is None:
             raise LoraError(f"LoRA adapter {name!r}: {key} is not a LoRA weight of a decoder projection")
-        part = f.get_slice(key)
-        if part.get_dtype() not in _FLOAT_DTYPES:
-            raise LoraError(f"LoRA adapter {name!r}: {key} holds {part.get_dtype()}, not floating-point weights")
-        pair = pairs.setdefault((int(m[1]), m[2]), {})
-        if m[3] in pair:  # another module's key ending alike (a vision tower's layers): one would be dropped
+        if entry["dtype"] not in _FLOAT_DTYPES:
+            raise LoraError(f"LoRA adapter {name!r}: {key} holds {entry['dtype']}, not floating-point weights")
+        pair = pairs.setdefault((int(m[1]), m[2], m[3]), {})
+        if m[4] in pair:  # another module's key ending alike (a vision tower's layers): one would be dropped
             raise LoraError(
-                f"LoRA adapter {name!r}: two lora_{m[3]} weights for layer {m[1]} {m[2]}: {pair[m[3]]}, {key}"
+                f"LoRA adapter {name!r}: two lora_{m[4]} weights for layer {m[1]} {m[3]}: {pair[m[4]]}, {key}"
             )
-        pair[m[3]] = key
-        shapes[key] = tuple(part.get_shape())
+        pair[m[4]] = key
     if not pairs:
         raise LoraError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    known = targets(config)
+    known, base = targets(config), weight_shapes(config)
     written: dict[tuple[int, str], list[tuple[int, int, str]]] = {}  # (layer, matmul) -> its targeted columns
-    for (layer, module), keys in sorted(pairs.items()):
+    for (layer, block, module), keys in sorted(pairs.items()):
         where = f"LoRA adapter {name!r}: layer {layer} {module}"
         if module not in known:
             raise LoraError(f"{where}: not a projection LoRA is applied to here ({', '.join(known)})")
@@ -154,15 +170,24 @@ def _checked_pairs(name: str, f, config: ModelConfig, max_rank: int) -> dict[tup
             raise LoraError(f"{where}: the model has {config.num_hidden_layers} layers")
         if config.is_moe_layer(layer) and matmul in ("gate_up", "down"):
             raise LoraError(f"{where}: a sparse MoE layer's experts take no LoRA here")
+        prefix = f"model.layers.{layer}."
+        weight = base.get(f"{prefix}{block}.{module}.weight")
+        if weight is None:
+            has = [m for m in known if f"{prefix}{block}.{m}.weight" in base]
+            raise LoraError(
+                f"LoRA adapter {name!r}: layer {layer} {block}.{module}: the base model has no such module "
+                f"({config.architecture}'s {block} has {', '.join(has) or 'none that takes LoRA'}): "
+                "an adapter of another model family?"
+            )
         if set(keys) != {"A", "B"}:
             raise LoraError(f"{where}: lora_A and lora_B must both be present")
-        a, b = shapes[keys["A"]], shapes[keys["B"]]
-        r, fan_in = a[0] if len(a) == 2 else -1, in_features(config, matmul)
-        if a != (r, fan_in) or b != (end - start, r):
+        a, b = tuple(header[keys["A"]]["shape"]), tuple(header[keys["B"]]["shape"])
+        (out, fan_in), r = weight, a[0] if len(a) == 2 else -1
+        if a != (r, fan_in) or b != (out, r):
             raise LoraError(
-                f"{where}: lora_A {a} and lora_B {b} do not fit the base model (in {fan_in}, out {end - start}): "
+                f"{where}: lora_A {a} and lora_B {b} do not fit the base model (in {fan_in}, out {out}): "
                 "an adapter of another model?"
             )
         if not 0 < r <= max_rank:
             raise LoraError(f"{where}: rank {r} is above max_lora_rank {max_rank}" if r else f"{where}: rank 0")
-    return pairs
+    return {(layer, module): keys for (layer, _, module), keys in pairs.items()}
