@@ -248,7 +248,7 @@ def test_image_parts_under_the_ray_executor_fail_their_rows(idefics3, engine, tm
     assert works == [] and failed == ["messages[0].content[0] is an image: executor 'ray' reads no images yet"]
 
 
-def test_image_parts_on_a_text_only_model_stop_the_job(tmp_path):
+def test_image_parts_on_a_text_only_model_fail_their_rows_and_the_job_goes_on(tmp_path):
     rows = [{"id": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}]
     rows.append(
         {"id": "b", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]}
@@ -256,9 +256,12 @@ def test_image_parts_on_a_text_only_model_stop_the_job(tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", rows)
     job = write_job(tmp_path / "job.yaml", data, "smollm2-135m-instruct", input={"messages_column": "messages"})
     result = batchjob("run", str(job))
-    assert result.exit_code == 2, result.output
-    assert "row b: messages[0].content[0] is an image, and model smollm2-135m-instruct takes no images" in result.output
+    assert result.exit_code == 0, result.output  # rows failed, fail_on_row_errors off
     assert "Traceback" not in result.output
+    out = dataset(tmp_path / "job-out")
+    assert out["a"]["error"] is None and out["a"]["output"]
+    assert out["b"]["output"] is None
+    assert out["b"]["error"].startswith("messages[0].content[0] is an image, and model smollm2-135m-instruct takes no")
 
 
 def test_every_image_keys_a_row_in_order(idefics3, engine, oracle, tmp_path):  # noqa: F811

@@ -27,7 +27,7 @@ from batchjob.job.input.images import ImageReader, RowImages
 from batchjob.job.input.lora import RowLora
 from batchjob.job.input.prompt import PromptBuilder, RowError
 from batchjob.job.input.reader import Row
-from batchjob.job.spec import JobFileError, JobSpec
+from batchjob.job.spec import JobSpec
 
 # Quarter-octave length bins: lengths within ~19% of each other count as similar.
 BINS_PER_OCTAVE = 4
@@ -160,12 +160,11 @@ def job_planner(
 
 
 def _no_images(job: JobSpec, engine: JobEngine) -> Callable[[str, str], Exception]:
-    """What an image part raises where this job reads no images: a text-only model stops the job, as an image
-    column does; the Ray executor fails the row."""
+    """What an image part raises where this job reads no images: its row fails, naming the part (row data never
+    stops a job; an image column, which the job file names, does on a text-only model)."""
     if engine.image_prompter is None:
-        return lambda where, row_id: JobFileError(
-            f"row {row_id}: {where} is an image, and model {job.model} takes no images (it is not a vision-language "
-            "model)"
+        return lambda where, _: RowError(
+            f"{where} is an image, and model {job.model} takes no images (it is not a vision-language model)"
         )
     return lambda where, _: RowError(f"{where} is an image: executor {job.executor!r} reads no images yet")
 
