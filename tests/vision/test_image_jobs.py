@@ -134,6 +134,32 @@ def test_a_kill_and_resume_keeps_each_image_row_once(idefics3, engine, tmp_path)
     assert "unreadable image" in got["missing"]["error"] and "nowhere.png" in got["missing"]["error"]
 
 
+def test_a_200_row_captioning_job_killed_twice_keeps_each_row_once(idefics3, engine, tmp_path):
+    """200 generated pictures captioned, the run killed with SIGKILL twice (after its second commit; then half a
+    second into the resumed run's work), and resumed: every row once, each with its own picture's caption."""
+    data, files = paths_input(tmp_path, 200)
+    job = write_job(
+        tmp_path / "job.yaml",
+        data,
+        tmp_path / "out",
+        model=idefics3[0],
+        prompt={"chat_template": False},
+        output={"path": str(tmp_path / "out"), "checkpoint_rows": 2, "checkpoint_seconds": 0.2},
+    )
+    out = OutputDir(tmp_path / "out")
+    first = run_killed(str(job), ("commit", 2, 0.0), tmp_path / "kill1.log", out, "first kill")
+    second = run_killed(str(job), ("commit", 2, 0.5), tmp_path / "kill2.log", out, "second kill")
+    assert 0 < first < second < len(files) + 1
+    resumed = batchjob("run", str(job))
+    assert resumed.exit_code == 0, resumed.output
+    got = dataset(tmp_path / "out")  # an id written twice fails here
+    assert len(got) == len(files) + 1
+    want = expected(engine, ["<image>Same text."] * len(files), [str(f) for f in files])
+    for i, text in enumerate(want):
+        assert got[f"p{i}"]["error"] is None and got[f"p{i}"]["output"] == text, i
+    assert "nowhere.png" in got["missing"]["error"]
+
+
 def test_the_results_cache_keys_a_row_by_its_image(idefics3, engine, tmp_path):
     data, files = paths_input(tmp_path, 2)
     cache = {"path": str(tmp_path / "cache")}
