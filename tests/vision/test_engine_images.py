@@ -211,3 +211,38 @@ def test_images_not_given_as_a_list_raise_before_any_request(idefics3):
             engine.generate(["hello", {"prompt": "a <image>", "images": images}], GREEDY, use_tqdm=False)
     outs = engine.generate([{"prompt": "a <image>", "images": (image(1, (9, 9)),)}], GREEDY, use_tqdm=False)
     assert outs[0].error is None
+
+
+def _continuation_nll(engine: Engine, rows, continuations: list[list[int]]) -> float:
+    """Mean negative log-likelihood of each row's continuation after its prompt and images, teacher-forced (the
+    prompt's logprobs from the continuation's first token on), over every continuation token."""
+    requests = []
+    for k, ((prompt, images), continuation) in enumerate(zip(rows, continuations)):
+        made = engine.image_prompter(prompt, images)
+        params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+        start = len(made.token_ids)
+        requests.append(Request(f"r{k}", made.token_ids + continuation, params, start, images=made))
+    outs = list(engine.stream(requests))
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    logprobs = [lp.logprob for o in outs for lp in o.prompt_logprobs if lp is not None]
+    assert len(logprobs) == sum(map(len, continuations))
+    return -sum(logprobs) / len(logprobs)
+
+
+def test_bf16_image_rows_keep_fp32s_likelihood_within_the_nll_bound(idefics3):
+    """bf16 on image rows within the project's NLL bound (`bench --quality`'s for text): the likelihood bf16 gives
+    fp32's greedy continuations is within 1 % of fp32's own. With each row's images taken from another row the same
+    continuations score further off than that, so the bound does see the images."""
+    folder, _ = idefics3
+    fp32, bf16 = vision_engine(folder), vision_engine(folder, dtype="bfloat16")
+    rows = [
+        ("User: what is in <image>? Assistant:", [image(10, (40, 24))]),
+        ("<image> first, then <image>:", [image(11, (20, 36)), image(12, (30, 30))]),
+        ("Caption:<image>", [image(13, (24, 40))]),
+    ]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    continuations = [o.token_ids for o in fp32.generate([{"prompt": p, "images": i} for p, i in rows], params)]
+    exact = _continuation_nll(fp32, rows, continuations)
+    assert abs(_continuation_nll(bf16, rows, continuations) - exact) <= 0.01 * exact
+    swapped = [(rows[0][0], rows[2][1]), (rows[1][0], rows[1][1][::-1]), (rows[2][0], rows[0][1])]
+    assert abs(_continuation_nll(fp32, swapped, continuations) - exact) > 0.01 * exact
