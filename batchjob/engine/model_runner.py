@@ -290,17 +290,28 @@ class ModelRunner:
 
     def make_scratch_caches(self) -> list[tuple[torch.Tensor, ...]]:
         """A cache for probe_step, plus the block padded decode rows use."""
-        return self._make_caches(-(-self.config.max_num_batched_tokens // self.block_size) + 1)
+        return self._make_caches(sum(-(-n // self.block_size) for n in self._probe_lengths()) + 1)
+
+    def _probe_lengths(self) -> list[int]:
+        """The largest step's sequences: the token budget in sequences of at most max_model_len tokens, as a real
+        step's are (one sequence of a larger budget ran past the model's positions)."""
+        n, most = self.config.max_num_batched_tokens, self.max_model_len
+        return [min(most, n - start) for start in range(0, n, most)]
 
     @torch.inference_mode()
     def probe_step(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """The largest step a KV pool sized now must leave room for, on a scratch cache (make_scratch_caches): a
-        prefill over the full token budget, and the logits of as many of its rows as a step samples at most
-        (max_num_seqs, as execute computes them)."""
-        n = self.config.max_num_batched_tokens
-        blocks = -(-n // self.block_size)
-        meta = AttentionMetadata.build([n], [n], [list(range(blocks))], list(range(n)), self.device)
-        positions = torch.arange(n, device=self.device)
+        prefill over the full token budget, in sequences of at most max_model_len tokens, and the logits of as many
+        of its rows as a step samples at most (max_num_seqs, as execute computes them)."""
+        lengths = self._probe_lengths()
+        tables, slots, first = [], [], 0
+        for n in lengths:
+            blocks = -(-n // self.block_size)
+            tables.append(list(range(first, first + blocks)) + [-1] * (-(-lengths[0] // self.block_size) - blocks))
+            slots += range(first * self.block_size, first * self.block_size + n)
+            first += blocks
+        meta = AttentionMetadata.build(lengths, lengths, tables, slots, self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         hidden = self.model.forward(torch.zeros_like(positions), positions, meta, kv_caches)
         return self.model.compute_logits(hidden[: self.config.max_num_seqs])
 

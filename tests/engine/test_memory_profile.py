@@ -60,3 +60,20 @@ def test_the_measured_steps_run_on_a_scratch_cache(ops):
         assert written == [3]
     # the engine's own cache: untouched
     assert torch.equal(runner.kv_caches[0][0], torch.zeros_like(runner.kv_caches[0][0]))
+
+
+def test_the_largest_step_of_a_budget_over_max_model_len_is_rows_a_step_can_hold():
+    """A token budget larger than the context (here 2,500 tokens over a 256-token max_model_len, past the model's
+    1,024 positions): the measured step holds sequences of at most max_model_len tokens, as a real step does, not one
+    sequence past the model's positions (which failed in rotary)."""
+    engine = Engine(
+        "tiny-llama", load_format="dummy", device="cpu", dtype="float32", num_kv_blocks=8,
+        max_num_batched_tokens=2500, block_size=16, max_num_seqs=6, max_model_len=256,
+    )  # fmt: skip
+    runner = engine.runner
+    scratch = runner.make_scratch_caches()
+    logits = runner.probe_step(scratch)
+    assert logits.shape == (6, engine.model_config.vocab_size) and logits.isfinite().all()
+    written = scratch[0][0].flatten(1).ne(0).any(1)  # [block] of layer 0's K
+    assert written.sum() == 9 * 16 + 13 and not written[-1]  # 9 sequences of 16 blocks, and one of 196 tokens
+    assert engine.largest_step_host_bytes() > 0
