@@ -111,8 +111,9 @@ def paths_input(tmp_path: Path, n: int) -> tuple[Path, list[Path]]:
     return write_parquet(tmp_path / "paths.parquet", rows), files
 
 
-def test_a_kill_and_resume_keeps_each_image_row_once(idefics3, engine, tmp_path):
-    data, files = paths_input(tmp_path, 8)
+def killable_job(idefics3, tmp_path: Path, n: int) -> tuple[Path, list[Path], OutputDir]:
+    """A job over paths_input's `n` image rows that commits every 2 rows (or 0.2 s): its file, images and output."""
+    data, files = paths_input(tmp_path, n)
     job = write_job(
         tmp_path / "job.yaml",
         data,
@@ -121,7 +122,11 @@ def test_a_kill_and_resume_keeps_each_image_row_once(idefics3, engine, tmp_path)
         prompt={"chat_template": False},  # no <image> in the template: the image goes before the text
         output={"path": str(tmp_path / "out"), "checkpoint_rows": 2, "checkpoint_seconds": 0.2},
     )
-    out = OutputDir(tmp_path / "out")
+    return job, files, OutputDir(tmp_path / "out")
+
+
+def test_a_kill_and_resume_keeps_each_image_row_once(idefics3, engine, tmp_path):
+    job, files, out = killable_job(idefics3, tmp_path, 8)
     done = run_killed(str(job), ("commit", 2, 0.0), tmp_path / "kill.log", out, "image kill")
     assert 0 < done < len(files) + 1
     resumed = batchjob("run", str(job))
@@ -138,16 +143,7 @@ def test_a_200_row_captioning_job_killed_twice_keeps_each_row_once(idefics3, eng
     """200 generated pictures captioned, the run killed with SIGKILL twice (each time stopped right after its second
     commit, so the kill lands mid-run however fast the host), and resumed: every row once, each with its own
     picture's caption."""
-    data, files = paths_input(tmp_path, 200)
-    job = write_job(
-        tmp_path / "job.yaml",
-        data,
-        tmp_path / "out",
-        model=idefics3[0],
-        prompt={"chat_template": False},
-        output={"path": str(tmp_path / "out"), "checkpoint_rows": 2, "checkpoint_seconds": 0.2},
-    )
-    out = OutputDir(tmp_path / "out")
+    job, files, out = killable_job(idefics3, tmp_path, 200)
     first = run_killed(str(job), ("commit", 2, 0.0), tmp_path / "kill1.log", out, "first kill")
     second = run_killed(str(job), ("commit", 2, 0.0), tmp_path / "kill2.log", out, "second kill")
     assert 0 < first < second < len(files) + 1
