@@ -465,3 +465,26 @@ def test_each_part_counts_its_rows_by_lora_adapter_and_older_parts_count_as_unre
         "base_model": {"rows": 1, "failed": 0},
         "adapters": {"alpha": {"rows": 2, "failed": 1}},
     }
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        (b"batchjob.lora", b"[1, 2]"),
+        (b"batchjob.lora", b'{"base_model": {"rows": "many"}, "adapters": {}}'),
+        (b"batchjob.lora", b'{"adapters": {"a": null}}'),
+        (b"batchjob.cache", b"[1]"),
+        (b"batchjob.cache", b'{"hits": "x"}'),
+    ],
+)
+def test_a_parts_damaged_counts_are_a_state_error_not_a_crash(tmp_path, key, value):
+    """A part's metadata is read back, so untrusted: counts of another shape name the part (StateError, exit 2)."""
+    out = OutputDir(tmp_path)
+    out.recover()
+    w = writer(out.data, rows=1)
+    w.add(record(0))
+    part = next(out.data.glob("part-*.parquet"))
+    table = pq.read_table(part)
+    pq.write_table(table.replace_schema_metadata({key: value}), part)
+    with pytest.raises(StateError, match="cannot read the committed part"):
+        out.committed()

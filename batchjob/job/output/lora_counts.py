@@ -16,16 +16,32 @@ class LoraCounts:
         self.rows: dict[str | None, dict[str, int]] = {}
 
     def add(self, lora: str | None, rows: int, failed: bool) -> None:
+        self._add(lora, rows, rows if failed else 0)
+
+    def _add(self, lora: str | None, rows: int, failed: int) -> None:
         counts = self.rows.setdefault(lora, {"rows": 0, "failed": 0})
         counts["rows"] += rows
-        counts["failed"] += rows if failed else 0
+        counts["failed"] += failed
 
-    def merge(self, counts: dict) -> None:
-        """Add another count's counts() (a part's)."""
-        for name, c in [(None, counts["base_model"]), *counts["adapters"].items()]:
-            if c["rows"]:
-                self.add(name, c["rows"], False)
-                self.rows[name]["failed"] += c["failed"]
+    def merge(self, other: LoraCounts) -> None:
+        for name, c in other.rows.items():
+            self._add(name, c["rows"], c["failed"])
+
+    @classmethod
+    def from_metadata(cls, text: bytes) -> LoraCounts:
+        """A part's LORA_METADATA, read back (so untrusted): ValueError where it is not counts() of counts."""
+        parsed = cls()
+        try:
+            counts = json.loads(text)
+            for name, c in [(None, counts["base_model"]), *counts["adapters"].items()]:
+                rows, failed = c["rows"], c["failed"]
+                if not all(type(n) is int and n >= 0 for n in (rows, failed)) or failed > rows:
+                    raise ValueError(f"{name or 'base model'}: {c}")
+                if rows:
+                    parsed._add(name, rows, failed)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"its LoRA counts are not counts: {e!r}") from None
+        return parsed
 
     def counts(self) -> dict:
         """{"base_model": {"rows", "failed"}, "adapters": {NAME: {"rows", "failed"}}}."""

@@ -93,6 +93,15 @@ class Committed:
         return pc.is_in(ids, value_set=self.ids.combine_chunks()).to_numpy(zero_copy_only=False)
 
 
+def _cache_counts(text: bytes) -> tuple[int, int]:
+    """A part's CACHE_METADATA, read back (so untrusted): its hits and misses; ValueError where they are not counts."""
+    cache = json.loads(text)
+    counts = (cache.get("hits", 0), cache.get("misses", 0)) if isinstance(cache, dict) else None
+    if counts is None or not all(type(n) is int and n >= 0 for n in counts):
+        raise ValueError(f"its results-cache counts are not counts: {text[:80]!r}")
+    return counts
+
+
 class OutputDir:
     def __init__(self, path: str | Path, storage_options: dict | None = None, lease_seconds: float = 60.0):
         self.path: Location = location(str(path), storage_options)
@@ -256,16 +265,16 @@ class OutputDir:
                 with parquet_file(part) as pf:  # an embedding job's parts have no output or cached tokens
                     table = pf.read(columns=[c for c in COUNTED_COLUMNS if c in pf.schema_arrow.names])
                     metadata = pf.schema_arrow.metadata or {}
-                    cache = json.loads(metadata.get(CACHE_METADATA, b"{}"))
-                    lora = json.loads(metadata[LORA_METADATA]) if LORA_METADATA in metadata else None
+                    hits, misses = _cache_counts(metadata.get(CACHE_METADATA, b"{}"))
+                    lora = LoraCounts.from_metadata(metadata[LORA_METADATA]) if LORA_METADATA in metadata else None
             except Exception as e:  # a part is whole by construction; this is a damaged disk or a foreign file
                 raise StateError(f"cannot read the committed part {part}: {e}") from None
             if with_ids:
                 id_chunks.append(table.column("id"))
             done.rows += table.num_rows
             done.failed += table.num_rows - table.column("error").null_count
-            done.cache_hits += cache.get("hits", 0)
-            done.cache_misses += cache.get("misses", 0)
+            done.cache_hits += hits
+            done.cache_misses += misses
             if lora is None:
                 done.lora_unrecorded += table.num_rows
             else:
