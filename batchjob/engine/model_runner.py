@@ -149,12 +149,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int):
         self.config, self.max_model_len = config, max_model_len
         self.device = pick_device(config)
+        self.dtype = pick_dtype(config, self.device)
+        self.step_blocks: StepBlocks | None = None  # which freed blocks malloc keeps through a CPU step
         if self.device.type == "cpu":
             configure_threads(config.num_threads or os.cpu_count() or 1)
-        self.dtype = pick_dtype(config, self.device)
-        # which freed blocks malloc keeps through a CPU step
-        self.step_blocks: StepBlocks | None = None
-        if self.device.type == "cpu":
             self.step_blocks = StepBlocks(loaded.config.hidden_size * self.dtype.itemsize)
         self.ops_backend = pick_ops_backend(config, self.device)
         self.weights = pick_weights(config, self.device, loaded, self.dtype)
@@ -304,10 +302,10 @@ class ModelRunner:
         prefill over the full token budget, in sequences of at most max_model_len tokens, and the logits of as many
         of its rows as a step samples at most (max_num_seqs, as execute computes them)."""
         lengths = self._probe_lengths()
-        tables, slots, first = [], [], 0
+        tables, slots, first, width = [], [], 0, -(-lengths[0] // self.block_size)  # the first is the longest
         for n in lengths:
             blocks = -(-n // self.block_size)
-            tables.append(list(range(first, first + blocks)) + [-1] * (-(-lengths[0] // self.block_size) - blocks))
+            tables.append(list(range(first, first + blocks)) + [-1] * (width - blocks))
             slots += range(first * self.block_size, first * self.block_size + n)
             first += blocks
         meta = AttentionMetadata.build(lengths, lengths, tables, slots, self.device)

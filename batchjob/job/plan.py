@@ -122,10 +122,9 @@ def plan_job(
         prefill_s = (prompt_tokens - shared) / c["prefill_tokens_per_s"] if c["prefill_tokens_per_s"] else 0.0
         decode_s = report["output_tokens_expected"] / concurrency * c["decode_step_s"]
         report["estimated_time_s"] = round(prefill_s + decode_s, 1)
-        # the tokens whose K/V the run writes, each request's last block whole
-        written = prompt_tokens - shared + report["output_tokens_expected"] + len(lengths) * block_size
+        written = prompt_tokens - shared + report["output_tokens_expected"]
         report["peak_rss_bytes_predicted"] = predicted_peak_rss(
-            engine, min(written, kv_tokens), c.pop("kv_tokens_written")
+            engine, written, len(lengths), c.pop("kv_tokens_written")
         )
     return report
 
@@ -218,10 +217,8 @@ def _plan_scoring(job: JobSpec, source: InputSource, rows: int, engine: JobEngin
         rate = tokens / seconds if tokens and seconds else 0.0  # 0: the sample's rows all failed in the engine
         report["calibration"] = {"requests": len(sample), "prefill_tokens_per_s": round(rate, 1)}
         report["estimated_time_s"] = round(computed / rate, 1) if rate else None
-        written = min(computed + len(lengths) * block, engine.num_kv_blocks * block)  # last blocks whole
-        report["peak_rss_bytes_predicted"] = predicted_peak_rss(
-            engine, written, tokens + len(sample[0].prompt_token_ids)
-        )
+        calibrated = tokens + len(sample[0].prompt_token_ids)  # the warm-up's prompt, then the sample's steps
+        report["peak_rss_bytes_predicted"] = predicted_peak_rss(engine, computed, len(lengths), calibrated)
     return report
 
 
@@ -237,9 +234,8 @@ def max_output_tokens(engine: JobEngine, work: Work) -> int:
 
 def measure(engine: JobEngine, sample: list[Work]) -> dict:
     steps: list[StepMetrics] = []
-    engine.generate(
-        [sample[0].token_ids[:8]], sample[0].params.model_copy(update={"max_tokens": 2}), use_tqdm=False
-    )  # warm-up
+    warm_params = sample[0].params.model_copy(update={"max_tokens": 2})
+    warm_up = engine.generate([sample[0].token_ids[:8]], warm_params, use_tqdm=False)[0]
     engine.add_step_callback(steps.append)
     requests = [
         dataclasses.replace(
@@ -260,7 +256,9 @@ def measure(engine: JobEngine, sample: list[Work]) -> dict:
     ]
     prefill_time = sum(s.step_time for s in prefill)
     return {
-        "kv_tokens_written": sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps) + 10,  # warm-up's 10
+        "kv_tokens_written": sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps)
+        + len(warm_up.prompt_token_ids)
+        + len(warm_up.token_ids),
         "requests": len(sample),
         "prefill_tokens_per_s": round(sum(s.num_prefill_tokens for s in prefill) / prefill_time, 1)
         if prefill_time
@@ -271,17 +269,19 @@ def measure(engine: JobEngine, sample: list[Work]) -> dict:
     }
 
 
-def predicted_peak_rss(engine: JobEngine, kv_tokens: int, calibration_kv_tokens: int) -> int | None:
+def predicted_peak_rss(engine: JobEngine, kv_tokens: int, requests: int, calibration_kv_tokens: int) -> int | None:
     """The run's peak resident memory, from this process's, whose engine has loaded and calibrated: the larger of
     its peak so far (the model's load) and its memory now, less the K/V pages the calibration wrote, plus what the
-    largest step adds at its peak, plus the K/V pages of the run's `kv_tokens` (the pool is mapped lazily, a page
-    resident once written). None where it cannot be measured (not a CPU, no /proc)."""
+    largest step adds at its peak, plus the K/V pages the run writes: its `kv_tokens`, each of its `requests`' last
+    block whole, at most the pool (mapped lazily, a page resident once written). None where it cannot be measured
+    (not a CPU, no /proc)."""
     loaded_peak, now = peak_rss(), resident_bytes()
     step = engine.largest_step_host_bytes()
     if loaded_peak is None or now is None or step is None:
         return None
-    kv = engine.kv_bytes_per_token
-    return max(loaded_peak, now + step + (kv_tokens - calibration_kv_tokens) * kv)
+    block = engine.config.block_size
+    written = min(kv_tokens + requests * block, engine.num_kv_blocks * block)
+    return max(loaded_peak, now + step + (written - calibration_kv_tokens) * engine.kv_bytes_per_token)
 
 
 def _request(work: Work) -> Request | None:
