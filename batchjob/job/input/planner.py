@@ -159,14 +159,12 @@ def job_planner(
     )
 
 
-def _no_images(job: JobSpec, engine: JobEngine) -> Callable[[str, str], Exception]:
-    """What an image part raises where this job reads no images: its row fails, naming the part (row data never
-    stops a job; an image column, which the job file names, does on a text-only model)."""
+def _no_images(job: JobSpec, engine: JobEngine) -> str:
+    """Why an image part fails its row where this job reads no images, after "... is an image" (row data never stops
+    a job; an image column, which the job file names, does on a text-only model)."""
     if engine.image_prompter is None:
-        return lambda where, _: RowError(
-            f"{where} is an image, and model {job.model} takes no images (it is not a vision-language model)"
-        )
-    return lambda where, _: RowError(f"{where} is an image: executor {job.executor!r} reads no images yet")
+        return f", and model {job.model} takes no images (it is not a vision-language model)"
+    return f": executor {job.executor!r} reads no images yet"
 
 
 def requests(

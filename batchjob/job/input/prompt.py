@@ -25,11 +25,10 @@ class PromptBuilder:
         tokenizer: Tokenizer,
         context_len: int,
         image_token: str | None = None,
-        no_images: Callable[[str, str], Exception] | None = None,
+        no_images: str | None = None,
     ):
         """`image_token`: a vision-language model's, where this job reads images (input/images.py); else an image
-        part raises what `no_images` makes of its place and its row's id (default: a RowError saying the task reads
-        no images)."""
+        part fails its row, `no_images` saying why after "... is an image" (default: the task reads none)."""
         self.prompt, self.format = job.prompt, job.input.format
         self.text_column, self.messages_column = job.input.text_column, job.input.messages_column
         kwargs = job.prompt.chat_template_kwargs
@@ -53,7 +52,7 @@ class PromptBuilder:
         # A row's images (input/images.py) go where the template writes image tokens, else all before the row's text.
         self.image_token, self.image_column = image_token, job.input.image_column
         self.image_lead = image_token if image_token and image_token not in (job.prompt.template or "") else ""
-        self.no_images = no_images or (lambda where, _: RowError(f"{where} is an image: task {job.task!r} reads none"))
+        self.no_images = no_images or f": task {job.task!r} reads none"
 
     def build_many(self, rows: list[Row], max_tokens: list[int]) -> list[tuple[list[int], bool] | RowError]:
         """build() of many rows at once: one batch call to the tokenizer (parallel in its Rust threads), and chat
@@ -152,9 +151,9 @@ class PromptBuilder:
                     "a /v1/chat/completions line needs a chat template, and this model has none "
                     "(a /v1/completions line with body.prompt needs none)"
                 )
-            return self._messages_parts(row.values["messages"], row.id)
+            return self._messages_parts(row.values["messages"])
         if self.messages_column:
-            return self._messages_parts(row.values[self.messages_column], row.id)
+            return self._messages_parts(row.values[self.messages_column])
         main = self.data(_text(row.values.get(self.text_column), self.text_column))
         fields = {name: self.data(_scalar(row.values.get(name), name)) for name in self.fields}
         template, system, chat = self.template, self.system, self.chat
@@ -173,14 +172,14 @@ class PromptBuilder:
 
         return compose, main
 
-    def _messages_parts(self, value, row_id: str) -> tuple[Callable[[str], Chat], str]:
+    def _messages_parts(self, value) -> tuple[Callable[[str], Chat], str]:
         """A chat of the row's messages, their text escaped and each image part where it is; the longest text (a
         message's, or a part's) is the one truncation cuts."""
         messages = parse_messages(value)
         for m in messages:
             for p in m.pieces:
                 if isinstance(p, ImagePart) and self.image_token is None:
-                    raise self.no_images(p.where, row_id)
+                    raise RowError(f"{p.where} is an image{self.no_images}")
         messages = [
             Message(self.data(m.role), [p if isinstance(p, ImagePart) else self.data(p) for p in m.pieces], m.text_only)
             for m in messages
