@@ -416,6 +416,12 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     help="the engine's (and vLLM's) dtype; default: the job file's, else auto",
 )
 @click.option(
+    "--vllm-dtype",
+    default=None,
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="vLLM's dtype, where it should differ from the engine's (vLLM's own default for SmolLM2 is bfloat16)",
+)
+@click.option(
     "--weights",
     default=None,
     type=click.Choice(["auto", "dequantize", "quantized", "int8"]),

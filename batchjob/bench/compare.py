@@ -80,6 +80,7 @@ def run_bench(
     repeats: int,
     threads: int,
     llama: LlamaServerOptions = LlamaServerOptions(),
+    vllm_dtype: str | None = None,
 ) -> dict:
     """Every system once per round, rounds interleaved in rotating order; the median wall time per system is
     reported."""
@@ -101,7 +102,7 @@ def run_bench(
         systems.remove("vllm")
     hf_model = None
     longest = max(len(r.prompt_token_ids) + r.params.max_tokens for r in wl.requests)
-    vllm = load_vllm(engine, model_path, longest) if "vllm" in systems else None
+    vllm = load_vllm(engine, model_path, longest, vllm_dtype) if "vllm" in systems else None
     if "llama-server" in systems:
         server = llama_server.ensure_built() / "llama-server"
         gguf = llama_server.requantized(model_path, llama.requantize) if llama.requantize else model_path
@@ -295,6 +296,7 @@ class BenchOptions:
     labels: str | None = None
     loras: int | None = None
     lora_rank: int = 8
+    vllm_dtype: str | None = None
 
 
 QUALITY_JOB = "jobs/summarize.yaml"  # --quality's default workload: real documents, chat prompts, 64 tokens
@@ -369,7 +371,9 @@ def _score_report(o: BenchOptions, engine: Engine, wl: Workload) -> dict:
             raise JobFileError(f"bench --labels: {too_long} rows and their longest label exceed the model's context")
         name += f"; each row with {len(labels)} labels ({o.labels})"
     systems = _score_systems(o)
-    return run_score_bench(engine, engine.model_path, rows, name, systems, o.batch_size, o.repeats, labels)
+    return run_score_bench(
+        engine, engine.model_path, rows, name, systems, o.batch_size, o.repeats, labels, o.vllm_dtype
+    )
 
 
 def bench(o: BenchOptions) -> str:
@@ -449,7 +453,7 @@ def bench(o: BenchOptions) -> str:
         batch = o.batch_size or BATCH_SIZE
         llama = LlamaServerOptions(o.slots, o.requantize)
         threads = torch.get_num_threads()
-        report = run_bench(engine, engine.model_path, wl, systems, batch, o.repeats, threads, llama)
+        report = run_bench(engine, engine.model_path, wl, systems, batch, o.repeats, threads, llama, o.vllm_dtype)
         text = format_report(report)
     _write_json(o.json_path, report)
     return text

@@ -14,7 +14,7 @@ import time
 import torch
 
 from batchjob.bench.measure import Result, interleaved_rounds, scoring_floor, synchronize
-from batchjob.bench.systems import VLLM_ENV, dtype_name, engine_mode, load_hf_model, load_vllm, peer_status
+from batchjob.bench.systems import VLLM_ENV, dtype_name, engine_mode, load_hf_model, load_vllm, peer_status, vllm_dtype
 from batchjob.engine.engine import Engine
 from batchjob.model.cpu_features import cpu_kind
 
@@ -142,7 +142,7 @@ def run_vllm_score(llm, engine: Engine, rows: list[list[int]], starts: list[int]
     logprobs = [vllm_logprobs(o.prompt_logprobs, r) for o, r in zip(outs, rows)]
     result.logprobs = [compared(lp[start - 1 :], start) for lp, start in zip(logprobs, starts)]
     settings = ", ".join(f"{k}={v}" for k, v in VLLM_ENV.items())
-    result.note = f"vllm {vllm.__version__}, {dtype_name(engine.dtype)}, prompt_logprobs=0, both cores ({settings})"
+    result.note = f"vllm {vllm.__version__}, {vllm_dtype(llm)}, prompt_logprobs=0, both cores ({settings})"
     return result
 
 
@@ -180,6 +180,7 @@ def run_score_bench(
     hf_batch: int | None,
     repeats: int,
     labels: list[list[int]] | None = None,
+    vllm_dtype: str | None = None,
 ) -> dict:
     """Every system once a round, rounds interleaved in rotating order, the median round per system reported;
     transformers at each size of HF_BATCHES that fits HF_MAX_PADDED (or at `hf_batch`), one row each. With
@@ -210,7 +211,7 @@ def run_score_bench(
             hf_logprobs(hf_model, [rows[0][:16]])  # warm-up: the first forward pays for lazy initialisation
     if "vllm" in systems and "vllm" not in skipped:
         # each request also draws one token (max_tokens=1, vLLM's least), which its max_model_len must hold
-        llm = load_vllm(engine, model_path, max(map(len, sequences)) + 1)
+        llm = load_vllm(engine, model_path, max(map(len, sequences)) + 1, vllm_dtype)
         runners["vllm"] = lambda: run_vllm_score(llm, engine, sequences, starts)
     engine.score([rows[0][:16]], use_tqdm=False)  # warm-up
     if "vllm" in runners:

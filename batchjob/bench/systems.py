@@ -211,9 +211,10 @@ def engine_mode(engine: Engine) -> str:
     return mode
 
 
-def load_vllm(engine: Engine, model_path, longest: int | None = None):
-    """vLLM's LLM on the engine's weights, exported as an HF folder, in the engine's dtype (bf16 is also vLLM-CPU's
-    default for a model whose config says bf16, as SmolLM2's does), with every core for the model. Built
+def load_vllm(engine: Engine, model_path, longest: int | None = None, dtype: str | None = None):
+    """vLLM's LLM on the engine's weights, exported as an HF folder, in `dtype`, by default the engine's (bf16 is also
+    vLLM-CPU's default for a model whose config says bf16, as SmolLM2's does, on every x86 host: on one without
+    native bf16 the engine's default is float32), with every core for the model. Built
     once per bench: its init (compiling the model) takes minutes. Its workers spawn, so a script calling this needs
     an `if __name__ == "__main__":` guard."""
     from vllm import LLM  # type: ignore[import-not-found]
@@ -224,7 +225,7 @@ def load_vllm(engine: Engine, model_path, longest: int | None = None):
     with env.scoped({**VLLM_ENV, **env.set_here()}):
         return LLM(
             model=str(hf_folder(str(model_path))),
-            dtype=dtype_name(engine.dtype),
+            dtype=dtype or dtype_name(engine.dtype),
             enable_prefix_caching=True,
             # the engine's context, or at most the workload's longest request: vLLM refuses to start where one
             # sequence of its max_model_len would not fit its KV pool (a 128k-context config in 30% of RAM)
@@ -234,6 +235,11 @@ def load_vllm(engine: Engine, model_path, longest: int | None = None):
             # start while this process (our engine) and others hold a few GiB.
             gpu_memory_utilization=VLLM_CPU_MEMORY_SHARE,
         )
+
+
+def vllm_dtype(llm) -> str:
+    """The dtype vLLM computes in."""
+    return dtype_name(llm.model_config.dtype)
 
 
 def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
@@ -261,7 +267,7 @@ def run_vllm(llm, engine: Engine, wl: Workload) -> Result:
     result = Result("vllm", wall, wl.prompt_tokens, sum(map(len, tokens.values())), len(wl.requests))
     result.cpu_s, result.outputs = time.process_time() - c0, tokens
     settings = ", ".join(f"{k}={v}" for k, v in VLLM_ENV.items())
-    result.note = f"vllm {vllm.__version__}, {dtype_name(engine.dtype)}, both cores ({settings})"
+    result.note = f"vllm {vllm.__version__}, {vllm_dtype(llm)}, both cores ({settings})"
     return result
 
 
