@@ -349,12 +349,12 @@ def job_phases() -> None:
     profile_steps = {int(x) for x in os.environ.get("PROFILE_STEPS", "").split(",") if x}
     execute, calls = engine.runner.execute, [0]
 
-    def profiled(out, argmax=False):
+    def profiled(out, **kw):
         calls[0] += 1
         if calls[0] not in profile_steps:
-            return execute(out, argmax)
+            return execute(out, **kw)
         with profile(activities=[ProfilerActivity.CPU]) as p:
-            result = execute(out, argmax)
+            result = execute(out, **kw)
         rows = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[: int(os.environ.get("TOP", "6"))]
         top = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms" for e in rows)
         total = sum(e.self_cpu_time_total for e in p.key_averages()) / 1e3
