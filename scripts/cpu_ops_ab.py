@@ -31,10 +31,10 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   bfloat16, and in bfloat16 with the LM head in bf16 too (bf16 logits): tok/s, prefill and decode-only step times,
   and the greedy outputs' agreement with float32 (whole sequences, first tokens).
 - weights: the summarize job's first N (64) rows, ROUNDS rounds of the engine with `weights: dequantize` and
-  `weights: int8` interleaved (DTYPE sets both engines' dtype, default auto): wall time, tok/s, prefill and
-  decode-only step times, and how many greedy outputs the two share.
+  `weights: WEIGHTS` (w8a8, int8 or int4; default w8a8) interleaved (DTYPE sets both engines' dtype, default auto):
+  wall time, tok/s, prefill and decode-only step times, and how many greedy outputs the two share.
 - int8-quality: `bench --quality`'s NLL without its transformers part: the summarize job's first N (24) rows, the
-  fp32 engine's greedy continuations scored by the fp32 engine and by the int8 one (float32 otherwise) with 8-bit and
+  fp32 engine's greedy continuations scored by the fp32 engine and by the w8a8 one (float32 otherwise) with 8-bit and
   with 7-bit weights (a CPU without VNNI's; BITS=8 or 7 for one): mean NLL per token and its difference to fp32's.
   Variants: ALPHA (SmoothQuant's migration strength, default model/smoothing.py's), SMOOTH=0 (no smoothing: the
   scales all 1), FLOAT_DOWN=1 (the down projection kept float).
@@ -409,9 +409,10 @@ def dtype_ab() -> None:
 
 def weights_ab() -> None:
     n = int(os.environ.get("N", "64"))
-    engines = {w: Engine("smollm2-135m-instruct", weights=w, **dtype_setting()) for w in ("dequantize", "int8")}
+    other = os.environ.get("WEIGHTS", "w8a8")
+    engines = {w: Engine("smollm2-135m-instruct", weights=w, **dtype_setting()) for w in ("dequantize", other)}
     job = load_job("jobs/summarize.yaml")
-    wl = job_workload(job, engines["int8"], n)
+    wl = job_workload(job, engines[other], n)
     for engine in engines.values():  # warm-up: builds, first touch of each KV pool
         run_engine(engine, job_workload(job, engine, 4))
     for r in range(int(os.environ.get("ROUNDS", "2"))):
@@ -427,8 +428,8 @@ def weights_ab() -> None:
                 flush=True,
             )
         ref = outs["dequantize"]
-        same = sum(outs["int8"][k] == ref[k] for k in ref)
-        print(f"round {r}: int8 greedy equal to dequantize {same}/{len(ref)}", flush=True)
+        same = sum(outs[other][k] == ref[k] for k in ref)
+        print(f"round {r}: {other} greedy equal to dequantize {same}/{len(ref)}", flush=True)
 
 
 def int8_quality() -> None:
@@ -449,9 +450,9 @@ def int8_quality() -> None:
     bits = os.environ.get("BITS", "8,7").split(",")
     for qmax in [{"8": int8_linear.QMAX, "7": int8_linear.QMAX_WITHOUT_VNNI}[b] for b in bits]:
         int8_linear.weight_qmax = lambda qmax=qmax: qmax  # exact either way here: this CPU sums both in int32
-        int8 = Engine(job.model, dtype="float32", weights="int8")
-        nll = continuation_nll(int8, wl, continuations)["mean_nll"]
-        print(f"{int8.numerics['matmul']}: mean NLL {nll:.5f}, {100 * (nll / ref['mean_nll'] - 1):+.3f} % against fp32")
+        w8a8 = Engine(job.model, dtype="float32", weights="w8a8")
+        nll = continuation_nll(w8a8, wl, continuations)["mean_nll"]
+        print(f"{w8a8.numerics['matmul']}: mean NLL {nll:.5f}, {100 * (nll / ref['mean_nll'] - 1):+.3f} % against fp32")
 
 
 def invariance() -> None:

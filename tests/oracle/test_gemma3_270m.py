@@ -86,14 +86,14 @@ def test_greedy_tokens_equal_transformers(hf_gemma, gemma, prompts):
         assert_matches_generate(hf_model, prompt, out, NEW_TOKENS, 1e-3, label, eos_token_id=-1)
 
 
-def test_int8_weights_run_gemma_close_to_fp32(gemma, prompts):
-    """`weights: int8` on Gemma: its smoothing folds into the norms Gemma keeps as 1 + w (model/gemma.py), after
+def test_w8a8_weights_run_gemma_close_to_fp32(gemma, prompts):
+    """`weights: w8a8` on Gemma: its smoothing folds into the norms Gemma keeps as 1 + w (model/gemma.py), after
     they are made so; a fold into the wrong factor would scatter the output. Greedy first tokens as fp32's on most
     prompts, and the first four tokens on at least half."""
     params = SamplingParams(max_tokens=4)
     ids = [gemma.tokenizer.encode(p) for p in prompts[:6]]
     fp32 = Engine(MODEL, dtype="float32", num_kv_blocks=128).generate(ids, params)
-    int8 = Engine(MODEL, dtype="float32", weights="int8", num_kv_blocks=128).generate(ids, params)
-    assert int8[0].token_ids and all(len(o.token_ids) == 4 for o in int8)
-    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(fp32, int8)) >= 5
-    assert sum(a.token_ids == b.token_ids for a, b in zip(fp32, int8)) >= 3
+    w8a8 = Engine(MODEL, dtype="float32", weights="w8a8", num_kv_blocks=128).generate(ids, params)
+    assert w8a8[0].token_ids and all(len(o.token_ids) == 4 for o in w8a8)
+    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(fp32, w8a8)) >= 5
+    assert sum(a.token_ids == b.token_ids for a, b in zip(fp32, w8a8)) >= 3
