@@ -40,10 +40,9 @@ def test_each_group_of_32_is_within_half_a_step_of_its_own_scale(kind):
     levels = 127 if kind == "int8" else 15  # int8: symmetric, 127 steps to amax; int4: 15 steps from min to max
     span = groups.abs().amax(-1) if kind == "int8" else groups.amax(-1) - groups.amin(-1)
     half_step = span / levels / 2
-    # fp16 scales (and int4's fp16 zero) add a rounding of their own: 1e-3 of the span covers it
+    # fp16 scales (and int4's fp16 zero) add a rounding of their own: 1e-3 of the span covers it. One scale per row
+    # would fail this on the groups beside the outlier's, whose own steps are 20 times finer.
     assert (err.amax(-1) <= half_step * 1.01 + 1e-3 * span).all()
-    outlier_groups = err[:, 0].amax(-1)  # the outlier sits in group 0 of each row: its error is the largest
-    assert (err[:, 1:].amax(-1).amax(-1) < outlier_groups).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("kind", KINDS)
