@@ -1,7 +1,11 @@
 """`engine.weights: int8 | int4` (weight-only, model/matmul/weight_only.py) on the built-in model, end to end: each
 decoder layer's matmuls on blocks and nothing float kept beside them, the bytes they take, the NLL of fp32's greedy
 continuations within the issue's 1 %, greedy output that starts as fp32's and does not depend on the batch, a job
-run through the CLI, and the setting refused where it cannot run."""
+run through the CLI, and the setting refused where it cannot run.
+
+The built-in SmolLM2 is a Q4_1 GGUF, dequantized at load: its "fp32" is the file's values. int4 (Q4_1) requantizes
+those to exactly themselves, so there int4 must equal fp32's greedy output (a check that the blocks and their matmul
+are right, not a measure of int4's loss on a float checkpoint); int8 (Q8_0) rounds them to its own grid."""
 
 from __future__ import annotations
 
@@ -70,24 +74,29 @@ def test_the_layers_weights_take_their_bits_and_no_float_copy_is_kept(engines, k
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_nll_of_fp32s_greedy_continuations_is_within_1_percent(engines, prompts, reference, kind):
     """Per-token NLL of the fp32 engine's 32-token greedy continuations of 12 summarize prompts, teacher-forced
-    through each model: the weight-only one's within the issue's 1 % of fp32's (bench --quality's measure on the
-    job's rows: docs/benchmarks.md#weight-only-int8-and-int4)."""
+    through each model: the weight-only one's within the issue's 1 % of fp32's (measured: int8 +0.46 %, int4 0)."""
     ours = teacher_forced_nll(engines[kind].runner.model, prompts, reference)
     ref = teacher_forced_nll(engines["dequantize"].runner.model, prompts, reference)
     assert ref < 1.5  # the exact model's own greedy continuation: confident
     assert abs(ours - ref) <= 0.01 * ref, (ours, ref)
 
 
-@pytest.mark.parametrize(("kind", "same_first"), [("int8", 11), ("int4", 9)])
-def test_greedy_output_starts_as_fp32s_and_a_prompt_alone_gives_what_it_gives_in_the_batch(
-    engines, prompts, reference, kind, same_first
+def test_int8_greedy_output_starts_as_fp32s_and_a_prompt_alone_gives_what_it_gives_in_the_batch(
+    engines, prompts, reference
 ):
-    engine = engines[kind]
+    """Measured: the first token as fp32's on 12 of 12, whole 32-token continuations equal on 7."""
+    engine = engines["int8"]
     ours = [o.token_ids for o in engine.generate(prompts, CONTINUATION)]
     first = sum(a[0] == b[0] for a, b in zip(ours, reference))
     shared = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, reference)]
-    assert first >= same_first, (first, shared)
+    assert first >= 11, (first, shared)
     assert [engine.generate([p], CONTINUATION)[0].token_ids for p in prompts[:4]] == ours[:4]
+
+
+def test_int4_on_the_q4_1_file_reproduces_its_values_and_so_fp32s_greedy_output(engines, prompts, reference):
+    engine = engines["int4"]
+    assert [o.token_ids for o in engine.generate(prompts, CONTINUATION)] == reference
+    assert [engine.generate([p], CONTINUATION)[0].token_ids for p in prompts[:4]] == reference[:4]
 
 
 @pytest.mark.parametrize("kind", KINDS)
