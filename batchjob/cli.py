@@ -424,16 +424,17 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
 @click.option(
     "--weights",
     default=None,
-    type=click.Choice(["auto", "dequantize", "quantized", "int8"]),
-    help="the engine's matmuls: in its dtype on dequantized weights, on a GGUF's quantized blocks, or int8 (W8A8); "
-    "default: the job file's, else auto; with --quality, int8 measures int8 against fp32 instead of bf16",
+    type=click.Choice(["auto", "dequantize", "quantized", "int8", "int4", "w8a8"]),
+    help="the engine's matmuls: in its dtype on dequantized weights, on a GGUF's quantized blocks, on weights "
+    "quantized to int8 or int4 at load (weight-only), or W8A8 (w8a8); default: the job file's, else auto; with "
+    "--quality, int8, int4 or w8a8 measures that engine against fp32 instead of bf16",
 )
 @click.option("--enforce-eager", is_flag=True, help="decode without CUDA graphs (vLLM's flag)")
 @click.option(
     "--quality",
     is_flag=True,
-    help="instead of throughput: the bf16 (or with --weights int8 the int8) engine's NLL of the fp32 engine's greedy "
-    "continuations against fp32's, and "
+    help="instead of throughput: the bf16 (or with --weights int8, int4 or w8a8 that) engine's NLL of the fp32 "
+    "engine's greedy continuations against fp32's, and "
     "where greedy outputs first differ (engine and transformers, bf16 and fp32), on a job's rows "
     "(default --job jobs/summarize.yaml)",
 )

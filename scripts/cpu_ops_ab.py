@@ -1,7 +1,7 @@
 """Usage: python scripts/cpu_ops_ab.py
-   [steps|prof|gemm|int8|gguf|run|attention|job|dtype|weights|int8-quality|invariance|sampler]
+   [steps|prof|gemm|int8|gguf|weight-only|run|attention|job|dtype|weights|int8-quality|invariance|sampler]
    (env: REPS, DECODE_SEQS, ROUNDS, N, SYN, PROFILE_STEPS, TOP, DTYPE, BASELINE, ROWS, HEAD, BITS, ALPHA,
-   SMOOTH, FLOAT_DOWN)
+   SMOOTH, FLOAT_DOWN, SHAPES, WEIGHTS)
 
 A/B measurements of the CPU path, each interleaved in one process (the host is noisy: only same-run ratios count):
 - steps (default): one forward pass per step shape (decode, prefill, mixed) on the real model and KV pool, the torch
@@ -16,6 +16,11 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
 - gguf: bf16 matmuls of Llama-3.2-1B's shapes (MLP up, down, qkv, the LM head) on GGUF blocks (Q4_K, Q6_K, Q8_0;
   matmul/gguf_linear.py) against oneDNN's packed bf16 GEMM on the weights dequantized, per row count (ROWS, default
   1,16,64,512), interleaved: GFLOP/s and the ratio.
+- weight-only: a decoder layer's four matmuls at SHAPES' shapes (smollm2, default, or llama1b), float32 x, per row
+  count (ROWS, default 1,16,64,256,2048), interleaved: oneDNN's float32 GEMM on W packed once (matmul/linear.py)
+  against the weight-only blocks (Q8_0: int8, Q4_0, Q4_1: int4; matmul/weight_only.py) and torch's
+  _weight_int8pack_mm (int8, one scale per output channel) and _weight_int4pack_mm_for_cpu (int4, groups of 32):
+  ms per call summed over the four, and each path's ratio to float32's.
 - run: N (64) prompts of 256 random tokens, 64 greedy tokens each, through the engine with the torch ops, the C++
   kernels, and the C++ kernels with packed matmuls: wall time, process CPU time, decode-only step time per round.
 - attention: the C++ paged attention alone at SmolLM2's shapes (9 query heads, 3 KV heads of 64), best of 15 calls:
@@ -31,10 +36,10 @@ A/B measurements of the CPU path, each interleaved in one process (the host is n
   bfloat16, and in bfloat16 with the LM head in bf16 too (bf16 logits): tok/s, prefill and decode-only step times,
   and the greedy outputs' agreement with float32 (whole sequences, first tokens).
 - weights: the summarize job's first N (64) rows, ROUNDS rounds of the engine with `weights: dequantize` and
-  `weights: int8` interleaved (DTYPE sets both engines' dtype, default auto): wall time, tok/s, prefill and
-  decode-only step times, and how many greedy outputs the two share.
+  `weights: WEIGHTS` (w8a8, int8 or int4; default w8a8) interleaved (DTYPE sets both engines' dtype, default auto):
+  wall time, tok/s, prefill and decode-only step times, and how many greedy outputs the two share.
 - int8-quality: `bench --quality`'s NLL without its transformers part: the summarize job's first N (24) rows, the
-  fp32 engine's greedy continuations scored by the fp32 engine and by the int8 one (float32 otherwise) with 8-bit and
+  fp32 engine's greedy continuations scored by the fp32 engine and by the w8a8 one (float32 otherwise) with 8-bit and
   with 7-bit weights (a CPU without VNNI's; BITS=8 or 7 for one): mean NLL per token and its difference to fp32's.
   Variants: ALPHA (SmoothQuant's migration strength, default model/smoothing.py's), SMOOTH=0 (no smoothing: the
   scales all 1), FLOAT_DOWN=1 (the down projection kept float).
@@ -251,6 +256,51 @@ def gguf_ab() -> None:
             )
 
 
+def weight_only_ab() -> None:
+    from batchjob.model.matmul.gguf_linear import GGUFLinear
+    from batchjob.model.matmul.weight_only import quantize_weight as block_quantize
+
+    shapes = {
+        "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+        "llama1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+    }[os.environ.get("SHAPES", "smollm2")]
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.05 for n, k in shapes]
+
+    def int4pack(w: torch.Tensor, group: int = 32):  # torch's layout: [K / group, N, 2] scales and zeros
+        groups = w.view(w.shape[0], -1, group)
+        lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = (hi - lo).clamp(min=1e-6) / 15
+        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(w.shape)
+        zeros = (lo + 8 * scale).squeeze(-1)
+        scales_zeros = torch.stack([scale.squeeze(-1), zeros], -1).transpose(0, 1).contiguous()
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), group, scales_zeros
+
+    def int8pack(w: torch.Tensor):
+        scale = w.abs().amax(1) / 127
+        return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+    paths = {
+        "fp32": [linear.Linear(w.clone()) for w in weights],
+        **{f"{kind} blocks": [GGUFLinear([block_quantize(w, kind)]) for w in weights] for kind in ("int8", "int4")},
+    }
+    packed8, packed4 = [int8pack(w) for w in weights], [int4pack(w) for w in weights]
+    paths["int8pack_mm"] = [lambda x, p=p: torch.ops.aten._weight_int8pack_mm(x, *p) for p in packed8]
+    paths["int4pack_mm"] = [lambda x, p=p: torch.ops.aten._weight_int4pack_mm_for_cpu(x, *p) for p in packed4]
+    for rows in [int(r) for r in os.environ.get("ROWS", "1,16,64,256,2048").split(",")]:
+        xs = [torch.randn(rows, k, generator=g) for _, k in shapes]
+        best = dict.fromkeys(paths, float("inf"))
+        for r in range(4):  # interleaved, alternating order: the host's load shifts in between
+            for name in paths if r % 2 == 0 else reversed(paths):
+                t = time.perf_counter()
+                for f, x in zip(paths[name], xs):
+                    f(x)
+                best[name] = min(best[name], time.perf_counter() - t)
+        ms = "  ".join(f"{name} {s * 1e3:.2f}" for name, s in best.items())
+        ratios = " ".join(f"{name} {s / best['fp32']:.2f}" for name, s in best.items() if name != "fp32")
+        print(f"{rows} rows: ms {ms}; x fp32: {ratios}  load {os.getloadavg()[0]:.1f}", flush=True)
+
+
 def run_ab() -> None:
     n = int(os.environ.get("N", "64"))
     real = linear._packable
@@ -409,9 +459,10 @@ def dtype_ab() -> None:
 
 def weights_ab() -> None:
     n = int(os.environ.get("N", "64"))
-    engines = {w: Engine("smollm2-135m-instruct", weights=w, **dtype_setting()) for w in ("dequantize", "int8")}
+    other = os.environ.get("WEIGHTS", "w8a8")
+    engines = {w: Engine("smollm2-135m-instruct", weights=w, **dtype_setting()) for w in ("dequantize", other)}
     job = load_job("jobs/summarize.yaml")
-    wl = job_workload(job, engines["int8"], n)
+    wl = job_workload(job, engines[other], n)
     for engine in engines.values():  # warm-up: builds, first touch of each KV pool
         run_engine(engine, job_workload(job, engine, 4))
     for r in range(int(os.environ.get("ROUNDS", "2"))):
@@ -427,8 +478,8 @@ def weights_ab() -> None:
                 flush=True,
             )
         ref = outs["dequantize"]
-        same = sum(outs["int8"][k] == ref[k] for k in ref)
-        print(f"round {r}: int8 greedy equal to dequantize {same}/{len(ref)}", flush=True)
+        same = sum(outs[other][k] == ref[k] for k in ref)
+        print(f"round {r}: {other} greedy equal to dequantize {same}/{len(ref)}", flush=True)
 
 
 def int8_quality() -> None:
@@ -449,9 +500,9 @@ def int8_quality() -> None:
     bits = os.environ.get("BITS", "8,7").split(",")
     for qmax in [{"8": int8_linear.QMAX, "7": int8_linear.QMAX_WITHOUT_VNNI}[b] for b in bits]:
         int8_linear.weight_qmax = lambda qmax=qmax: qmax  # exact either way here: this CPU sums both in int32
-        int8 = Engine(job.model, dtype="float32", weights="int8")
-        nll = continuation_nll(int8, wl, continuations)["mean_nll"]
-        print(f"{int8.numerics['matmul']}: mean NLL {nll:.5f}, {100 * (nll / ref['mean_nll'] - 1):+.3f} % against fp32")
+        w8a8 = Engine(job.model, dtype="float32", weights="w8a8")
+        nll = continuation_nll(w8a8, wl, continuations)["mean_nll"]
+        print(f"{w8a8.numerics['matmul']}: mean NLL {nll:.5f}, {100 * (nll / ref['mean_nll'] - 1):+.3f} % against fp32")
 
 
 def invariance() -> None:
@@ -597,6 +648,7 @@ def roofline() -> None:
     "gemm": gemm_ab,
     "int8": int8_ab,
     "gguf": gguf_ab,
+    "weight-only": weight_only_ab,
     "run": run_ab,
     "attention": attention,
     "job": job_phases,

@@ -173,25 +173,28 @@ def test_quality_scores_the_fp32_continuations_with_each_engines_own_forward(mon
     assert "greedy engine fp32 vs hf fp32" in text and "2/2 equal throughout" in text
 
 
-def test_quality_with_weights_int8_sets_the_int8_engine_against_fp32(monkeypatch):
-    """`--weights int8`: the int8 engine (float32 otherwise: its matmuls the one change) scores the fp32 continuations,
-    named int8 in the report; transformers left out here (the test above runs it)."""
+@pytest.mark.parametrize("weights", ["w8a8", "int8", "int4"])
+def test_quality_with_weights_sets_that_engine_against_fp32(monkeypatch, weights):
+    """`--weights w8a8` (or weight-only int8, int4): that engine (float32 otherwise: its matmuls the one change)
+    scores the fp32 continuations, named by its weights in the report; transformers left out here (the test above
+    runs it)."""
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(quality, "peer_status", lambda: {"hf": "left out in this test"})
     job = load_job("jobs/summarize.yaml", ["sampling.max_tokens=8"])
-    fp32, int8 = (Engine(job.model, dtype="float32", weights=w, num_kv_blocks=256) for w in ("dequantize", "int8"))
-    report = run_quality(fp32, int8, job_workload(job, fp32, 2), batch_size=2)
-    assert report["label"] == "int8" and list(report["nll"]) == ["fp32", "int8"]
-    assert report["dtypes"]["int8"]["weights"] == "int8" and "weights" not in report["dtypes"]["fp32"]
+    fp32, other = (Engine(job.model, dtype="float32", weights=w, num_kv_blocks=256) for w in ("dequantize", weights))
+    report = run_quality(fp32, other, job_workload(job, fp32, 2), batch_size=2)
+    assert report["label"] == weights and list(report["nll"]) == ["fp32", weights]
+    assert report["dtypes"][weights]["weights"] == weights and "weights" not in report["dtypes"]["fp32"]
     assert all(0 < v["mean_nll"] < 10 for v in report["nll"].values())
-    assert list(report["divergence"]) == ["engine int8 vs engine fp32"]
-    assert "int8 vs fp32 NLL" in format_quality(report)
+    assert list(report["divergence"]) == [f"engine {weights} vs engine fp32"]
+    assert f"{weights} vs fp32 NLL" in format_quality(report)
 
 
-def test_bench_quality_takes_weights_int8_only():
+def test_bench_quality_takes_weights_int8_int4_or_w8a8_only():
     result = CliRunner().invoke(cli.main, ["bench", "--quality", "--weights", "dequantize"])
     assert result.exit_code == EXIT_USAGE
-    assert "--weights int8 sets int8 matmuls against fp32" in result.output and "Traceback" not in result.output
+    assert "--weights int8, int4 or w8a8 sets that engine against fp32" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_embed_texts_are_cut_on_word_boundaries_to_40_to_1200_characters_the_same_each_time():

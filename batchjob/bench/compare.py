@@ -33,7 +33,7 @@ from batchjob.bench import llama_server
 from batchjob.bench.gguf_export import dummy_gguf_apart
 from batchjob.bench.lora.bench import format_lora, run_lora_bench
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
-from batchjob.bench.quality import run_quality
+from batchjob.bench.quality import QUALITY_WEIGHTS, run_quality
 from batchjob.bench.scoring import run_score_bench
 from batchjob.bench.systems import (
     load_hf_model,
@@ -405,8 +405,10 @@ def bench(o: BenchOptions) -> str:
         raise JobFileError(f"bench --requantize {o.requantize}: not one of {', '.join(llama_server.QUANT_TYPES)}")
     if o.quality and o.dtype:
         raise JobFileError("bench --quality runs the engine in float32 and in bfloat16: --dtype does not apply")
-    if o.quality and o.weights not in (None, "int8"):
-        raise JobFileError("bench --quality: --weights int8 sets int8 matmuls against fp32; other values do not apply")
+    if o.quality and o.weights not in (None, *QUALITY_WEIGHTS):
+        raise JobFileError(
+            "bench --quality: --weights int8, int4 or w8a8 sets that engine against fp32; other values do not apply"
+        )
     model, job = o.model, None
     if o.dummy_gguf:
         if o.load_format != "dummy":
@@ -441,8 +443,9 @@ def bench(o: BenchOptions) -> str:
         report = _score_report(o, engine, wl)
         text = format_score(report)
     elif o.quality:
-        # int8 in float32 (its matmuls the one change from fp32), or bf16 with the weights as the job sets them
-        other = {**quality_fp32, "weights": "int8"} if o.weights else {**overrides, "dtype": "bfloat16"}
+        # int8, int4 or w8a8 in float32 (its matmuls the one change from fp32), or bf16 with the weights as the job
+        # sets them
+        other = {**quality_fp32, "weights": o.weights} if o.weights else {**overrides, "dtype": "bfloat16"}
         report = run_quality(engine, _engine(model, other), wl, o.batch_size or QUALITY_HF_BATCH)
         text = format_quality(report)
     elif o.budgets:

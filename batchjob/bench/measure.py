@@ -169,8 +169,9 @@ def roofline(engine: Engine, result: Result, peaks: dict | None = None) -> dict:
         out[phase] = {
             "achieved_gflops": achieved / 1e9,
             "matmul_gflops": peak / 1e9,
-            # the matmuls' own: int8 ones where the engine's weights are int8 (matmul_flops runs the model's)
-            "dtype": "int8" if engine.numerics.get("weights") == "int8" else str(engine.dtype).replace("torch.", ""),
+            # the matmuls' own: int8 ones under w8a8 (matmul_flops runs the model's); weight-only int8/int4 compute in
+            # the engine's dtype
+            "dtype": "int8" if engine.numerics.get("weights") == "w8a8" else str(engine.dtype).replace("torch.", ""),
             "rows": rows,
             "fraction": achieved / peak,
         }

@@ -1,9 +1,9 @@
-"""`batchjob bench --quality`: what bf16 (issue 26's measure), or int8 matmuls (`--weights int8`, issue 35), cost in
-quality on a job's real rows. The fp32 engine's greedy continuations, scored teacher-forced under the fp32 engine and
-under the other one: mean NLL per token, held to within NLL_BOUND of each other. Where greedy outputs first part: the
-other engine against fp32, and the fp32 engine against transformers in fp32 (the exact mode); for bf16 also the bf16
-engine against transformers in bf16 (is our bf16 as good as the reference's?) and transformers' bf16 against its
-fp32."""
+"""`batchjob bench --quality`: what bf16 (issue 26's measure), W8A8 matmuls (`--weights w8a8`, issue 35) or
+weight-only int8/int4 (`--weights int8`/`int4`, issue 44) cost in quality on a job's real rows. The fp32 engine's
+greedy continuations, scored teacher-forced under the fp32 engine and under the other one: mean NLL per token, held
+to within NLL_BOUND of each other. Where greedy outputs first part: the other engine against fp32, and the fp32
+engine against transformers in fp32 (the exact mode); for bf16 also the bf16 engine against transformers in bf16 (is
+our bf16 as good as the reference's?) and transformers' bf16 against its fp32."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.outputs import Request
 from batchjob.engine.sequence import Sequence
 
+# The `--weights` set against fp32 in float32 (the matmuls the one change): W8A8, weight-only int8 and int4.
+QUALITY_WEIGHTS = ("w8a8", "int8", "int4")
 NLL_BOUND = 0.01  # the issues': the NLL of the fp32 continuations within 1 % of fp32's
 HIST_BIN = 8  # output tokens per bin of the first-divergence histogram
 
@@ -51,8 +53,10 @@ def divergence(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict
 
 
 def quality_label(engine: Engine) -> str:
-    """The engine set against fp32, as the report names it: `int8` (W8A8 matmuls) or its dtype (`bf16`)."""
-    return "int8" if engine.numerics.get("weights") == "int8" else DTYPE_LABELS[engine.dtype]
+    """The engine set against fp32, as the report names it: its weights (`w8a8`, `int8`, `int4`) or its dtype
+    (`bf16`)."""
+    weights = engine.numerics.get("weights")
+    return weights if weights in QUALITY_WEIGHTS else DTYPE_LABELS[engine.dtype]
 
 
 DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -85,7 +89,7 @@ def run_quality(fp32: Engine, other: Engine, wl: Workload, batch_size: int) -> d
     if not skipped:
         hf_model = load_hf_model(fp32, fp32.model_path)  # fp32 on a CPU
         greedy["hf fp32"] = timed("hf fp32 greedy", lambda: hf_greedy(wl, batch_size, hf_model, fp32.eos_token_ids))
-        if label != "int8":  # transformers in the other dtype: the reference's own cost of it
+        if label not in QUALITY_WEIGHTS:  # transformers in the other dtype: the reference's own cost of it
             hf_model.to(other.dtype)
             greedy[f"hf {label}"] = timed(
                 f"hf {label} greedy", lambda: hf_greedy(wl, batch_size, hf_model, other.eos_token_ids)

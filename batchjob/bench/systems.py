@@ -204,8 +204,11 @@ def engine_mode(engine: Engine) -> str:
         mode += f", weights {weight_types(engine.model_path)} " + (
             "kept quantized" if kept else f"dequantized to {mode}"
         )
-    if engine.numerics.get("weights") == "int8":
+    weights = engine.numerics.get("weights")
+    if weights == "w8a8":
         mode += ", int8 matmuls (W8A8)"
+    elif weights in ("int8", "int4"):
+        mode += f", {weights} weights (weight-only)"
     if engine.config.kv_cache_dtype != "auto":
         mode += f", KV {engine.config.kv_cache_dtype}"
     return mode

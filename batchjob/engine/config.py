@@ -64,12 +64,15 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     ops_backend: Literal["auto", "torch", "triton"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    weights: Literal["auto", "dequantize", "quantized", "int8"] = Field(
+    weights: Literal["auto", "dequantize", "quantized", "int8", "int4", "w8a8"] = Field(
         "auto",
         description="dequantize: the matmuls in `dtype` on dequantized weights; quantized: a GGUF's weight matrices "
-        "kept in their quantized blocks, dequantized a panel at a time inside the matmul (a CPU with AVX-512); int8: "
-        "W8A8 int8 matmuls on a CPU (weights per output channel, activations per token); auto: dequantize where the "
-        "dequantized weights fit in half the available memory, else a GGUF's blocks kept quantized (docs/cpu.md)",
+        "kept in their quantized blocks, dequantized a panel at a time inside the matmul (a CPU with AVX-512); int8 / "
+        "int4: weight-only, each decoder layer's weight matrices quantized at load (int8 symmetric, int4 with a zero, "
+        "a scale per group of 32) and computed as `quantized` computes blocks, activations in `dtype` (a CPU with "
+        "AVX-512); w8a8: int8 matmuls on a CPU, weights per output channel and activations per token; auto: "
+        "dequantize where the dequantized weights fit in half the available memory, else a GGUF's blocks kept "
+        "quantized (docs/cpu.md)",
     )
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="dummy: random weights (seeded by `seed`) with the named model's config, nothing read"

@@ -41,6 +41,7 @@ from batchjob.model.fp8 import FP8_DTYPE
 from batchjob.model.gemma import decoder_class
 from batchjob.model.loader import LoadedModel
 from batchjob.model.matmul.gguf_linear import GGML_TYPES, QuantizedWeight, computable
+from batchjob.model.matmul.weight_only import BLOCK_TYPES, quantize_dense_weights
 from batchjob.model.smoothing import CALIBRATION_TEXT
 from batchjob.model.vision.idefics3 import ImageEncoder
 
@@ -112,10 +113,11 @@ def keep_gguf_blocks(config: EngineConfig, device: torch.device, dtype: torch.dt
 def pick_weights(config: EngineConfig, device: torch.device, loaded: LoadedModel, dtype: torch.dtype) -> str:
     """`quantized` where the loaded model keeps GGUF blocks: asked for, or with `auto` where its weights dequantized
     to `dtype` would take more than AUTO_DEQUANTIZE_SHARE of the available memory (else they are dequantized here,
-    to the values a dequantizing load gives). `int8` (W8A8 matmuls, matmul/int8_linear.py) where asked for and
-    possible. Otherwise `dequantize`: `auto` never picks int8, as where it ran faster (AVX-512 VNNI) its NLL bound
-    against fp32 is not established, and without VNNI it is slower at decode sizes, on 7-bit weights
-    (docs/cpu.md#int8-weights has the figures)."""
+    to the values a dequantizing load gives). `w8a8` (W8A8 matmuls, matmul/int8_linear.py), or `int8` / `int4`
+    (weight-only, matmul/weight_only.py) where asked for and possible. Otherwise `dequantize`: `auto` never picks
+    w8a8, as where it ran faster (AVX-512 VNNI) its NLL bound against fp32 is not established, and without VNNI it is
+    slower at decode sizes, on 7-bit weights (docs/cpu.md#w8a8-matmuls has the figures); nor int8 or int4, which
+    trade speed for memory (docs/cpu.md#weight-only-int8-and-int4)."""
     blocks = [name for name, w in loaded.weights.items() if isinstance(w, QuantizedWeight)]
     if blocks and config.weights == "auto":
         dequantized = sum(loaded.weights[n].shape.numel() for n in blocks) * dtype.itemsize
@@ -131,10 +133,15 @@ def pick_weights(config: EngineConfig, device: torch.device, loaded: LoadedModel
             f"weights: quantized keeps a GGUF file's quantized blocks; {loaded.path} has none that batchjob computes "
             f"(its types: {', '.join(GGML_TYPES.values())}); use weights dequantize or auto"
         )
-    if config.weights == "int8" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
+    if config.weights == "w8a8" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise DeviceSettingError(
-            "weights: int8 runs on a CPU, through oneDNN's int8 GEMM, which torch here lacks or this device is not; "
+            "weights: w8a8 runs on a CPU, through oneDNN's int8 GEMM, which torch here lacks or this device is not; "
             "use weights dequantize or auto"
+        )
+    if config.weights in BLOCK_TYPES and not (device.type == "cpu" and computable(dtype)):
+        raise DeviceSettingError(
+            f"weights: {config.weights} computes its quantized blocks on a CPU with AVX-512 (bf16 with AVX512_BF16), "
+            f"which this {device.type} lacks for {str(dtype).removeprefix('torch.')}; use weights dequantize or auto"
         )
     return "dequantize" if config.weights == "auto" else config.weights
 
@@ -156,6 +163,8 @@ class ModelRunner:
             self.step_blocks = StepBlocks(loaded.config.hidden_size * self.dtype.itemsize)
         self.ops_backend = pick_ops_backend(config, self.device)
         self.weights = pick_weights(config, self.device, loaded, self.dtype)
+        if self.weights in BLOCK_TYPES:
+            quantize_dense_weights(loaded.weights, self.weights)
         self.model = decoder_class(loaded.config)(
             loaded.config,
             # Taken out of `loaded`: weights drawn on the GPU (load_format dummy) would otherwise stay there unfused
@@ -165,8 +174,8 @@ class ModelRunner:
             loaded.rope_freqs,
             self.device,
             max_model_len,  # LongRoPE's long or short factors follow the context the engine allows
-            int8=self.weights == "int8",
-            calibration=loaded.tokenizer.encode(CALIBRATION_TEXT) if self.weights == "int8" else None,
+            w8a8=self.weights == "w8a8",
+            calibration=loaded.tokenizer.encode(CALIBRATION_TEXT) if self.weights == "w8a8" else None,
         )
         self.image_encoder = None  # a vision-language model's: features of the step's new images
         if loaded.vision is not None:

@@ -13,8 +13,9 @@ VERSIONS: dict[str, int] = {
     # 3: prompt logprobs without alternatives from the head fused with its log-softmax (bf16_dot_logprobs)
     "bfloat16": 3,
     "float16": 1,
-    "int8": 2,  # 2: SmoothQuant's scales folded in at load (smoothing.py)
-    "quantized float32": 1,  # GGUF's blocks dequantized inside the matmul (matmul/gguf_linear.py)
+    "w8a8": 2,  # 2: SmoothQuant's scales folded in at load (smoothing.py)
+    # GGUF's blocks dequantized inside the matmul (matmul/gguf_linear.py): a GGUF's own, or weight-only int8/int4's
+    "quantized float32": 1,
     "quantized bfloat16": 1,
     # 2: an encoder's attention one SDPA call per run of one length, unpadded (ops.varlen_attention)
     "embed float32": 2,
@@ -23,10 +24,16 @@ VERSIONS: dict[str, int] = {
 }
 
 
+# The `engine.weights` settings whose matmuls read GGUF blocks (matmul/gguf_linear.py): one arithmetic, whoever
+# quantized them.
+QUANTIZED_BLOCKS = ("quantized", "int8", "int4")
+
+
 def arithmetic_path(dtype: str, weights: str = "dequantize", task: str = "generate") -> str:
-    """The path's name: its dtype (float32, bfloat16, float16), `int8` with int8 weights, `embed` before an
-    embedding model's."""
-    path = "int8" if weights == "int8" else f"quantized {dtype}" if weights == "quantized" else dtype
+    """The path's name: its dtype (float32, bfloat16, float16), `w8a8` with W8A8 matmuls, `quantized` before the
+    dtype where the matmuls read quantized blocks (a GGUF's, or weight-only int8/int4), `embed` before an embedding
+    model's."""
+    path = "w8a8" if weights == "w8a8" else f"quantized {dtype}" if weights in QUANTIZED_BLOCKS else dtype
     return f"embed {path}" if task == "embed" else path
 
 

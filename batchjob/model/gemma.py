@@ -47,7 +47,7 @@ class GemmaModel(LlamaModel):
         rope_freqs: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
-        int8: bool = False,
+        w8a8: bool = False,
         calibration: list[int] | None = None,
     ):
         c = config
@@ -59,7 +59,7 @@ class GemmaModel(LlamaModel):
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             extra.append({key: _one_plus(weights[p + name].to(device)) for key, name in names.items()})
-        super().__init__(config, weights, ops, rope_freqs, device, max_model_len, int8=int8, calibration=calibration)
+        super().__init__(config, weights, ops, rope_freqs, device, max_model_len, w8a8=w8a8, calibration=calibration)
         for layer, more in zip(self.layers, extra):
             layer["input_norm"], layer["post_norm"] = _one_plus(layer["input_norm"]), _one_plus(layer["post_norm"])
             layer.update(more)
@@ -71,8 +71,8 @@ class GemmaModel(LlamaModel):
             self.local_cos_sin_cache = local.cos_sin_cache(c.max_position_embeddings).to(device)
         else:
             self.local_cos_sin_cache = self.cos_sin_cache
-        if int8:  # after the norms above: smoothing divides their factors (1 + w), and calibration runs forward
-            self.quantize_int8(calibration)
+        if w8a8:  # after the norms above: smoothing divides their factors (1 + w), and calibration runs forward
+            self.quantize_w8a8(calibration)
 
     def weight_bytes(self) -> int:
         extra = sum(t.nbytes for w in self.layers for key, t in w.items() if key in _EXTRA_NORMS)

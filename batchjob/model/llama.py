@@ -46,7 +46,7 @@ def embedding(table: torch.Tensor | QuantizedWeight, ids: torch.Tensor) -> torch
 
 class LlamaModel:
     """Weights fused for fewer, larger matmuls: q/k/v in one, gate/up in one; each matmul a Linear (packed for the
-    CPU's GEMM where it can be), or with `int8` each decoder layer's dense matmul an Int8Linear (W8A8)."""
+    CPU's GEMM where it can be), or with `w8a8` each decoder layer's dense matmul an Int8Linear (W8A8)."""
 
     # The norm whose output is the MLP's input, into whose weight the gate_up matmul's smoothing folds.
     MLP_INPUT_NORM = "post_norm"
@@ -60,18 +60,18 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
         lm_head: bool = True,
-        int8: bool = False,
+        w8a8: bool = False,
         calibration: list[int] | None = None,
     ):
         """Without `lm_head` (an embedding model's hidden states are its output) no head is built, and the weights
-        need none. `int8` (a CPU's) leaves the LM head, the embedding and a sparse MoE layer's matmuls in the model's
-        dtype, and needs `calibration`, the token ids of smoothing.CALIBRATION_TEXT (quantize_int8)."""
+        need none. `w8a8` (a CPU's) leaves the LM head, the embedding and a sparse MoE layer's matmuls in the model's
+        dtype, and needs `calibration`, the token ids of smoothing.CALIBRATION_TEXT (quantize_w8a8)."""
         self.config, self.ops = config, ops
 
-        def dense(weight, bias=None):  # with int8, kept unpacked until quantize_int8 smooths and quantizes it
+        def dense(weight, bias=None):  # with w8a8, kept unpacked until quantize_w8a8 smooths and quantizes it
             if isinstance(weight, QuantizedWeight | list):
                 return GGUFLinear(weight if isinstance(weight, list) else [weight], bias)
-            return Linear(weight, bias, pack=not int8)
+            return Linear(weight, bias, pack=not w8a8)
 
         c = config
         w = {k: v.to(device) for k, v in weights.items()}
@@ -112,17 +112,17 @@ class LlamaModel:
         self.scale = c.head_dim**-0.5
         # [positions, rotary_dim]: the ops turn each head's first rotary_dim dims (partial rotary) and pass the rest.
         self.cos_sin_cache = c.cos_sin_cache(c.max_position_embeddings, rope_freqs, max_model_len).to(device)
-        if int8 and type(self) is LlamaModel:  # a subclass finishes its own setup first, then quantizes
-            self.quantize_int8(calibration)
+        if w8a8 and type(self) is LlamaModel:  # a subclass finishes its own setup first, then quantizes
+            self.quantize_w8a8(calibration)
 
-    def quantize_int8(self, calibration: list[int] | None) -> None:
+    def quantize_w8a8(self, calibration: list[int] | None) -> None:
         """Each decoder layer's dense matmuls (built unpacked) into Int8Linears, smoothed first (smoothing.py): one
         float pass over the `calibration` tokens records each matmul input's channel maxima; each input channel's
         scale then multiplies the matmul's weight column and divides what writes that channel: the norm before qkv
         and before gate_up, the `up` rows of gate_up before down (act(gate) * up is linear in up), and the v rows of
         qkv before o. The float model's output is unchanged (up to rounding); only what int8 loses changes."""
         if not calibration:
-            raise ValueError("int8 weights need calibration tokens (smoothing.CALIBRATION_TEXT, tokenized)")
+            raise ValueError("w8a8 weights need calibration tokens (smoothing.CALIBRATION_TEXT, tokenized)")
         names = ["qkv", "o", "gate_up", "down"]
         for w in self.layers:
             for name in names:

@@ -1,4 +1,4 @@
-"""SmoothQuant's scales for int8 matmuls (`engine.weights: int8`, matmul/int8_linear.py): a matmul's input channel k
+"""SmoothQuant's scales for int8 matmuls (`engine.weights: w8a8`, matmul/int8_linear.py): a matmul's input channel k
 divided by s_k and its weight column multiplied by s_k leaves the product as it was, y = (x / s) (W s)^T, and the
 division folds into whatever writes x (a norm's weight, the rows of the matmul before), so it costs nothing at run
 time. With s_k = max|x_k|^alpha / max|W[:, k]|^(1 - alpha) an outlier channel of the activations (SmolLM2 has a few

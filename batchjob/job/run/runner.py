@@ -184,7 +184,7 @@ class JobRun:
         if earlier == numerics:
             return None
         was = earlier or {}
-        keys = dict.fromkeys([*numerics, *was])  # a key of either: one recorded only where set ("weights: int8")
+        keys = dict.fromkeys([*numerics, *was])  # a key of either: one recorded only where set ("weights: w8a8")
         differs = ", ".join(
             f"{k} {was.get(k, 'unrecorded')} -> {numerics.get(k, 'unrecorded')}"
             for k in keys

@@ -1,4 +1,4 @@
-"""A model's matmul in int8 (W8A8, `engine.weights: int8`): W quantized once at load to int8 with one scale per
+"""A model's matmul in int8 (W8A8, `engine.weights: w8a8`): W quantized once at load to int8 with one scale per
 output channel, each step's activation rows to int8 with one scale per row (per token, symmetric, dynamic), their
 products summed exactly in int32 by oneDNN's int8 GEMM on W packed once, then scaled back:
 y[t, n] = acc[t, n] * s_x[t] * s_w[n] + b[n].
