@@ -426,7 +426,8 @@ def _image_report(o: BenchOptions) -> dict:
     if engine.image_prompter is None:
         raise JobFileError(f"bench --task image: {engine.model_path} is not a vision-language model")
     rows = image_rows(engine.image_prompter.processor, o.num_prompts or IMAGE_ROWS)
-    return run_image_bench(engine, engine.model_path, rows, o.output_len, systems, o.batch_size, o.repeats)
+    folder, hf_batch = engine.model_path, o.batch_size
+    return run_image_bench(engine, folder, rows, o.output_len, systems, hf_batch, o.repeats, o.vllm_dtype)
 
 
 def bench(o: BenchOptions) -> str:

@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 
 from batchjob import env
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, synchronize
-from batchjob.bench.systems import VLLM_CPU_MEMORY_SHARE, VLLM_ENV, dtype_name, engine_mode, peer_status
+from batchjob.bench.systems import VLLM_CPU_MEMORY_SHARE, VLLM_ENV, dtype_name, engine_mode, peer_status, vllm_dtype
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.cpu_features import cpu_kind
@@ -135,15 +135,15 @@ def run_hf_images(model, processor, rows: list[ImageRow], batch_size: int, new_t
     return result
 
 
-def load_vllm_vlm(folder, engine: Engine, longest: int):
-    """vLLM's LLM on the folder in the engine's dtype, set up as the generate bench's (systems.load_vllm): every
-    core for the model, 30% of RAM; one image a prompt."""
+def load_vllm_vlm(folder, engine: Engine, longest: int, dtype: str | None = None):
+    """vLLM's LLM on the folder in `dtype`, by default the engine's, set up as the generate bench's
+    (systems.load_vllm): every core for the model, 30% of RAM; one image a prompt."""
     from vllm import LLM  # type: ignore[import-not-found]
 
     with env.scoped({**VLLM_ENV, **env.set_here()}):
         return LLM(
             model=str(folder),
-            dtype=dtype_name(engine.dtype),
+            dtype=dtype or dtype_name(engine.dtype),
             enable_prefix_caching=True,
             max_model_len=longest,
             seed=engine.config.seed,
@@ -156,7 +156,7 @@ def load_vllm_vlm(folder, engine: Engine, longest: int):
         )
 
 
-def run_vllm_images(llm, engine: Engine, rows: list[ImageRow], new_tokens: int) -> Result:
+def run_vllm_images(llm, rows: list[ImageRow], new_tokens: int) -> Result:
     """LLM.generate on the prompt texts with each row's image as multi_modal_data, greedy, ignore_eos."""
     import vllm  # type: ignore[import-not-found]
     from vllm import SamplingParams as VSP  # type: ignore[import-not-found]
@@ -172,7 +172,7 @@ def run_vllm_images(llm, engine: Engine, rows: list[ImageRow], new_tokens: int) 
     result = Result("vllm", wall, prompt_tokens, sum(map(len, outputs.values())), len(rows))
     result.cpu_s, result.outputs = time.process_time() - c0, outputs
     settings = ", ".join(f"{k}={v}" for k, v in VLLM_ENV.items())
-    result.note = f"vllm {vllm.__version__}, {dtype_name(engine.dtype)}, both cores ({settings})"
+    result.note = f"vllm {vllm.__version__}, {vllm_dtype(llm)}, both cores ({settings})"
     return result
 
 
@@ -195,6 +195,7 @@ def run_image_bench(
     systems: list[str],
     hf_batch: int | None,
     repeats: int,
+    vllm_dtype: str | None = None,
 ) -> dict:
     """Every system once a round after an untimed warm-up run of each on two rows, rounds interleaved in rotating
     order, the median round per system reported; transformers at each size of HF_BATCHES up to the rows (or at
@@ -216,11 +217,11 @@ def run_image_bench(
         hf_generate(model, processor, rows[:2], 2)  # warm-up: the first call pays for lazy initialisation
     if "vllm" in systems and "vllm" not in skipped:
         try:
-            llm = load_vllm_vlm(folder, engine, engine.max_model_len)
+            llm = load_vllm_vlm(folder, engine, engine.max_model_len, vllm_dtype)
         except Exception as e:  # a peer that cannot run the folder is reported, not a failed bench
             skipped["vllm"] = f"vLLM could not load the folder: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         else:
-            runners["vllm"] = lambda: run_vllm_images(llm, engine, rows, new_tokens)
+            runners["vllm"] = lambda: run_vllm_images(llm, rows, new_tokens)
     engine.generate([{"prompt": r.prompt, "images": [r.image]} for r in rows[:2]], params, use_tqdm=False)
     if "vllm" in runners:
         # vLLM's init compiles and commits GiBs of RAM (compare.run_bench): an untimed round of every system first.
