@@ -163,7 +163,11 @@ def run_vllm_images(llm, rows: list[ImageRow], new_tokens: int) -> Result:
 
     params = VSP(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.image}} for r in rows]
-    llm.reset_prefix_cache()  # each run starts cold, as the engine's
+    # Each run starts cold, as the engine's: no KV blocks, preprocessed images or vision features of the last run's
+    # pictures (vLLM keeps the latter two by content across requests; a warm run skipped the vision tower).
+    llm.reset_prefix_cache()
+    llm.reset_mm_cache()
+    llm.llm_engine.reset_encoder_cache()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
