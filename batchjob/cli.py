@@ -340,13 +340,19 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     "--task",
     default="generate",
     show_default=True,
-    type=click.Choice(["generate", "embed", "score"]),
+    type=click.Choice(["generate", "embed", "score", "image"]),
     help="embed: the Embedder against sentence-transformers encode on texts cut from sample_data/documents.parquet "
     "(--model: a sentence-transformers folder or built-in name); score: Engine.score against transformers' forward "
     "and vLLM's prompt_logprobs by scored tokens/s, on sample_data/documents.parquet's documents (or --job's rows, or "
-    "random tokens with --input-len)",
+    "random tokens with --input-len); image: rows of a generated picture and a caption prompt through a "
+    "vision-language model, against transformers' generate and vLLM, by output tokens/s",
 )
-@click.option("--model", default=None, help=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} with --task embed")
+@click.option(
+    "--model",
+    default=None,
+    help=f"default: {DEFAULT_MODEL}, or {DEFAULT_EMBEDDING_MODEL} with --task embed, or with --task image a "
+    "random-weight Idefics3 of SmolVLM-256M-Instruct's shape (built once into the cache)",
+)
 @click.option(
     "--job",
     "job_file",
@@ -361,7 +367,7 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     default=None,
     type=click.IntRange(min=1),
     help="synthetic prompts (default 64), or the job's first rows (default all; with --quality 200), or with --task "
-    "embed texts (default 1000), or with --task score documents (default 64)",
+    "embed texts (default 1000), or with --task score documents (default 64), or with --task image rows (default 32)",
 )
 @click.option(
     "--input-len",
@@ -382,7 +388,7 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     "--systems",
     default=None,
     help="comma list of engine, unconstrained, static, hf, vllm, llama-server (default engine,static,hf); with --task "
-    "embed of embedder, st (default both); with --task score of engine, hf, vllm (default engine,hf)",
+    "embed of embedder, st (default both); with --task score or image of engine, hf, vllm (default engine,hf)",
 )
 @click.option(
     "--batch-size",
@@ -390,7 +396,7 @@ def _budgets(ctx, param, text: str | None) -> list[int]:
     type=click.IntRange(min=1),
     help="fixed batch size of the static and hf baselines (default 64), or of transformers with --quality (default "
     "16), or with --task embed sentence-transformers' tuned batch (default 64; its default 32 runs too), or with "
-    "--task score transformers' one batch (default: it tries 1, 4, 16 and 64 and reports each)",
+    "--task score or image transformers' one batch (default: it tries 1, 4, 16 and 64 and reports each)",
 )
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-seqs", default=None, type=int)
@@ -484,7 +490,8 @@ def bench(**options) -> None:
     from batchjob.bench.compare import bench as run_bench
 
     embedding = options["task"] == "embed"
-    options["model"] = options["model"] or (DEFAULT_EMBEDDING_MODEL if embedding else DEFAULT_MODEL)
+    if options["task"] != "image":  # image rows' default model is built by the bench
+        options["model"] = options["model"] or (DEFAULT_EMBEDDING_MODEL if embedding else DEFAULT_MODEL)
     with _failures():
         click.echo(run_bench(BenchOptions(**options)))
 

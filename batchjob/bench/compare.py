@@ -15,7 +15,8 @@ Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real row
 `--task embed` instead runs the Embedder (`embedder`) against sentence-transformers `encode` (`st`, at its default
 batch size and at a tuned one) on texts of mixed lengths cut from real documents, by input tokens/s. `--task score`
 runs teacher-forced scoring (scoring.py): Engine.score against transformers' forward and vLLM's prompt_logprobs, by
-scored tokens/s, on whole documents, a job's rows or random tokens."""
+scored tokens/s, on whole documents, a job's rows or random tokens. `--task image` runs rows of a picture and a caption
+prompt through a vision-language model (image_rows.py): the engine against transformers' generate and vLLM."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from batchjob.bench import llama_server
 from batchjob.bench.gguf_export import dummy_gguf_apart
+from batchjob.bench.image_rows import image_rows, run_image_bench
 from batchjob.bench.lora.bench import format_lora, run_lora_bench
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
 from batchjob.bench.quality import QUALITY_WEIGHTS, run_quality
@@ -47,7 +49,15 @@ from batchjob.bench.systems import (
     run_static,
     run_vllm,
 )
-from batchjob.bench.tables import format_embed, format_quality, format_report, format_score, format_sweep
+from batchjob.bench.tables import (
+    format_embed,
+    format_image,
+    format_quality,
+    format_report,
+    format_score,
+    format_sweep,
+)
+from batchjob.bench.vlm_export import idefics3_folder
 from batchjob.bench.workloads import (
     DOCUMENTS,
     EMBED_CHARS,
@@ -271,7 +281,7 @@ class BenchOptions:
     """`batchjob bench`'s options (cli.py documents each)."""
 
     task: str
-    model: str
+    model: str | None  # None with --task image only: its SmolVLM-256M-shaped default
     job_file: str | None
     num_prompts: int | None
     input_len: int | None
@@ -376,6 +386,50 @@ def _score_report(o: BenchOptions, engine: Engine, wl: Workload) -> dict:
     )
 
 
+IMAGE_ROWS = 32  # --task image's default rows
+IMAGE_SYSTEMS = ("engine", "hf", "vllm")
+
+
+def _image_report(o: BenchOptions) -> dict:
+    """`--task image`: the engine on --model (default: a random-weight SmolVLM-256M-Instruct-shaped Idefics3, built
+    once into the cache) and the rows, after refusing the options that do not apply."""
+    given = (
+        ("--job", o.job_file),
+        ("--quality", o.quality),
+        ("--sweep-budgets", o.budgets),
+        ("--input-len", o.input_len),
+        ("--range-ratio", o.range_ratio),
+        ("--prefix-len", o.prefix_len),
+        ("--load-format", o.load_format),
+        ("--gguf", o.dummy_gguf),
+        ("--requantize", o.requantize),
+        ("--loras", o.loras),
+        ("--labels", o.labels),
+    )
+    if unused := [f for f, v in given if v]:
+        raise JobFileError(f"bench --task image: {', '.join(unused)}: not for image rows")
+    systems = [s.strip() for s in (o.systems or "engine,hf").split(",") if s.strip()]
+    if unknown := sorted(set(systems) - set(IMAGE_SYSTEMS)):
+        raise JobFileError(f"bench --task image: unknown systems {unknown} (expected {', '.join(IMAGE_SYSTEMS)})")
+    overrides = {
+        k: v
+        for k, v in (
+            ("max_num_seqs", o.max_num_seqs),
+            ("max_num_batched_tokens", o.max_num_batched_tokens),
+            ("dtype", o.dtype),
+            ("weights", o.weights),
+            ("enforce_eager", o.enforce_eager or None),
+        )
+        if v is not None
+    }
+    engine = _engine(o.model or str(idefics3_folder()), overrides)
+    if engine.image_prompter is None:
+        raise JobFileError(f"bench --task image: {engine.model_path} is not a vision-language model")
+    rows = image_rows(engine.image_prompter.processor, o.num_prompts or IMAGE_ROWS)
+    folder, hf_batch = engine.model_path, o.batch_size
+    return run_image_bench(engine, folder, rows, o.output_len, systems, hf_batch, o.repeats, o.vllm_dtype)
+
+
 def bench(o: BenchOptions) -> str:
     """Build the engine and the workload the options name, run the comparison (or the budget sweep), write the JSON
     report where asked, and return the table."""
@@ -383,6 +437,10 @@ def bench(o: BenchOptions) -> str:
         report = _embed_report(o)
         _write_json(o.json_path, report)
         return format_embed(report)
+    if o.task == "image":
+        report = _image_report(o)
+        _write_json(o.json_path, report)
+        return format_image(report)
     if o.task == "score":
         _score_systems(o)  # its refusals before the engine loads
     elif o.labels is not None:

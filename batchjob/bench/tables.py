@@ -269,3 +269,46 @@ def format_score(report: dict) -> str:
         notes.append(f"skipped {name}: {why}")
     notes.append(f"host CPU: {describe_cpu(report['cpu'])}")
     return render(columns, rows, report["workload"], notes)
+
+
+def format_image(report: dict) -> str:
+    """`bench --task image`: each system's output tokens/s, the engine's tokens/s over it and its greedy outputs'
+    agreement with the engine's; transformers' batch sizes, the engine's ratio to each peer and each round's wall
+    time as notes."""
+    columns = ["system", "out tok/s", "rows/s", "engine / it", "wall s", "greedy equal", "how it ran"]
+    agree = report["agreement"]
+    rows = [
+        [
+            r["system"],
+            f"{r['output_tokens_per_s']:,.1f}",
+            f"{r['requests_per_s']:.2f}",
+            "" if r["engine_ratio"] is None else f"{r['engine_ratio']:.2f}x",
+            f"{r['wall']:.2f}",
+            f"{agree[r['system']]['equal']}/{agree[r['system']]['total']}" if r["system"] in agree else "",
+            r["note"],
+        ]
+        for r in report["systems"]
+    ]
+    prompt_tokens = {r["system"]: r["prompt_tokens"] for r in report["systems"]}
+    notes = [
+        f"{report['output_tokens']:,} output tokens in {report['rows']} rows, every system credited with these; "
+        "prompt tokens (the processor's, image tokens included): "
+        + ", ".join(f"{s} {n:,}" for s, n in prompt_tokens.items())
+    ]
+    hf = report["hf_batches"]
+    if hf["tried"]:
+        notes.append(f"transformers' batch sizes tried: {', '.join(map(str, hf['tried']))}; the best: {hf['best']}")
+    if ratios := report["engine_ratio"]:
+        peers = {"hf": f"transformers' at its best batch ({hf['best']})", "vllm": "vLLM's"}
+        notes.append("engine's output tokens/s: " + ", ".join(f"{v:.2f}x {peers[p]}" for p, v in ratios.items()))
+    walls = "; ".join(f"{r['system']} {', '.join(f'{w:.2f}' for w in r['round_walls'])}" for r in report["systems"])
+    notes.append(f"wall time of each round (s), {report['repeats']} round(s), {report['threads']} threads: {walls}")
+    for name, a in agree.items():
+        if a["equal"] < a["total"]:
+            notes.append(
+                f"greedy outputs of {name} first differ from the engine's at tokens {a['first_difference_at']}"
+            )
+    for name, why in report["skipped"].items():
+        notes.append(f"skipped {name}: {why}")
+    notes.append(f"host CPU: {describe_cpu(report['cpu'])}")
+    return render(columns, rows, report["workload"], notes)
