@@ -182,6 +182,10 @@ def _plan_text(r: dict) -> str:
                 "sequences that fit",
                 f"{r['sequences_that_fit']:,} in {r['kv_cache_tokens']:,} KV tokens (max_num_seqs {r['max_num_seqs']})",
             ),
+            (
+                "KV pool",
+                f"{r['kv_pool_bytes'] / 2**30:.2f} GiB, {r['kv_pool_blocks']:,} blocks: {r['kv_pool_sized_by']}",
+            ),
         ]
     if "calibration" in r:
         c = r["calibration"]

@@ -70,6 +70,7 @@ class FakeEngine:
         self.image_prompter = None  # reads text only
         self.numerics = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "ops_backend": "fake"}
         self.kv_bytes_per_token, self.num_kv_blocks = 1024, 256
+        self.kv_pool_sized_by = "num_kv_blocks"  # a fixed pool: fit_kv_pool keeps it
         self.token_budget, self.auto_budget = 64, None
         # send `signum` to this process after these numbers of outputs, as a scheduler (or a closed terminal) would
         self.signal_at, self.signum = signal_at, signum
@@ -156,6 +157,9 @@ class FakeEngine:
 
     def largest_step_host_bytes(self) -> int | None:
         return None  # no model, no memory to measure
+
+    def fit_kv_pool(self, num_blocks: int) -> bool:
+        return False
 
     def generate(self, prompts, params, use_tqdm=True, lora=None):
         requests = [Request(str(i), list(p), params, lora=lora) for i, p in enumerate(prompts)]

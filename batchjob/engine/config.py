@@ -48,7 +48,11 @@ class EngineConfig(BaseModel):
     )
     max_model_len: int | None = Field(None, ge=16, description="context limit; default the model's")
     block_size: int = Field(16, ge=1, le=256)
-    kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV pool on a CPU; default 2 GiB")
+    kv_cache_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="KV pool on a CPU; default: 2 GiB or half the available memory, a job shrinks it to its needs",
+    )
     kv_cache_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="share of GPU memory for weights, activations, CUDA graphs and KV"
     )

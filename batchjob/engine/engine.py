@@ -82,13 +82,12 @@ class Engine:
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.numerics = self.runner.numerics
         self.num_kv_blocks = self.runner.num_blocks
+        # Fixed here: a pool that a job shrinks later holds every sequence the scheduler may run at once, so the
+        # quarter of the pool this keeps one step of prefill within is not needed there (fit_kv_pool).
         self.budget_cap = budget_cap(
             self.config.max_num_seqs, self.max_model_len, self.num_kv_blocks * self.config.block_size
         )
-        self.block_manager = BlockManager(
-            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching, self.max_model_len
-        )
-        self.scheduler = Scheduler(self.config, self.block_manager, self._auto_budget() if auto else None)
+        self._make_scheduler()
         self.sampler = Sampler(self.config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -338,6 +337,31 @@ class Engine:
     def lora_digests(self) -> dict[str, str]:
         """Each LoRA adapter's content digest (sha256 of its files), by name; empty without engine.lora."""
         return dict(self.runner.lora.digests) if self.runner.lora else {}
+
+    @property
+    def kv_pool_sized_by(self) -> str:
+        """What sized the KV pool: "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory", on a CPU "default" (2 GiB,
+        or half the memory available after the load where less), or "job" (fit_kv_pool)."""
+        return self.runner.pool_sized_by
+
+    def fit_kv_pool(self, num_blocks: int) -> bool:
+        """Shrink a CPU pool that the defaults sized to `num_blocks`, what a job's requests need at most at once
+        (job/kv_pool.py), before any request: the block manager hands out blank blocks before reusing cached ones,
+        so a long run makes its whole pool resident. A pool a setting or a GPU's memory sized, one no larger, or one
+        already in use stays; returns whether it shrank."""
+        if self.kv_pool_sized_by != "default" or num_blocks >= self.num_kv_blocks or self.step_count:
+            return False
+        self.runner.shrink_pool(max(1, num_blocks))
+        self.num_kv_blocks = self.runner.num_blocks
+        self._make_scheduler()
+        return True
+
+    def _make_scheduler(self) -> None:
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching, self.max_model_len
+        )
+        auto = self.config.max_num_batched_tokens == "auto"
+        self.scheduler = Scheduler(self.config, self.block_manager, self._auto_budget() if auto else None)
 
     def set_token_budget(self, budget: int | str) -> None:
         """A fixed budget, or "auto" to tune it afresh (as at the start of a run)."""

@@ -46,7 +46,11 @@ from batchjob.model.smoothing import CALIBRATION_TEXT
 from batchjob.model.vision.idefics3 import ImageEncoder
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# A CPU pool that no setting sizes: 2 GiB, or this share of the memory available once the model is loaded where
+# that is less, so that a small host keeps room for the steps' activations. A job shrinks it further to what its
+# requests need (Engine.fit_kv_pool).
 DEFAULT_CPU_KV_GB = 2.0
+DEFAULT_CPU_KV_SHARE = 0.5
 
 
 def pick_device(config: EngineConfig | EmbedderConfig) -> torch.device:
@@ -152,6 +156,17 @@ def use_cuda_graphs(config: EngineConfig, device: torch.device, ops: OpsBackend)
     return device.type == "cuda" and not config.enforce_eager and ops.CAPTURABLE
 
 
+def pool_sizing(config: EngineConfig, device: torch.device) -> str:
+    """What sizes the KV pool: a setting's name, "gpu_memory" (kv_cache_memory_fraction of the GPU's, less the
+    model's and the largest step's), or on a CPU "default" (DEFAULT_CPU_KV_GB, DEFAULT_CPU_KV_SHARE), which a job
+    turns into "job" (Engine.fit_kv_pool)."""
+    if config.num_kv_blocks:
+        return "num_kv_blocks"
+    if device.type == "cuda":
+        return "gpu_memory"
+    return "kv_cache_memory_gb" if config.kv_cache_memory_gb else "default"
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int):
         self.config, self.max_model_len = config, max_model_len
@@ -193,17 +208,9 @@ class ModelRunner:
         # a sparse MoE layer on per-expert matmuls sizes them on the host: its steps cannot be captured
         graphs = use_cuda_graphs(config, self.device, self.model.ops) and self.model.capturable
         self.memory: MemoryProfile | None = None  # what the pool was sized against, on a GPU
+        self.pool_sized_by = pool_sizing(config, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(graphs)
-        # One block beyond those the block manager hands out: padded decode rows write and read it (decode_graphs.py).
-        try:
-            self.kv_caches = self._make_caches(self.num_blocks + 1)
-        except (MemoryError, OverflowError, OSError, torch.OutOfMemoryError) as e:  # OSError: the mmap of lazy_zeros
-            gib = (self.num_blocks + 1) * self.block_size * self.kv_bytes_per_token / 2**30
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DeviceSettingError(
-                f"the KV cache of {self.num_blocks:,} blocks ({gib:,.1f} GiB) cannot be allocated on "
-                f"{self.device.type}: {reason}; lower num_kv_blocks or kv_cache_memory_gb"
-            ) from None
+        self.kv_caches = self._allocate_pool()
         self.decode_graphs: DecodeGraphs | None = self.make_decode_graphs(capture=True) if graphs else None
         # The self-check's: raise at a host synchronisation inside a step (with enforce_eager: a capture waits).
         self.forbid_host_sync = False
@@ -253,6 +260,25 @@ class ModelRunner:
             **arithmetic_label(arithmetic_path(dtype, self.weights)),
         }
 
+    def _allocate_pool(self) -> list[tuple[torch.Tensor, ...]]:
+        # One block beyond those the block manager hands out: padded decode rows write and read it (decode_graphs.py).
+        try:
+            return self._make_caches(self.num_blocks + 1)
+        except (MemoryError, OverflowError, OSError, torch.OutOfMemoryError) as e:  # OSError: the mmap of lazy_zeros
+            gib = (self.num_blocks + 1) * self.block_size * self.kv_bytes_per_token / 2**30
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DeviceSettingError(
+                f"the KV cache of {self.num_blocks:,} blocks ({gib:,.1f} GiB) cannot be allocated on "
+                f"{self.device.type}: {reason}; lower num_kv_blocks or kv_cache_memory_gb"
+            ) from None
+
+    def shrink_pool(self, num_blocks: int) -> None:
+        """A CPU pool of the defaults' size, before any step wrote it, remade with fewer blocks (Engine.fit_kv_pool):
+        the block manager sweeps its whole pool, so every block it has is a block the run will make resident."""
+        self.kv_caches = []  # the larger mapping is given back before the smaller one is made
+        self.num_blocks, self.pool_sized_by = num_blocks, "job"
+        self.kv_caches = self._allocate_pool()
+
     def _make_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         """Per layer: K and V [num_blocks, block_size, KVH, D], plus their scales when stored as fp8."""
         c = self.model.config
@@ -275,8 +301,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.memory = self._measure_cuda_memory(graphs)
             budget = self.memory.kv_budget(self.config.kv_cache_memory_fraction)
+        elif self.config.kv_cache_memory_gb:
+            budget = self.config.kv_cache_memory_gb * 2**30
         else:
-            budget = (self.config.kv_cache_memory_gb or DEFAULT_CPU_KV_GB) * 2**30
+            available = available_memory()
+            budget = DEFAULT_CPU_KV_GB * 2**30
+            if available is not None:
+                budget = min(budget, DEFAULT_CPU_KV_SHARE * available)
         return max(1, int(budget // block_bytes))
 
     def _measure_cuda_memory(self, graphs: bool) -> MemoryProfile:

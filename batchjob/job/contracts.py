@@ -45,6 +45,7 @@ class JobEngine(Protocol):
     image_prompter: ImagePrompter | None  # a vision-language model's processor for prompts with images; else None
     num_kv_blocks: int
     kv_bytes_per_token: int
+    kv_pool_sized_by: str  # Engine.kv_pool_sized_by
 
     @property
     def token_budget(self) -> int: ...
@@ -65,6 +66,8 @@ class JobEngine(Protocol):
     def add_step_callback(self, fn: Callable[[StepMetrics], None]) -> None: ...
 
     def largest_step_host_bytes(self) -> int | None: ...
+
+    def fit_kv_pool(self, num_blocks: int) -> bool: ...
 
     def abort_all(self) -> None: ...
 

@@ -6,8 +6,7 @@ import dataclasses
 import statistics
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from batchjob.engine.host_memory import peak_rss, resident_bytes
 from batchjob.engine.outputs import Request, StepMetrics
@@ -17,6 +16,7 @@ from batchjob.job.input.planner import EmbeddingPlanner, Work, job_planner
 from batchjob.job.input.prompt import RowError
 from batchjob.job.input.reader import InputSource
 from batchjob.job.input.scoring import score_planner
+from batchjob.job.kv_pool import PrefixCacheModel, fit_job_pool, max_output_tokens, pool_report
 from batchjob.job.output.lora_counts import LoraCounts
 from batchjob.job.run.executor import load_engine
 from batchjob.job.spec import JobSpec
@@ -36,6 +36,7 @@ def plan_job(
         return _plan_embedding(job, source, scan.total, engine, calibrate)
     if job.task == "score":
         return _plan_scoring(job, source, scan.total, engine, calibrate)
+    fit_job_pool(job, engine, source.rows())
     block_size = engine.config.block_size
     failed = 0
 
@@ -110,6 +111,7 @@ def plan_job(
         {
             "kv_bytes_per_sequence_mean": round(engine.kv_bytes_per_token * tokens_per_seq),
             "kv_bytes_per_sequence_max": engine.kv_bytes_per_token * (report["prompt_tokens_p99"] + max(max_tokens)),
+            **pool_report(engine),
             "kv_cache_tokens": kv_tokens,
             "sequences_that_fit": fit,
             "max_num_seqs": engine.config.max_num_seqs,
@@ -227,11 +229,6 @@ def _lora_report(rows: LoraCounts | None) -> dict:
     return {} if rows is None else {"lora_rows": rows.rows_by_adapter()}
 
 
-def max_output_tokens(engine: JobEngine, work: Work) -> int:
-    """The most tokens a request can generate: its max_tokens, within the model's context (as the engine caps it)."""
-    return min(work.params.max_tokens, max(engine.max_model_len - len(work.token_ids), 0))
-
-
 def measure(engine: JobEngine, sample: list[Work]) -> dict:
     steps: list[StepMetrics] = []
     warm_params = sample[0].params.model_copy(update={"max_tokens": 2})
@@ -290,33 +287,6 @@ def _request(work: Work) -> Request | None:
         return work.request
     except RowError:
         return None
-
-
-class PrefixCacheModel:
-    """Which full prompt blocks an LRU prefix cache of the engine's size would already hold, in planned order."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.capacity, self.block_size = num_blocks, block_size
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-
-    def hit_tokens(self, token_ids: list[int], images: Sequence[tuple[int, bytes]] = ()) -> int:
-        """`images`: each of a row's images' first image token's position and digest, which the engine folds into
-        the block that holds that token (and so into every block after it): their placeholder tokens are the same
-        for any image of a size."""
-        hits, parent, hitting = 0, None, True
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            digests = tuple(d for first, d in images if start <= first < start + self.block_size)
-            key = hash((parent, tuple(token_ids[start : start + self.block_size]), digests))
-            parent = key
-            if hitting and key in self.blocks:
-                hits += self.block_size
-                self.blocks.move_to_end(key)
-                continue
-            hitting = False
-            self.blocks[key] = None
-            if len(self.blocks) > self.capacity:
-                self.blocks.popitem(last=False)
-        return hits
 
 
 def _prompt_token_stats(lengths) -> dict:

@@ -1,6 +1,7 @@
 import pytest
 
-from batchjob.job.plan import PrefixCacheModel, plan_job
+from batchjob.job.kv_pool import PrefixCacheModel
+from batchjob.job.plan import plan_job
 from tests.helpers import fake_factory, make_job, write_jsonl
 
 

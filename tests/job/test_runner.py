@@ -146,7 +146,7 @@ def test_two_signals_before_the_model_load_mean_it_never_starts(tmp_path, docs, 
         os.kill(os.getpid(), signal.SIGINT)
         assert stopper.count == 2
         # Nothing past the load is reached: the rows, input and folder stay unread.
-        executor.execute(Pending(make_job(docs, tmp_path / "out"), [], *[None] * 5, progress, stopper, lambda _: None))
+        executor.execute(Pending(make_job(docs, tmp_path / "out"), *[None] * 5, progress, stopper, lambda _: None))
     assert loads == [] and executor.engine is None and stopper.signum == signal.SIGTERM
 
 

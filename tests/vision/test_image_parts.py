@@ -22,7 +22,7 @@ from batchjob.job.input.images import image_source
 from batchjob.job.input.planner import job_planner
 from batchjob.job.input.reader import InputSource
 from batchjob.job.input.row_error import RowError
-from batchjob.job.plan import PrefixCacheModel
+from batchjob.job.kv_pool import PrefixCacheModel
 from batchjob.model.tokenizer import Tokenizer
 from tests.helpers import make_job, write_jsonl, write_parquet
 from tests.job.test_e2e import dataset

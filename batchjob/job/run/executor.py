@@ -21,6 +21,7 @@ from batchjob.job.contracts import Embedder, JobEngine, model_identity
 from batchjob.job.input.planner import EmbeddingPlanner, EmbeddingWork, Work, job_planner, requests
 from batchjob.job.input.reader import InputSource, Row, Scan
 from batchjob.job.input.scoring import ScoreGather, ScoreWork, cached_tokens, score_planner, score_requests
+from batchjob.job.kv_pool import fit_job_pool, pool_report
 from batchjob.job.output.lora_counts import LoraCounts
 from batchjob.job.output.schema import (
     embedding_row,
@@ -56,7 +57,6 @@ class Pending:
     """What a run hands its executor: the rows still to compute and where their results go."""
 
     job: JobSpec
-    rows: Iterable[Row]  # in input order, without the rows earlier runs committed
     source: InputSource  # where `rows` come from
     scan: Scan
     committed: Committed  # by earlier runs
@@ -66,6 +66,11 @@ class Pending:
     stopper: Stopper
     # contracts.model_identity of the engine, once loaded and before the first result is committed
     model_known: Callable[[dict], None]
+
+    @property
+    def rows(self) -> Iterator[Row]:
+        """The rows still to compute, in input order: a fresh pass over the input each time."""
+        return (row for row in self.source.rows() if not self.done[row.index])
 
     def start(self) -> None:
         """Generation begins (after the model load, which the run's rates leave out)."""
@@ -120,6 +125,7 @@ class LocalExecutor:
                 self.cache.cache.evict()
 
     def generate(self, pending: Pending, engine: JobEngine) -> None:
+        fit_job_pool(pending.job, engine, pending.rows)
         planner = job_planner(pending.job, engine, pending.row_failed, pending.progress.message)
         misses = self.cache and (lambda works: self.cache.generation_misses(works, self.commit_hit))
         # a row whose image no longer reads when its request is made (a file changed since it was planned) fails
@@ -277,7 +283,7 @@ class LocalExecutor:
                 **asdict(self.engine.stats),
                 "peak_rss_bytes": peak_rss(),
             }
-        summary = {"token_budget": self.engine.token_budget, "peak_rss_bytes": peak_rss()}
+        summary = {"token_budget": self.engine.token_budget, **pool_report(self.engine), "peak_rss_bytes": peak_rss()}
         if (lora := self.lora_rows.summary()) is not None:
             summary["lora"] = lora
         if self.engine.auto_budget is not None:

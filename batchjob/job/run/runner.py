@@ -164,8 +164,7 @@ class JobRun:
             out.own(TIMELINE)  # a local executor's engine steps from now on
 
         done = committed.done_at(scan.ids)
-        rows = (row for row in source.rows() if not done[row.index])
-        pending = Pending(job, rows, source, scan, committed, done, writer, self.progress, self.stopper, model_known)
+        pending = Pending(job, source, scan, committed, done, writer, self.progress, self.stopper, model_known)
         try:
             self.executor.execute(pending)
         finally:
