@@ -313,7 +313,7 @@ def test_score_bench_gives_vllm_room_for_the_longest_sequence_and_the_one_token_
     engine = Engine("smollm2-135m-instruct", dtype="float32", num_kv_blocks=64)  # real weights: dummy ones skip vLLM
     asked = []
 
-    def load_vllm(engine, model_path, longest):
+    def load_vllm(engine, model_path, longest, dtype=None):
         asked.append(longest)
         raise RuntimeError("loaded")
 

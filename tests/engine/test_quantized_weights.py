@@ -71,6 +71,9 @@ def test_auto_dequantizes_where_the_weights_fit_and_keeps_the_blocks_where_not(m
     # the dequantized weights (135M parameters) past half of what the host has free: the blocks stay
     monkeypatch.setattr(model_runner, "available_memory", lambda: 2 * 134_000_000 * getattr(torch, dtype).itemsize)
     tight = Engine(dtype=dtype)
+    if not computable(getattr(torch, dtype)):  # bf16 on a CPU without AVX512_BF16: nothing computes the blocks
+        assert tight.runner.weights == "dequantize"
+        return
     assert tight.runner.weights == "quantized" and tight.numerics["weights"] == "quantized"
     prompts = summarize_prompts(tight.tokenizer, 2)
     if dtype == "float32":  # the same values, summed in another order: greedy equal on the built-in model
