@@ -561,3 +561,34 @@ def test_dummy_weights_written_by_llama_cpps_converter_load_back_as_the_very_sam
     for name, w in drawn.items():
         expected = w if w.dim() == 1 else w.to(torch.bfloat16).float()
         assert torch.equal(read[name], expected), name
+
+
+def test_interleaved_rounds_stop_the_peers_processes_while_another_system_runs():
+    """vLLM's engine core and workers poll while idle: the engine's rounds run with them stopped, vLLM's with them
+    running, and they are continued whatever a round raises."""
+    import subprocess
+    import time
+
+    from batchjob.bench.measure import interleaved_rounds
+
+    def state(pid: int) -> str:
+        time.sleep(0.1)  # a signal's delivery is not instant
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    peer = subprocess.Popen(["sleep", "60"])
+    try:
+        seen = {}
+
+        def run(name):
+            seen[name] = state(peer.pid)
+            if name == "fails":
+                raise RuntimeError("round failed")
+            return type("R", (), {"wall": 1.0})()
+
+        interleaved_rounds(["engine", "vllm"], 1, run)
+        assert seen == {"engine": "T", "vllm": "S"}
+        with pytest.raises(RuntimeError):
+            interleaved_rounds(["fails"], 1, run)
+        assert seen["fails"] == "T" and state(peer.pid) == "S"
+    finally:
+        peer.kill()
