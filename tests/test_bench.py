@@ -588,7 +588,7 @@ def test_interleaved_rounds_stop_the_peers_processes_while_another_system_runs()
         interleaved_rounds(["engine", "vllm"], 1, run)
         assert seen == {"engine": "T", "vllm": "S"}
         with pytest.raises(RuntimeError):
-            interleaved_rounds(["fails"], 1, run)
+            interleaved_rounds(["fails", "vllm"], 1, run)
         assert seen["fails"] == "T" and state(peer.pid) == "S"
     finally:
         peer.kill()
