@@ -16,7 +16,7 @@ Workloads: synthetic random tokens as vLLM's benchmark, or a job file's real row
 batch size and at a tuned one) on texts of mixed lengths cut from real documents, by input tokens/s. `--task score`
 runs teacher-forced scoring (scoring.py): Engine.score against transformers' forward and vLLM's prompt_logprobs, by
 scored tokens/s, on whole documents, a job's rows or random tokens. `--task image` runs rows of a picture and a caption
-prompt through a vision-language model (image_rows.py): the engine against transformers' generate and vLLM."""
+prompt through a vision-language model (vision/image_rows.py): the engine against transformers' generate and vLLM."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from batchjob.bench import llama_server
 from batchjob.bench.gguf_export import dummy_gguf_apart
-from batchjob.bench.image_rows import image_rows, run_image_bench
 from batchjob.bench.lora.bench import format_lora, run_lora_bench
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, roofline
 from batchjob.bench.quality import QUALITY_WEIGHTS, run_quality
@@ -57,7 +56,8 @@ from batchjob.bench.tables import (
     format_score,
     format_sweep,
 )
-from batchjob.bench.vlm_export import idefics3_folder
+from batchjob.bench.vision.image_rows import image_rows, run_image_bench
+from batchjob.bench.vision.vlm_export import idefics3_folder
 from batchjob.bench.workloads import (
     DOCUMENTS,
     EMBED_CHARS,

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob import cli
-from batchjob.bench.image_rows import SIZES, _counted, picture
 from batchjob.bench.measure import Result
+from batchjob.bench.vision.image_rows import SIZES, _counted, picture
 from batchjob.job.exit_codes import EXIT_OK, EXIT_USAGE
 
 

@@ -1,5 +1,5 @@
 """A tiny random-weight Idefics3 (SmolVLM's family) saved by transformers as an HF folder with its processor
-(batchjob.bench.vlm_export's builder at a size for tests to take seconds), and images for it."""
+(batchjob.bench.vision.vlm_export's builder at a size for tests to take seconds), and images for it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import transformers
 from PIL import Image
 
-from batchjob.bench.vlm_export import TINY, write_idefics3
+from batchjob.bench.vision.vlm_export import TINY, write_idefics3
 
 
 def build(
