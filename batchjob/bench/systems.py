@@ -215,28 +215,34 @@ def engine_mode(engine: Engine) -> str:
 
 
 def load_vllm(engine: Engine, model_path, longest: int | None = None, dtype: str | None = None):
-    """vLLM's LLM on the engine's weights, exported as an HF folder, in `dtype`, by default the engine's (bf16 is also
-    vLLM-CPU's default for a model whose config says bf16, as SmolLM2's does, on every x86 host: on one without
-    native bf16 the engine's default is float32), with every core for the model. Built
-    once per bench: its init (compiling the model) takes minutes. Its workers spawn, so a script calling this needs
-    an `if __name__ == "__main__":` guard."""
-    from vllm import LLM  # type: ignore[import-not-found]
-
+    """vLLM's LLM on the engine's weights, exported as an HF folder (vllm_llm)."""
     from batchjob.bench.hf_export import hf_folder
+
+    # the engine's context, or at most the workload's longest request: vLLM refuses to start where one sequence of
+    # its max_model_len would not fit its KV pool (a 128k-context config in 30% of RAM)
+    max_model_len = min(engine.max_model_len, longest or engine.max_model_len)
+    return vllm_llm(hf_folder(str(model_path)), engine, max_model_len, dtype)
+
+
+def vllm_llm(folder, engine: Engine, max_model_len: int, dtype: str | None = None, **extra):
+    """vLLM's LLM on an HF `folder` in `dtype`, by default the engine's (bf16 is also vLLM-CPU's default for a model
+    whose config says bf16, as SmolLM2's does, on every x86 host: on one without native bf16 the engine's default is
+    float32), with every core for the model and `extra` LLM arguments. Built once per bench: its init (compiling the
+    model) takes minutes. Its workers spawn, so a script calling this needs an `if __name__ == "__main__":` guard."""
+    from vllm import LLM  # type: ignore[import-not-found]
 
     # Its workers start here and keep this environment: vLLM's settings, and OpenMP at its own defaults, not ours.
     with env.scoped({**VLLM_ENV, **env.set_here()}):
         return LLM(
-            model=str(hf_folder(str(model_path))),
+            model=str(folder),
             dtype=dtype or dtype_name(engine.dtype),
             enable_prefix_caching=True,
-            # the engine's context, or at most the workload's longest request: vLLM refuses to start where one
-            # sequence of its max_model_len would not fit its KV pool (a 128k-context config in 30% of RAM)
-            max_model_len=min(engine.max_model_len, longest or engine.max_model_len),
+            max_model_len=max_model_len,
             seed=engine.config.seed,
             # On the CPU backend this is the share of RAM vLLM reserves at start-up; its default 0.92 refuses to
             # start while this process (our engine) and others hold a few GiB.
             gpu_memory_utilization=VLLM_CPU_MEMORY_SHARE,
+            **extra,
         )
 
 

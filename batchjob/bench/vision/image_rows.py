@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image, ImageDraw
 
-from batchjob import env
 from batchjob.bench.measure import Result, agreement, interleaved_rounds, synchronize
-from batchjob.bench.systems import VLLM_CPU_MEMORY_SHARE, VLLM_ENV, dtype_name, engine_mode, peer_status, vllm_dtype
+from batchjob.bench.systems import VLLM_ENV, dtype_name, engine_mode, peer_status, vllm_dtype, vllm_llm
 from batchjob.engine.engine import Engine
 from batchjob.engine.sampling_params import SamplingParams
 from batchjob.model.cpu_features import cpu_kind
@@ -136,24 +135,11 @@ def run_hf_images(model, processor, rows: list[ImageRow], batch_size: int, new_t
 
 
 def load_vllm_vlm(folder, engine: Engine, longest: int, dtype: str | None = None):
-    """vLLM's LLM on the folder in `dtype`, by default the engine's, set up as the generate bench's
-    (systems.load_vllm): every core for the model, 30% of RAM; one image a prompt."""
-    from vllm import LLM  # type: ignore[import-not-found]
-
-    with env.scoped({**VLLM_ENV, **env.set_here()}):
-        return LLM(
-            model=str(folder),
-            dtype=dtype or dtype_name(engine.dtype),
-            enable_prefix_caching=True,
-            max_model_len=longest,
-            seed=engine.config.seed,
-            gpu_memory_utilization=VLLM_CPU_MEMORY_SHARE,
-            limit_mm_per_prompt={"image": 1},
-            # Its start-up would run the vision tower on as many dummy tiles as its encoder budget holds (64 here:
-            # minutes on a CPU) to profile memory; on a CPU the KV pool is the RAM share above whatever the profile
-            # finds, and the bench's untimed round warms the tower up.
-            skip_mm_profiling=True,
-        )
+    """vLLM's LLM on the folder, set up as the generate bench's (systems.vllm_llm); one image a prompt."""
+    # Its start-up would run the vision tower on as many dummy tiles as its encoder budget holds (64 here: minutes
+    # on a CPU) to profile memory; on a CPU the KV pool is the RAM share whatever the profile finds, and the bench's
+    # untimed round warms the tower up.
+    return vllm_llm(folder, engine, longest, dtype, limit_mm_per_prompt={"image": 1}, skip_mm_profiling=True)
 
 
 def run_vllm_images(llm, rows: list[ImageRow], new_tokens: int) -> Result:
